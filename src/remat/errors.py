@@ -1,0 +1,27 @@
+"""Errors a user can act on. Each message names the op, module or argument at fault and what to do.
+
+The CLI maps every `RematError` to exit code 2, and `InfeasibleBudget` to exit code 3.
+"""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base class: bad input or a model remat cannot analyse, with advice in the message."""
+
+
+class UnknownModelError(RematError):
+    """A preset name, `pkg.module:factory` spec or `hf:` model type that cannot be built."""
+
+
+class TraceError(RematError):
+    """The training step could not be traced (an op without a meta kernel, a data-dependent shape, ...)."""
+
+
+class InfeasibleBudget(RematError):
+    """No plan of the asked strategy fits the budget; `min_feasible_bytes` is the smallest that does."""
+
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes

@@ -1,0 +1,202 @@
+"""The IR every stage after tracing works on: ops, tensors, storages and what autograd saved.
+
+Nothing here imports torch, so solvers and the estimator can be tested on hand-made graphs.
+
+Time is counted in op indices: op `i` runs, allocates its new output storages, and a storage whose
+`released_after == i` is dropped right after it. Memory is counted per *storage*, never per tensor,
+so views and in-place results share the bytes of the storage they alias.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Literal
+
+Phase = Literal["forward", "backward"]
+StorageKind = Literal["param", "buffer", "input", "constant", "activation", "grad"]
+
+#: Storages that exist before the step starts and survive it.
+PERSISTENT_KINDS = frozenset({"param", "buffer", "input", "constant"})
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One allocation. `released_after` is when the *program* dropped it (None: still held at the end
+    of the step); autograd's own hold on saved storages is in `Graph.saved` and `Node.released_after`."""
+
+    id: int
+    nbytes: int
+    kind: StorageKind
+    allocated_at: int | None = None
+    released_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Tensor:
+    id: int
+    storage: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    producer: int | None = None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One aten op. `name` is stable across runs: module path, op, call index (`h.0.attn.mm_1`);
+    backward ops are named after the forward op whose autograd node ran them (`h.0.attn.mm_1:bwd.mm_0`)."""
+
+    index: int
+    name: str
+    target: str
+    module: str
+    phase: Phase
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    flops: int = 0
+    node: int | None = None
+
+    @property
+    def short(self) -> str:
+        """The op's packet name, `mm` for `aten.mm.default`."""
+        parts = self.target.split(".")
+        return parts[1] if len(parts) > 1 else parts[0]
+
+
+@dataclass(frozen=True)
+class Node:
+    """An autograd node. `forward_op` created it; it ran in backward and released its saved tensors
+    after op `released_after` (None: it never ran, its saved tensors live until the step ends)."""
+
+    id: int
+    name: str
+    forward_op: int | None
+    released_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Autograd saved a tensor of `storage` for `node` (None when the saving node never ran)."""
+
+    storage: int
+    tensor: int
+    node: int | None
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a submodule during the forward, covering forward ops `first_op..last_op`."""
+
+    path: str
+    type: str
+    first_op: int
+    last_op: int
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+
+    @property
+    def depth(self) -> int:
+        return 0 if not self.path else self.path.count(".") + 1
+
+
+@dataclass
+class Graph:
+    ops: list[Op]
+    tensors: dict[int, Tensor]
+    storages: dict[int, Storage]
+    saved: list[Saved]
+    nodes: dict[int, Node]
+    modules: list[ModuleCall]
+    info: dict[str, object] = field(default_factory=dict)
+
+    # -- views -----------------------------------------------------------------------------------
+    @cached_property
+    def forward_ops(self) -> list[Op]:
+        return [op for op in self.ops if op.phase == "forward"]
+
+    @cached_property
+    def backward_ops(self) -> list[Op]:
+        return [op for op in self.ops if op.phase == "backward"]
+
+    @cached_property
+    def op_by_name(self) -> dict[str, Op]:
+        return {op.name: op for op in self.ops}
+
+    def storages_of(self, kinds: Iterable[str]) -> Iterator[Storage]:
+        wanted = set(kinds)
+        return (s for s in self.storages.values() if s.kind in wanted)
+
+    def bytes_of(self, *kinds: str) -> int:
+        return sum(s.nbytes for s in self.storages_of(kinds))
+
+    @property
+    def param_bytes(self) -> int:
+        return self.bytes_of("param")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.bytes_of("buffer")
+
+    @property
+    def input_bytes(self) -> int:
+        return self.bytes_of("input", "constant")
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.bytes_of("grad")
+
+    @cached_property
+    def saved_storages(self) -> dict[int, list[Saved]]:
+        """Storage id -> the saves holding it, for every storage autograd kept that is not a
+        parameter or buffer: the activations of the step."""
+        out: dict[int, list[Saved]] = {}
+        for s in self.saved:
+            if self.storages[s.storage].kind not in ("param", "buffer"):
+                out.setdefault(s.storage, []).append(s)
+        return out
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes autograd holds for backward at the end of the forward (params and buffers excluded)."""
+        return sum(self.storages[sid].nbytes for sid in self.saved_storages)
+
+    def producer_op(self, storage_id: int) -> Op | None:
+        at = self.storages[storage_id].allocated_at
+        return None if at is None else self.ops[at]
+
+    def module_calls(self, path: str) -> list[ModuleCall]:
+        return [m for m in self.modules if m.path == path]
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "ops": [asdict(o) for o in self.ops],
+                "tensors": [asdict(t) for t in self.tensors.values()],
+                "storages": [asdict(s) for s in self.storages.values()],
+                "saved": [asdict(s) for s in self.saved],
+                "nodes": [asdict(n) for n in self.nodes.values()],
+                "modules": [asdict(m) for m in self.modules],
+                "info": self.info,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Graph:
+        d = json.loads(text)
+
+        def tup(obj: dict, *keys: str) -> dict:
+            return {k: (tuple(v) if k in keys else v) for k, v in obj.items()}
+
+        return cls(
+            ops=[Op(**tup(o, "inputs", "outputs")) for o in d["ops"]],
+            tensors={t["id"]: Tensor(**tup(t, "shape")) for t in d["tensors"]},
+            storages={s["id"]: Storage(**s) for s in d["storages"]},
+            saved=[Saved(**s) for s in d["saved"]],
+            nodes={n["id"]: Node(**n) for n in d["nodes"]},
+            modules=[ModuleCall(**tup(m, "inputs", "outputs")) for m in d["modules"]],
+            info=d["info"],
+        )

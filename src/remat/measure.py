@@ -1,0 +1,443 @@
+"""Ground truth: run a real training step and measure what it saves, retains and peaks at.
+
+This module is the independent check of remat's predictions, so it shares no accounting code with
+the rest of remat: it never imports the tracer, the estimator or the graph. It counts bytes of real
+storages on a real device, with three instruments that do not depend on each other:
+
+* saved tensors: `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves for
+  backward during forward and loss;
+* live bytes on CPU: the PyTorch profiler's memory events (every allocation and free made through
+  c10's CPU allocator while profiling), summed in time order;
+* live bytes on CUDA: the caching allocator's own counters (`memory_allocated`,
+  `max_memory_allocated`).
+
+One training step is `out = model(*inputs, **kwargs)`, `loss = loss_fn(out)` (default: the sum of
+every floating tensor in `out`, each summed in its own dtype), `loss.backward()`, then
+`optimizer.step()` if there is an optimizer, then every gradient is set to None. The outputs and
+the loss stay referenced until the step ends, as in a loop that writes `out = model(x)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from remat.errors import RematError
+
+__all__ = ["Measurement", "measure", "saved_tensor_bytes"]
+
+_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+_FORWARD_RANGE = "remat.measure.forward"
+
+# A storage is identified by its device and base address: views, in-place results and aliases
+# of one storage share both. Only used among storages that are alive at the same time.
+_StorageKey = tuple[torch.device, int]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one real training step cost, in bytes of storage, and how long steps took.
+
+    Attributes:
+        saved_bytes: bytes of the distinct storages that autograd saved for backward during the
+            forward and the loss, parameters and buffers excluded (inputs included). A storage
+            counts once however many tensors, views or ops saved it; each storage is counted at
+            its full `nbytes()`, even if only a view of it was saved. Saves made inside a
+            non-reentrant `torch.utils.checkpoint` region go through checkpoint's own hooks and
+            are not seen here.
+        retained_bytes: bytes allocated during forward and loss and still live when backward
+            starts: saved activations, the outputs and the loss, and everything else kept alive
+            (such as the inputs a non-reentrant checkpoint region keeps for its recomputation).
+            Storages that existed before the step (parameters, inputs) are not in it.
+        peak_bytes: `baseline_bytes` plus the highest level, during the step, of bytes allocated
+            since the step began minus bytes of those allocations freed again.
+        baseline_bytes: bytes of the distinct storages, on the measured device, of parameters,
+            buffers, inputs and optimizer state at the start of the measured step (tied weights
+            count once). Gradients are None at that point.
+        step_seconds: wall time of each timed step, without the profiler running.
+        device: "cpu" or "cuda:<index> (<device name>)".
+    """
+
+    saved_bytes: int
+    retained_bytes: int
+    peak_bytes: int
+    baseline_bytes: int
+    step_seconds: tuple[float, ...]
+    device: str
+
+    @property
+    def median_step_seconds(self) -> float:
+        """Median of `step_seconds`: robust to one slow step (a cold cache, a page fault)."""
+        return statistics.median(self.step_seconds)
+
+
+def measure(
+    model: nn.Module,
+    *inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: None | str | torch.optim.Optimizer = None,
+    steps: int = 1,
+    warmup: int = 1,
+    device: str | torch.device | None = None,
+    **kwargs: Any,
+) -> Measurement:
+    """Run real training steps of `model` on `inputs` and measure their memory and time.
+
+    Runs `warmup` untimed steps (so optimizer state and lazily built buffers exist), then one
+    step under measurement (memory, not timed), then `steps` timed steps without any
+    instrumentation; every step updates the parameters when there is an optimizer.
+
+    On CPU, live bytes come from the profiler's allocation events: only allocations made through
+    c10's CPU allocator during the measured step are seen. Memory that BLAS, oneDNN or other
+    libraries allocate inside a kernel with their own `malloc`, the profiler's own memory and
+    Python objects are not counted. A storage allocated before the step and freed during it
+    cannot be subtracted (the profiler does not know its size): gradients are set to None before
+    the step so that this does not happen to them. On CUDA, live bytes are the caching
+    allocator's counters, relative to what was allocated when the step began, so they count
+    each allocation rounded up to the allocator's block size (512 bytes), including workspaces
+    that libraries allocate through it.
+
+    Args:
+        model: the module to train; its parameters must be real tensors on one device. It is
+            not modified beyond optimizer updates to its parameters; its gradients are None
+            afterwards, and train/eval mode is left as the caller set it.
+        inputs, kwargs: passed to `model`; tensors among them (also inside tuples, lists and
+            dicts) are moved to the measured device.
+        loss_fn: maps the model output to a scalar loss; default is the sum of every floating
+            tensor in the output (walking tuples, lists, mappings and dataclasses).
+        optimizer: None, "sgd" (`SGD(lr=1e-3)`), "adamw" (`AdamW(lr=1e-3)`) or an optimizer
+            instance; its state counts in `baseline_bytes` once warmup has created it.
+        steps: number of timed steps, at least 1.
+        warmup: number of untimed steps before measuring, at least 0.
+        device: the device to measure on; None means where the model's parameters are. The
+            model must already be there: measure() does not move it.
+
+    Raises:
+        RematError: for parameters on the meta device or on several devices, a `device` the
+            model is not on, an unknown optimizer, a loss that cannot be backpropagated, or
+            `steps` / `warmup` out of range.
+    """
+    if steps < 1 or warmup < 0:
+        raise RematError(f"measure() needs steps >= 1 and warmup >= 0, got {steps=}, {warmup=}")
+    target = _measured_device(model, device, chain(_tensors(inputs), _tensors(kwargs)))
+    inputs = _to_device(inputs, target)
+    kwargs = _to_device(kwargs, target)
+    params = list(model.parameters())
+    step = _TrainingStep(
+        model=model,
+        inputs=inputs,
+        kwargs=kwargs,
+        loss_fn=loss_fn,
+        optimizer=_make_optimizer(optimizer, params),
+        grad_holders=params + [t for t in _tensors((inputs, kwargs)) if t.requires_grad],
+    )
+    with torch.enable_grad():
+        step.clear_grads()
+        for _ in range(warmup):
+            step.run()
+        baseline = _distinct_bytes(
+            chain(
+                params,
+                model.buffers(),
+                _tensors((inputs, kwargs)),
+                _tensors(list(step.optimizer.state.values()) if step.optimizer else []),
+            ),
+            target,
+        )
+        saved = _SavedStorages(excluded=_storage_keys(chain(params, model.buffers())))
+        if target.type == "cuda":
+            retained, peak = _cuda_memory_step(step, saved, target)
+        else:
+            retained, peak = _cpu_memory_step(step, saved)
+        seconds = tuple(_timed_step(step, target) for _ in range(steps))
+    return Measurement(
+        saved_bytes=saved.nbytes,
+        retained_bytes=retained,
+        peak_bytes=baseline + peak,
+        baseline_bytes=baseline,
+        step_seconds=seconds,
+        device=_device_label(target),
+    )
+
+
+def saved_tensor_bytes(
+    model: nn.Module,
+    *inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> int:
+    """Bytes of the distinct storages autograd saves during one forward and loss.
+
+    The same count as `Measurement.saved_bytes` (parameters and buffers excluded, each storage
+    once), from a single forward and loss on the tensors as given: no backward, no warmup, no
+    optimizer, and the model's gradients are untouched. The graph is dropped before returning.
+
+    Raises:
+        RematError: for parameters on the meta device or on several devices, or a loss that is
+            not a scalar requiring grad.
+    """
+    _measured_device(model, None, chain(_tensors(inputs), _tensors(kwargs)))
+    saved = _SavedStorages(excluded=_storage_keys(chain(model.parameters(), model.buffers())))
+    with torch.enable_grad(), saved.hooks():
+        _forward(model, inputs, kwargs, loss_fn)
+    return saved.nbytes
+
+
+@dataclass
+class _TrainingStep:
+    """One training step, split where measurement needs to look: after forward and loss."""
+
+    model: nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    optimizer: torch.optim.Optimizer | None
+    grad_holders: list[torch.Tensor]  # parameters and inputs whose .grad backward may fill
+
+    def forward(self) -> tuple[Any, torch.Tensor]:
+        return _forward(self.model, self.inputs, self.kwargs, self.loss_fn)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward, optimizer step, then gradients to None (also those the optimizer skips)."""
+        loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        for t in self.grad_holders:
+            t.grad = None
+
+    def run(self) -> None:
+        # `out` stays referenced until backward and the update are done, as in a training loop.
+        out, loss = self.forward()
+        self.backward(loss)
+
+
+def _forward(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> tuple[Any, torch.Tensor]:
+    out = model(*inputs, **kwargs)
+    if loss_fn is not None:
+        loss = loss_fn(out)
+    else:
+        floats = [t for t in _tensors(out) if t.is_floating_point()]
+        if not floats:
+            raise RematError(
+                "the model output holds no floating tensor to sum into a loss; pass loss_fn="
+            )
+        loss = floats[0].sum()
+        for t in floats[1:]:
+            loss = loss + t.sum()
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+        raise RematError(
+            "the loss must be a one-element tensor that requires grad (a model with trainable "
+            "parameters, or inputs with requires_grad=True); check loss_fn and the model output"
+        )
+    return out, loss
+
+
+class _SavedStorages:
+    """Pack hook that sums the bytes of each distinct storage autograd saves.
+
+    A storage is recognised by identity (storages keep one Python object while they live), so a
+    storage that is saved, freed with its branch of the graph and whose address is then reused
+    by a new saved storage counts twice: both were saved during the forward. The hook returns a
+    detached alias, not the tensor itself: a saved output returned as-is would hold its own
+    grad_fn, a reference cycle through C++ that the garbage collector cannot free. Autograd
+    rebuilds the unpacked tensor's autograd metadata itself, so gradients are unchanged.
+    """
+
+    def __init__(self, excluded: set[_StorageKey]) -> None:
+        self._excluded = excluded
+        self._seen: dict[_StorageKey, weakref.ref[torch.UntypedStorage]] = {}
+        self.nbytes = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        seen = self._seen.get(key)
+        if key not in self._excluded and (seen is None or seen() is not storage):
+            self._seen[key] = weakref.ref(storage)
+            self.nbytes += storage.nbytes()
+        return t.detach()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _cpu_memory_step(step: _TrainingStep, saved: _SavedStorages) -> tuple[int, int]:
+    """Run `step` under the profiler; return (retained, peak) bytes allocated within it."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function(_FORWARD_RANGE), saved.hooks():
+            out, loss = step.forward()
+        step.backward(loss)
+    events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD_RANGE)
+    allocation = torch._C._profiler._EventType.Allocation
+    allocations = sorted(
+        (e.start_time_ns, e.extra_fields.alloc_size)  # negative for frees
+        for e in events
+        if e.tag == allocation and e.extra_fields.device.type == "cpu"
+    )
+    live = retained = peak = 0
+    for when, size in allocations:
+        live += size
+        peak = max(peak, live)
+        if when <= forward_end:
+            retained = live
+    return retained, peak
+
+
+def _cuda_memory_step(
+    step: _TrainingStep, saved: _SavedStorages, device: torch.device
+) -> tuple[int, int]:
+    """Run `step` between the allocator's counters; return (retained, peak) above the start."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    with saved.hooks():
+        out, loss = step.forward()
+    retained = torch.cuda.memory_allocated(device) - start
+    step.backward(loss)
+    torch.cuda.synchronize(device)
+    return retained, torch.cuda.max_memory_allocated(device) - start
+
+
+def _timed_step(step: _TrainingStep, device: torch.device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    step.run()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _walk(events: Iterable[Any]) -> Iterator[Any]:
+    for event in events:
+        yield event
+        yield from _walk(event.children)
+
+
+def _measured_device(
+    model: nn.Module, device: str | torch.device | None, inputs: Iterable[torch.Tensor]
+) -> torch.device:
+    """The one device the model lives on (or its inputs, for a model without tensors)."""
+    own = {t.device for t in chain(model.parameters(), model.buffers())}
+    if any(d.type == "meta" for d in own):
+        raise RematError(
+            "measurement needs real tensors, but the model has parameters or buffers on the meta "
+            "device; build the model with device='cpu' (or 'cuda') to measure it"
+        )
+    if len(own) > 1:
+        raise RematError(
+            f"the model's parameters and buffers are on several devices "
+            f"({', '.join(sorted(map(str, own)))}); measure() needs them on one"
+        )
+    if device is None:
+        found = own or {t.device for t in inputs} or {torch.device("cpu")}
+        if len(found) > 1:
+            raise RematError("the inputs are on several devices; pass device= to measure()")
+        target = found.pop()
+    else:
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None and torch.cuda.is_available():
+            target = torch.device("cuda", torch.cuda.current_device())
+    if target.type not in ("cpu", "cuda"):
+        raise RematError(f"measure() supports 'cpu' and 'cuda' devices, not {str(target)!r}")
+    if own and own != {target}:
+        raise RematError(
+            f"device={str(device)!r} but the model is on {own.pop()}; measure() does not move "
+            f"the model: call model.to({str(target)!r}) first"
+        )
+    return target
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def _make_optimizer(
+    optimizer: None | str | torch.optim.Optimizer, params: list[nn.Parameter]
+) -> torch.optim.Optimizer | None:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if not isinstance(optimizer, str) or optimizer not in _OPTIMIZERS:
+        raise RematError(
+            f"optimizer={optimizer!r} is not supported: use None, "
+            f"{', '.join(repr(name) for name in _OPTIMIZERS)} or a torch.optim.Optimizer instance"
+        )
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise RematError(f"optimizer={optimizer!r} but the model has no trainable parameters")
+    return _OPTIMIZERS[optimizer](trainable)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in `obj`, walking tuples, lists, mappings and dataclass instances."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from _tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, field.name))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """`obj` with its tensors moved to `device` (a no-op, same objects, where they are there)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {key: _to_device(value, device) for key, value in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        moved = [_to_device(value, device) for value in obj]
+        if hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+            return type(obj)(*moved)
+        return type(obj)(moved)
+    return obj
+
+
+def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[_StorageKey]:
+    return {(t.untyped_storage().device, t.untyped_storage().data_ptr()) for t in tensors}
+
+
+def _distinct_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the distinct storages on `device` among `tensors` (all alive at once)."""
+    sizes = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t.device == device
+    }
+    return sum(sizes.values())

@@ -1,0 +1,500 @@
+"""Run one training step under a recorder and turn it into a `Graph`.
+
+How the ground truth is taken, and why:
+- Every aten op is seen by a `TorchDispatchMode` stacked above `FakeTensorMode` (or real tensors when
+  `device="cpu"`), so forward *and* backward ops are recorded as autograd actually runs them.
+- Storage identity is the address of the C++ `StorageImpl` (`StorageWeakRef.cdata`): it works on
+  fake/meta tensors, where `data_ptr()` is 0. We keep a weak reference to every storage seen, so an
+  address cannot be reused by another storage during the trace, and `expired()` tells exactly when
+  the program dropped its last reference.
+- What autograd saves comes from `saved_tensors_hooks`: the pack hook keeps only a description of the
+  saved tensor (plus a copy of its data when tracing on real tensors), so the storage's recorded
+  lifetime is the program's own; the unpack hook rebuilds a stand-in that maps back to the original
+  storage, and `torch._C._current_autograd_node()` names the backward node that consumed it.
+- Backward ops are attributed to their autograd node, and a node to the forward op whose output
+  first carried it as `grad_fn`; that gives every backward op a module path and a stable name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from remat.errors import TraceError
+from remat.graph import Graph, ModuleCall, Node, Op, Saved, Storage, Tensor
+
+LOSS_SCOPE = "<loss>"
+BACKWARD_SCOPE = "<backward>"
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def _cdata(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+@dataclass
+class _SavedRecord:
+    """What the pack hook keeps instead of the tensor: enough to rebuild it in backward."""
+
+    storage: int
+    tensor: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    storage_numel: int
+    payload: torch.UntypedStorage | None
+    node: int | None = None
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, *, real: bool):
+        super().__init__()
+        self.real = real
+        self.paused = False
+        self.phase = "forward"
+        self.scopes: list[str] = [""]
+        self.ops: list[dict[str, Any]] = []
+        self.name_counts: dict[tuple[str, str], int] = defaultdict(int)
+        # storages: id -> mutable record; address -> id; weak refs keep addresses unique
+        self.storages: dict[int, dict[str, Any]] = {}
+        self.storage_by_cdata: dict[int, int] = {}
+        self.weakrefs: dict[int, StorageWeakRef] = {}
+        self.live: set[int] = set()
+        self.stand_in_refs: list[StorageWeakRef] = []
+        self.tensors: dict[int, Tensor] = {}
+        self.tensor_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.ids = itertools.count()
+        # autograd nodes
+        self.nodes: dict[int, dict[str, Any]] = {}
+        self.node_objs: list[Any] = []
+        self.pending_grad_fn: list[tuple[int, torch.Tensor]] = []
+        self.current_node: int | None = None
+        self.saved: dict[int, _SavedRecord] = {}
+        self.unpacked_by: dict[int, list[int]] = defaultdict(list)
+        self.modules: list[dict[str, Any]] = []
+        self.param_names: dict[int, str] = {}
+
+    # -- storages and tensors --------------------------------------------------------------------
+    def storage_id(self, t: torch.Tensor, kind: str, allocated_at: int | None = None) -> int:
+        """The storage of `t`, registered with `kind` if it has not been seen."""
+        cdata = _cdata(t)
+        sid = self.storage_by_cdata.get(cdata)
+        if sid is not None:
+            return sid
+        sid = next(self.ids)
+        self.storage_by_cdata[cdata] = sid
+        self.weakrefs[sid] = StorageWeakRef(t.untyped_storage())
+        self.storages[sid] = {
+            "id": sid,
+            "nbytes": storage_nbytes(t),
+            "kind": kind,
+            "allocated_at": allocated_at,
+            "released_after": None,
+        }
+        if allocated_at is not None:
+            self.live.add(sid)
+        return sid
+
+    def tensor_id(
+        self, t: torch.Tensor, kind: str = "constant", producer: int | None = None
+    ) -> int:
+        """The id of tensor object `t`; a new tensor record when `producer` is given (an op's output,
+        in-place results included) or when `t` was never seen (a pre-existing constant)."""
+        if producer is None and t in self.tensor_ids:
+            return self.tensor_ids[t]
+        sid = self.storage_id(t, kind, producer)
+        tid = next(self.ids)
+        self.tensors[tid] = Tensor(
+            id=tid,
+            storage=sid,
+            shape=tuple(int(d) for d in t.shape),
+            dtype=dtype_name(t.dtype),
+            nbytes=int(t.numel() * t.element_size()),
+            producer=producer,
+        )
+        self.tensor_ids[t] = tid
+        return tid
+
+    # -- events ----------------------------------------------------------------------------------
+    def before_event(self) -> None:
+        """Runs before every op and hook: attribute the last op's grad_fn, notice a finished
+        backward node, and record the storages the program dropped since the last op."""
+        last = len(self.ops) - 1
+        for index, t in self.pending_grad_fn:
+            if t.grad_fn is not None:
+                self.ops[index]["node"] = self.node_id(t.grad_fn, forward_op=index)
+        self.pending_grad_fn = []
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            nid = None if node is None else self.node_id(node)
+            if nid != self.current_node:
+                self.finish_node()
+                self.current_node = nid
+        for sid in [s for s in self.live if self.weakrefs[s].expired()]:
+            self.storages[sid]["released_after"] = last
+            self.live.discard(sid)
+
+    def node_id(self, node: Any, forward_op: int | None = None) -> int:
+        meta = node.metadata
+        if "remat.node" not in meta:
+            nid = next(self.ids)
+            meta["remat.node"] = nid
+            self.node_objs.append(node)
+            variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
+            self.nodes[nid] = {
+                "id": nid,
+                "name": node.name(),
+                "forward_op": forward_op,
+                "released_after": None,
+                "param": None if variable is None else self.param_names.get(id(variable)),
+            }
+        return meta["remat.node"]
+
+    def finish_node(self) -> None:
+        """The current backward node is done: autograd releases what it saved."""
+        if self.current_node is None:
+            return
+        self.nodes[self.current_node]["released_after"] = len(self.ops) - 1
+        for handle in self.unpacked_by.pop(self.current_node, []):
+            self.saved[handle].payload = None
+
+    def scope(self) -> tuple[str, str]:
+        """(module path, name prefix) of the op about to be recorded."""
+        if self.phase == "forward":
+            path = self.scopes[-1]
+            return path, path
+        node = self.nodes.get(self.current_node) if self.current_node is not None else None
+        if node is not None and node.get("param") is not None:
+            param = node["param"]
+            return param.rpartition(".")[0], f"{param}:grad"
+        if node is None or node["forward_op"] is None:
+            return BACKWARD_SCOPE, BACKWARD_SCOPE
+        fwd = self.ops[node["forward_op"]]
+        return fwd["module"], fwd["name"] + ":bwd"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        self.before_event()
+        try:
+            out = func(*args, **kwargs)
+        except _DATA_DEPENDENT as e:
+            raise TraceError(
+                f"op {func} in module '{self.scope()[0] or '<root>'}' has an output whose shape or "
+                f"value depends on tensor data, which fake tensors do not have ({type(e).__name__}). "
+                "Trace on real tensors at a smaller size instead: remat.trace(..., device='cpu') "
+                "or `remat estimate --trace-device cpu` with a smaller --batch/--seq."
+            ) from e
+        except (UnsupportedOperatorException, NotImplementedError) as e:
+            raise TraceError(
+                f"op {func} in module '{self.scope()[0] or '<root>'}' cannot run on fake/meta tensors "
+                f"({e}). Trace on real tensors at a smaller size: remat.trace(..., device='cpu')."
+            ) from e
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func, args, kwargs, out) -> None:
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        index = len(self.ops)
+        inputs = [
+            self.tensor_id(t)
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
+        outputs = [self.tensor_id(t, "activation", producer=index) for t in outs]
+        module, prefix = self.scope()
+        short = func._overloadpacket.__name__
+        count = self.name_counts[(prefix, short)]
+        self.name_counts[(prefix, short)] += 1
+        sep = "." if prefix else ""
+        flop_fn = flop_registry.get(func._overloadpacket)
+        self.ops.append(
+            {
+                "index": index,
+                "name": f"{prefix}{sep}{short}_{count}",
+                "target": str(func),
+                "module": module,
+                "phase": self.phase,
+                "inputs": tuple(inputs),
+                "outputs": tuple(outputs),
+                "flops": int(flop_fn(*args, **kwargs, out_val=out)) if flop_fn else 0,
+                "node": self.current_node if self.phase == "backward" else None,
+            }
+        )
+        if self.phase == "forward":
+            self.pending_grad_fn = [(index, t) for t in outs]
+
+    # -- saved tensor hooks ----------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        self.before_event()
+        self.paused = True
+        try:
+            tid = self.tensor_id(t)
+            sid = self.tensors[tid].storage
+            handle = next(self.ids)
+            persistent = self.storages[sid]["kind"] not in ("activation", "grad")
+            self.saved[handle] = _SavedRecord(
+                storage=sid,
+                tensor=tid,
+                shape=tuple(t.shape),
+                stride=tuple(t.stride()),
+                offset=int(t.storage_offset()),
+                dtype=t.dtype,
+                device=t.device,
+                storage_numel=storage_nbytes(t) // t.element_size(),
+                payload=t.untyped_storage().clone() if self.real and not persistent else None,
+            )
+            return (handle, t) if persistent else (handle, None)
+        finally:
+            self.paused = False
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        handle, direct = packed
+        self.before_event()
+        self.paused = True
+        try:
+            rec = self.saved[handle]
+            if rec.node is None:
+                rec.node = self.current_node
+            if self.current_node is not None:
+                self.unpacked_by[self.current_node].append(handle)
+            if direct is not None:
+                return direct
+            base = torch.empty(rec.storage_numel, dtype=rec.dtype, device=rec.device)
+            if rec.payload is not None:
+                base.untyped_storage().copy_(rec.payload)
+            stand_in = base.as_strided(rec.shape, rec.stride, rec.offset)
+            cdata = _cdata(stand_in)
+            self.storage_by_cdata[cdata] = rec.storage
+            self.stand_in_refs.append(StorageWeakRef(stand_in.untyped_storage()))
+            self.tensor_ids[stand_in] = rec.tensor
+            return stand_in
+        finally:
+            self.paused = False
+
+    # -- modules ---------------------------------------------------------------------------------
+    def install_module_hooks(self, model: nn.Module) -> list[Any]:
+        handles = []
+        for path, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(self._enter(path), with_kwargs=True))
+            handles.append(
+                module.register_forward_hook(self._exit(path), with_kwargs=True, always_call=True)
+            )
+        return handles
+
+    def _tensor_ids(self, obj: Any) -> tuple[int, ...]:
+        self.paused = True
+        try:
+            return tuple(
+                self.tensor_id(t) for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)
+            )
+        finally:
+            self.paused = False
+
+    def _enter(self, path: str) -> Callable:
+        def hook(module, args, kwargs):
+            self.before_event()
+            self.scopes.append(path)
+            self.modules.append(
+                {
+                    "path": path,
+                    "type": type(module).__name__,
+                    "first_op": len(self.ops),
+                    "last_op": len(self.ops) - 1,
+                    "inputs": self._tensor_ids((args, kwargs)),
+                    "outputs": (),
+                    "open": True,
+                }
+            )
+
+        return hook
+
+    def _exit(self, path: str) -> Callable:
+        def hook(module, args, kwargs, output):
+            self.before_event()
+            call = next(m for m in reversed(self.modules) if m["path"] == path and m["open"])
+            call.update(last_op=len(self.ops) - 1, outputs=self._tensor_ids(output), open=False)
+            if self.scopes[-1] == path:
+                self.scopes.pop()
+
+        return hook
+
+    # -- result ----------------------------------------------------------------------------------
+    def graph(self, info: dict[str, Any]) -> Graph:
+        return Graph(
+            ops=[Op(**op) for op in self.ops],
+            tensors=self.tensors,
+            storages={sid: Storage(**s) for sid, s in self.storages.items()},
+            saved=[
+                Saved(storage=r.storage, tensor=r.tensor, node=r.node) for r in self.saved.values()
+            ],
+            nodes={
+                nid: Node(**{k: v for k, v in n.items() if k != "param"})
+                for nid, n in self.nodes.items()
+            },
+            modules=[
+                ModuleCall(**{k: v for k, v in m.items() if k != "open"}) for m in self.modules
+            ],
+            info=info,
+        )
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The sum of every floating-point output that requires grad: a loss whose gradient reaches
+    every output, so the backward is the model's whole backward."""
+    leaves = [
+        t
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not leaves:
+        raise TraceError(
+            "no output of the model requires grad, so there is no backward to trace: the model has "
+            "no trainable parameter reaching its outputs (check requires_grad, or that forward does "
+            "not run under torch.no_grad()), and no input requires grad."
+        )
+    total = leaves[0].sum()
+    for t in leaves[1:]:
+        total = total + t.sum()
+    return total
+
+
+def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A fake tensor of `t`'s layout; meta tensors become fake CPU tensors so that factory calls in
+    forward (which default to CPU) and traced tensors live on one device."""
+    device = "cpu" if t.device.type == "meta" else t.device
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    return out.requires_grad_(requires_grad)
+
+
+def trace(
+    fn: nn.Module | Callable[..., Any],
+    *args: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str = "meta",
+    **kwargs: Any,
+) -> Graph:
+    """Trace one training step of `fn(*args, **kwargs)`: forward, `loss_fn(output)` (default: the sum
+    of the outputs), backward. `device="meta"` (default) runs on fake tensors and allocates nothing
+    of the model's size; `device="cpu"` (or "cuda") runs on the real tensors, which must be there."""
+    real = device != "meta"
+    module = fn if isinstance(fn, nn.Module) else None
+    inputs_need_grad = any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+    )
+    if (
+        module is not None
+        and not inputs_need_grad
+        and not any(p.requires_grad for p in module.parameters())
+    ):
+        raise TraceError(
+            f"model {type(module).__name__} has no trainable parameter and no input requires "
+            "grad: there is nothing to train. Set requires_grad=True on the parameters to train."
+        )
+    params = dict(module.named_parameters()) if module is not None else {}
+    buffers = dict(module.named_buffers()) if module is not None else {}
+    if real:
+        metas = [n for n, t in {**params, **buffers}.items() if t.device.type == "meta"] + [
+            "input"
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type == "meta"
+        ]
+        if metas:
+            raise TraceError(
+                f"trace(device='{device}') needs real tensors, but {metas[0]!r} is on the meta "
+                "device. Build the model with device='cpu' (remat.models.build(..., device='cpu')), "
+                "or trace with device='meta'."
+            )
+
+    tracer = _Tracer(real=real)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        if real:
+            leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+            state = {**leaves, **{n: b.clone() for n, b in buffers.items()}}
+            call_args, call_kwargs = args, kwargs
+        else:
+            leaves = {n: _fake_like(p, p.requires_grad) for n, p in params.items()}
+            state = {**leaves, **{n: _fake_like(b, False) for n, b in buffers.items()}}
+            call_args, call_kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: _fake_like(t, t.requires_grad), (args, kwargs)
+            )
+        for n, t in state.items():
+            tracer.tensor_id(t, "param" if n in params else "buffer")
+        tracer.param_names = {id(t): n for n, t in leaves.items()}
+        for t in pytree.tree_leaves((call_args, call_kwargs)):
+            if isinstance(t, torch.Tensor):
+                tracer.tensor_id(t, "input")
+        hook_handles = tracer.install_module_hooks(module) if module is not None else []
+        try:
+            with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
+                if module is not None:
+                    output = torch.func.functional_call(
+                        module, state, tuple(call_args), call_kwargs, strict=False
+                    )
+                else:
+                    output = fn(*call_args, **call_kwargs)
+                tracer.before_event()
+                tracer.scopes.append(LOSS_SCOPE)
+                loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+                tracer.scopes.pop()
+                tracer.before_event()
+                tracer.phase = "backward"
+                loss.backward()
+                tracer.before_event()
+                tracer.finish_node()
+                tracer.current_node = None
+        finally:
+            for h in hook_handles:
+                h.remove()
+        grad_leaves = list(leaves.values()) + [
+            t
+            for t in pytree.tree_leaves((call_args, call_kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        for leaf in grad_leaves:
+            if leaf.grad is not None:
+                tracer.storages[tracer.storage_id(leaf.grad, "grad")]["kind"] = "grad"
+        info = {
+            "trace_device": device,
+            "param_count": sum(p.numel() for p in params.values()),
+            "trainable_param_bytes": sum(
+                tracer.storages[tracer.tensors[tracer.tensor_ids[t]].storage]["nbytes"]
+                for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
+            ),
+            "loss": "custom" if loss_fn is not None else "sum",
+        }
+        graph = tracer.graph(info)
+        del output, loss
+    return graph
