@@ -148,10 +148,7 @@ class _Tracer(TorchDispatchMode):
         """Runs before every op and hook: attribute the last op's grad_fn, notice a finished
         backward node, and record the storages the program dropped since the last op."""
         last = len(self.ops) - 1
-        for index, t in self.pending_grad_fn:
-            if t.grad_fn is not None:
-                self.ops[index]["node"] = self.node_id(t.grad_fn, forward_op=index)
-        self.pending_grad_fn = []
+        self.resolve_grad_fns()
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             nid = None if node is None else self.node_id(node)
@@ -161,6 +158,18 @@ class _Tracer(TorchDispatchMode):
         for sid in [s for s in self.live if self.weakrefs[s].expired()]:
             self.storages[sid]["released_after"] = last
             self.live.discard(sid)
+
+    def resolve_grad_fns(self) -> None:
+        """Attribute the last forward op's outputs' `grad_fn`. Autograd attaches it only after the
+        op returns (and after FakeTensor's own metadata queries), so outputs stay pending until seen
+        with a grad_fn or until the next recorded op replaces them."""
+        unresolved = []
+        for index, t in self.pending_grad_fn:
+            if t.grad_fn is None:
+                unresolved.append((index, t))
+            elif self.ops[index]["node"] is None:
+                self.ops[index]["node"] = self.node_id(t.grad_fn, forward_op=index)
+        self.pending_grad_fn = unresolved
 
     def node_id(self, node: Any, forward_op: int | None = None) -> int:
         meta = node.metadata

@@ -7,7 +7,7 @@ A preset is data, not a function, so `build` can apply `tiny=True` and `**overri
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ class Preset:
     tiny: Mapping[str, Any]
     model: Callable[[Any], nn.Module]
     inputs: Callable[[Any, int, int, torch.dtype, torch.device], tuple[torch.Tensor, ...]]
-    fit_seq: Callable[[Any, int], Any] = field(default=_same_config)
+    fit_seq: Callable[[Any, int], Any] = _same_config
 
 
 def token_ids(batch: int, seq: int, vocab_size: int, device: torch.device) -> torch.Tensor:
