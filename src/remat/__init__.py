@@ -1,0 +1,22 @@
+"""remat: decide which activations a training step keeps and which it recomputes, under a budget.
+
+Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstimate) -> plan ->
+apply -> `measure` (the independent ground truth) -> report.
+"""
+
+from remat.errors import InfeasibleBudget, RematError, TraceError, UnknownModelError
+from remat.estimate import MemoryEstimate, estimate
+from remat.graph import Graph
+from remat.trace import trace
+
+__all__ = [
+    "Graph",
+    "InfeasibleBudget",
+    "MemoryEstimate",
+    "RematError",
+    "TraceError",
+    "UnknownModelError",
+    "estimate",
+    "trace",
+]
+__version__ = "0.1.0"

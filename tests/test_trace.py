@@ -1,0 +1,210 @@
+"""Properties of the tracer: what it records must be what autograd does."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.errors import TraceError
+from remat.graph import Graph
+
+
+def _autograd_saved_bytes(fn, *args) -> int:
+    """Independent count: distinct non-parameter storages autograd packs during the forward."""
+    params = set()
+    if isinstance(fn, nn.Module):
+        params = {p.untyped_storage().data_ptr() for p in fn.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+class ViewsAndInplace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, x):
+        h = self.fc(x).relu_()  # relu_ saves its (in-place) result: same storage as fc's output
+        v = h.view(-1, 8, 8)  # a view: no new storage
+        return (v * v).sum(-1) + h.tanh().mean()
+
+
+def cos_cos(a, b, c, d):
+    return torch.cos(torch.cos(a + b + c + d))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_saved_bytes_equal_what_autograd_saves(device):
+    torch.manual_seed(0)
+    model = ViewsAndInplace()
+    x = torch.randn(16, 32)
+    graph = remat.trace(model, x, device=device)
+    assert graph.activation_bytes == _autograd_saved_bytes(model, x)
+
+
+def test_views_and_inplace_share_their_storage():
+    graph = remat.trace(ViewsAndInplace(), torch.randn(16, 32))
+    relu = next(op for op in graph.ops if op.short == "relu_")
+    view = next(op for op in graph.ops if op.short == "view" and op.phase == "forward")
+    storage = {graph.tensors[t].storage for t in relu.outputs}
+    assert storage == {graph.tensors[t].storage for t in relu.inputs}
+    assert storage == {graph.tensors[t].storage for t in view.outputs}
+    # fc's output storage is allocated once, by addmm, whatever aliases it
+    assert sum(1 for s in graph.storages.values() if s.id in storage) == 1
+
+
+def test_function_inputs_are_leaves_and_each_saved_tensor_is_read_in_backward():
+    xs = [torch.randn(256, requires_grad=True) for _ in range(4)]
+    graph = remat.trace(cos_cos, *xs)
+    names = [op.name for op in graph.forward_ops]
+    assert names[:5] == ["add_0", "add_1", "add_2", "cos_0", "cos_1"]
+    saved_producers = sorted(graph.producer_op(sid).name for sid in graph.saved_storages)
+    assert saved_producers == ["add_2", "cos_0"]
+    for sv in graph.saved:
+        readers = [
+            op
+            for op in graph.backward_ops
+            if op.node == sv.node and any(graph.tensors[t].storage == sv.storage for t in op.inputs)
+        ]
+        assert readers, f"saved storage {sv.storage} is not read by the node that saved it"
+    assert graph.bytes_of("grad") == 4 * 256 * 4
+
+
+def test_backward_ops_are_named_after_their_forward_op():
+    graph = remat.trace(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), torch.randn(4, 8))
+    bwd = [op.name for op in graph.backward_ops]
+    assert "1.tanh_0:bwd.tanh_backward_0" in bwd
+    assert any(name.startswith("0.addmm_0:bwd.mm_") for name in bwd)
+    assert "0.weight:grad.detach_0" in bwd or any(n.startswith("0.weight:grad") for n in bwd)
+
+
+def test_names_are_stable_across_traces_and_devices():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    a = [op.name for op in remat.trace(model, x).ops]
+    b = [op.name for op in remat.trace(model, x).ops]
+    c = [op.name for op in remat.trace(model, x, device="cpu").ops]
+    assert a == b == c
+    assert len(set(a)) == len(a)
+
+
+def test_flops_come_from_the_flop_counter():
+    x = torch.randn(16, 64, requires_grad=True)
+    graph = remat.trace(nn.Linear(64, 32, bias=False), x)
+    mm = next(op for op in graph.forward_ops if op.short == "mm")
+    assert mm.flops == 2 * 16 * 64 * 32
+    assert sum(op.flops for op in graph.backward_ops) == 2 * mm.flops  # grad of input and weight
+
+
+def test_meta_trace_allocates_nothing_of_the_models_size():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(40_000, 40_000), nn.ReLU(), nn.Linear(40_000, 10))
+    x = torch.empty(64, 40_000, device="meta")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    graph = remat.trace(model, x)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert graph.param_bytes > 6e9  # 6.4 GB of fp32 weights ...
+    assert grown_kib < 200 * 1024  # ... traced in well under 200 MiB
+    assert graph.grad_bytes == graph.param_bytes
+
+
+def test_tied_weights_are_counted_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 16)
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    graph = remat.trace(Tied(), torch.randint(0, 100, (2, 5)))
+    assert graph.param_bytes == 100 * 16 * 4
+    assert graph.grad_bytes == 100 * 16 * 4
+
+
+def test_graph_round_trips_through_json():
+    graph = remat.trace(ViewsAndInplace(), torch.randn(4, 32))
+    again = Graph.from_json(graph.to_json())
+    assert again.ops == graph.ops
+    assert again.storages == graph.storages
+    assert again.activation_bytes == graph.activation_bytes
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[h > 0].sum()  # boolean mask: output shape depends on values
+
+
+def test_data_dependent_shape_names_the_op_and_module_and_suggests_cpu():
+    with pytest.raises(TraceError) as err:
+        remat.trace(DataDependent(), torch.randn(4, 8))
+    msg = str(err.value)
+    assert "nonzero" in msg or "index" in msg
+    assert "device='cpu'" in msg
+    # and on real tensors it traces
+    graph = remat.trace(DataDependent(), torch.randn(4, 8), device="cpu")
+    assert graph.activation_bytes > 0
+
+
+def test_item_in_forward_is_reported_as_data_dependent():
+    class Item(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h * float(h.detach().max())
+
+    with pytest.raises(TraceError, match="_local_scalar_dense.*module '<root>'"):
+        remat.trace(Item(), torch.randn(2, 4))
+
+
+def test_model_without_trainable_parameters_is_refused():
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(TraceError, match="no trainable parameter"):
+        remat.trace(model, torch.randn(2, 4))
+
+
+def test_real_trace_of_a_meta_model_says_how_to_build_it():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(TraceError, match="meta device.*device='cpu'"):
+        remat.trace(model, torch.randn(2, 4), device="cpu")
+
+
+def test_no_grad_forward_is_refused():
+    class NoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                return self.fc(x)
+
+    with pytest.raises(TraceError, match="no output of the model requires grad"):
+        remat.trace(NoGrad(), torch.randn(2, 4))
