@@ -170,6 +170,25 @@ class Graph:
     def module_calls(self, path: str) -> list[ModuleCall]:
         return [m for m in self.modules if m.path == path]
 
+    @cached_property
+    def blocks(self) -> list[ModuleCall]:
+        """The repeated blocks of the model (transformer layers, ResNet bottlenecks, chain layers):
+        the calls of numbered submodules (`h.3`, `layer2.1`) at the depth where they cover the most
+        forward ops, shallowest on a tie. Empty when the model has no numbered submodules."""
+        by_depth: dict[int, list[ModuleCall]] = {}
+        for m in self.modules:
+            if m.path.rpartition(".")[2].isdigit():
+                by_depth.setdefault(m.depth, []).append(m)
+        by_depth = {d: calls for d, calls in by_depth.items() if len(calls) >= 2}
+        if not by_depth:
+            return []
+
+        def coverage(depth: int) -> int:
+            return sum(c.last_op - c.first_op + 1 for c in by_depth[depth])
+
+        best = max(sorted(by_depth), key=coverage)
+        return sorted(by_depth[best], key=lambda c: c.first_op)
+
     # -- serialisation ---------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps(

@@ -1,0 +1,95 @@
+"""Turn results into what a person reads (rich tables) or a program reads (JSON-ready dicts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from remat.estimate import MemoryEstimate
+from remat.graph import Graph
+from remat.units import format_bytes
+
+
+def block_saved_bytes(graph: Graph, est: MemoryEstimate) -> list[tuple[str, int]]:
+    """Saved bytes of each repeated block (transformer layer, ...), in forward order."""
+    by_module = {m.module: m.saved_bytes for m in est.by_module}
+    return [(b.path, by_module.get(b.path, 0)) for b in graph.blocks]
+
+
+def estimate_dict(graph: Graph, est: MemoryEstimate, **context: Any) -> dict[str, Any]:
+    """The `remat estimate --json` object."""
+    blocks = block_saved_bytes(graph, est)
+    return {
+        **context,
+        "activation_bytes": est.activation_bytes,
+        "peak_bytes": est.peak_bytes,
+        "param_bytes": est.param_bytes,
+        "buffer_bytes": est.buffer_bytes,
+        "input_bytes": est.input_bytes,
+        "grad_bytes": est.grad_bytes,
+        "optimizer_state_bytes": est.optimizer_state_bytes,
+        "peak_op": est.peak_op,
+        "peak_phase": est.peak_phase,
+        "param_count": graph.info.get("param_count"),
+        "ops": {"forward": len(graph.forward_ops), "backward": len(graph.backward_ops)},
+        "per_block_saved_bytes": [{"module": p, "saved_bytes": b} for p, b in blocks],
+        "by_module": [
+            {"module": m.module or "<model>", "saved_bytes": m.saved_bytes} for m in est.by_module
+        ],
+        "by_op": [
+            {"op": o.op, "saved_bytes": o.saved_bytes, "tensors": o.count} for o in est.by_op
+        ],
+    }
+
+
+def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12) -> list[Table]:
+    """Totals, the largest modules by saved bytes (blocks summarised), and the largest op types."""
+    totals = Table(title=title, show_header=False, title_justify="left")
+    totals.add_column("what")
+    totals.add_column("bytes", justify="right")
+    totals.add_column("", style="dim")
+    blocks = block_saved_bytes(graph, est)
+    rows = [
+        ("activations (saved for backward)", est.activation_bytes, "at the end of the forward"),
+        ("parameters", est.param_bytes, f"{graph.info.get('param_count', 0):,} params"),
+        ("gradients", est.grad_bytes, ""),
+        ("optimizer state", est.optimizer_state_bytes, ""),
+        ("buffers + inputs", est.buffer_bytes + est.input_bytes, ""),
+    ]
+    if blocks:
+        per = [b for _, b in blocks]
+        note = f"{len(per)} blocks" + (
+            "" if min(per) == max(per) else f", {min(per):,}..{max(per):,} B"
+        )
+        rows.insert(1, ("  per block (mean)", sum(per) // len(per), note))
+    for what, n, note in rows:
+        totals.add_row(what, format_bytes(n), note)
+    totals.add_row(
+        "[bold]peak of the step[/bold]",
+        f"[bold]{format_bytes(est.peak_bytes)}[/bold]",
+        f"at {est.peak_op} ({est.peak_phase})",
+    )
+
+    modules = Table(title="Saved bytes by module (largest first)", title_justify="left")
+    modules.add_column("module")
+    modules.add_column("saved", justify="right")
+    modules.add_column("share", justify="right")
+    block_paths = {b.path for b in graph.blocks}
+    inside_block = tuple(p + "." for p in block_paths)
+    candidates = [
+        m
+        for m in est.by_module
+        if m.module and not m.module.startswith(inside_block) and m.saved_bytes
+    ]
+    for m in sorted(candidates, key=lambda m: -m.saved_bytes)[:top]:
+        share = m.saved_bytes / est.activation_bytes if est.activation_bytes else 0.0
+        modules.add_row(m.module, format_bytes(m.saved_bytes), f"{share:.1%}")
+
+    ops = Table(title="Saved bytes by op", title_justify="left")
+    ops.add_column("op")
+    ops.add_column("tensors", justify="right")
+    ops.add_column("saved", justify="right")
+    for o in est.by_op[:top]:
+        ops.add_row(o.op, str(o.count), format_bytes(o.saved_bytes))
+    return [totals, modules, ops]

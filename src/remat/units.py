@@ -1,0 +1,42 @@
+"""Bytes as users write them ("40GiB", "1.5e9", 123) and as we print them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """`"40GiB"`, `"512 MB"`, `"1e9"` or an int -> bytes. Raises ValueError naming the input."""
+    if isinstance(text, int):
+        return text
+    m = _BYTES.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size: write e.g. 40GiB, 512MiB, 2.5GB or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, 3 significant digits: 1536 -> '1.50 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
