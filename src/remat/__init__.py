@@ -7,16 +7,19 @@ apply -> `measure` (the independent ground truth) -> report.
 from remat.errors import InfeasibleBudget, RematError, TraceError, UnknownModelError
 from remat.estimate import MemoryEstimate, estimate
 from remat.graph import Graph
+from remat.measure import Measurement, measure
 from remat.trace import trace
 
 __all__ = [
     "Graph",
     "InfeasibleBudget",
+    "Measurement",
     "MemoryEstimate",
     "RematError",
     "TraceError",
     "UnknownModelError",
     "estimate",
+    "measure",
     "trace",
 ]
 __version__ = "0.1.0"

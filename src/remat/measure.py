@@ -42,8 +42,8 @@ _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = 
 }
 _FORWARD_RANGE = "remat.measure.forward"
 
-# A storage is identified by its device and base address: views, in-place results and aliases
-# of one storage share both. Only used among storages that are alive at the same time.
+# A storage's device and base address: views, in-place results and aliases of one storage share
+# both. Unique only among storages alive at the same time (a freed address can be reused).
 _StorageKey = tuple[torch.device, int]
 
 
@@ -60,10 +60,12 @@ class Measurement:
             are not seen here.
         retained_bytes: bytes allocated during forward and loss and still live when backward
             starts: saved activations, the outputs and the loss, and everything else kept alive
-            (such as the inputs a non-reentrant checkpoint region keeps for its recomputation).
+            (such as the region input and the RNG state snapshot that a non-reentrant checkpoint
+            keeps for its recomputation).
             Storages that existed before the step (parameters, inputs) are not in it.
         peak_bytes: `baseline_bytes` plus the highest level, during the step, of bytes allocated
-            since the step began minus bytes of those allocations freed again.
+            since the step began minus bytes of those allocations freed again (on CUDA, minus
+            every byte freed: the allocator also knows the sizes of older storages).
         baseline_bytes: bytes of the distinct storages, on the measured device, of parameters,
             buffers, inputs and optimizer state at the start of the measured step (tied weights
             count once). Gradients are None at that point.
@@ -97,8 +99,9 @@ def measure(
     """Run real training steps of `model` on `inputs` and measure their memory and time.
 
     Runs `warmup` untimed steps (so optimizer state and lazily built buffers exist), then one
-    step under measurement (memory, not timed), then `steps` timed steps without any
-    instrumentation; every step updates the parameters when there is an optimizer.
+    step whose memory is measured (not timed), then `steps` timed steps without any
+    instrumentation. Every step updates the parameters when there is an optimizer; with
+    `warmup=0` the measured step is the model's first, and builds the optimizer state.
 
     On CPU, live bytes come from the profiler's allocation events: only allocations made through
     c10's CPU allocator during the measured step are seen. Memory that BLAS, oneDNN or other
@@ -136,13 +139,14 @@ def measure(
     inputs = _to_device(inputs, target)
     kwargs = _to_device(kwargs, target)
     params = list(model.parameters())
+    leaf_inputs = [t for t in _tensors((inputs, kwargs)) if t.is_leaf and t.requires_grad]
     step = _TrainingStep(
         model=model,
         inputs=inputs,
         kwargs=kwargs,
         loss_fn=loss_fn,
         optimizer=_make_optimizer(optimizer, params),
-        grad_holders=params + [t for t in _tensors((inputs, kwargs)) if t.requires_grad],
+        grad_holders=params + leaf_inputs,
     )
     with torch.enable_grad():
         step.clear_grads()
@@ -153,7 +157,7 @@ def measure(
                 params,
                 model.buffers(),
                 _tensors((inputs, kwargs)),
-                _tensors(list(step.optimizer.state.values()) if step.optimizer else []),
+                _tensors(step.optimizer.state if step.optimizer else {}),
             ),
             target,
         )
@@ -291,15 +295,18 @@ def _cpu_memory_step(step: _TrainingStep, saved: _SavedStorages) -> tuple[int, i
     """Run `step` under the profiler; return (retained, peak) bytes allocated within it."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(_FORWARD_RANGE), saved.hooks():
-            out, loss = step.forward()
+            out, loss = step.forward()  # both stay live until the step is over
         step.backward(loss)
     events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD_RANGE)
     allocation = torch._C._profiler._EventType.Allocation
     allocations = sorted(
-        (e.start_time_ns, e.extra_fields.alloc_size)  # negative for frees
-        for e in events
-        if e.tag == allocation and e.extra_fields.device.type == "cpu"
+        (
+            (e.start_time_ns, e.extra_fields.alloc_size)  # negative for frees
+            for e in events
+            if e.tag == allocation and e.extra_fields.device.type == "cpu"
+        ),
+        key=lambda event: event[0],  # stable: equal timestamps keep the tree's order
     )
     live = retained = peak = 0
     for when, size in allocations:
@@ -318,7 +325,7 @@ def _cuda_memory_step(
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
     with saved.hooks():
-        out, loss = step.forward()
+        out, loss = step.forward()  # both stay live until the step is over
     retained = torch.cuda.memory_allocated(device) - start
     step.backward(loss)
     torch.cuda.synchronize(device)

@@ -71,20 +71,25 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
         f"at {est.peak_op} ({est.peak_phase})",
     )
 
-    modules = Table(title="Saved bytes by module (largest first)", title_justify="left")
+    modules = Table(title="Saved bytes by module (one block broken down)", title_justify="left")
     modules.add_column("module")
     modules.add_column("saved", justify="right")
     modules.add_column("share", justify="right")
-    block_paths = {b.path for b in graph.blocks}
-    inside_block = tuple(p + "." for p in block_paths)
-    candidates = [
-        m
-        for m in est.by_module
-        if m.module and not m.module.startswith(inside_block) and m.saved_bytes
-    ]
-    for m in sorted(candidates, key=lambda m: -m.saved_bytes)[:top]:
-        share = m.saved_bytes / est.activation_bytes if est.activation_bytes else 0.0
-        modules.add_row(m.module, format_bytes(m.saved_bytes), f"{share:.1%}")
+    by_path = {m.module: m.saved_bytes for m in est.by_module}
+    first_block = graph.blocks[0].path if graph.blocks else None
+    container = first_block.rpartition(".")[0] if first_block else None
+    shown = [p for p in by_path if p and p.count(".") == 0 and by_path[p]]
+    if first_block:
+        depth = first_block.count(".") + 1
+        shown += [first_block] + [
+            p for p in by_path if p.startswith(first_block + ".") and p.count(".") == depth
+        ]
+        if container and container not in shown:
+            shown.insert(0, container)
+    for path in shown[: top + 2]:
+        share = by_path[path] / est.activation_bytes if est.activation_bytes else 0.0
+        label = f"  {path}" if first_block and path.startswith(first_block + ".") else path
+        modules.add_row(label, format_bytes(by_path[path]), f"{share:.1%}")
 
     ops = Table(title="Saved bytes by op", title_justify="left")
     ops.add_column("op")
