@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from remat.graph import Graph
+from remat.graph import Graph, Op
 
 Optimizer = Literal["sgd", "adamw"] | None
 
@@ -87,8 +87,26 @@ def storage_deaths(graph: Graph) -> dict[int, int]:
     return death
 
 
+#: Matmul kernels copy a broadcast (expanded) operand to dense memory inside the kernel.
+_DENSE_OPERAND_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+def kernel_workspace_bytes(graph: Graph, op: Op) -> int:
+    """Scratch a CPU kernel allocates and frees inside one op, which no traced tensor shows.
+
+    Measured on the CPU allocator (docs/memory-model.md): oneDNN's `convolution_backward` reorders
+    the input and its gradient into blocked layouts (2 x input bytes); `mm`-class kernels make a
+    dense copy of a broadcast operand (the expanded gradient of a `sum` loss, for one).
+    """
+    if op.short == "convolution_backward":
+        return 2 * graph.tensors[op.inputs[1]].nbytes
+    if op.short in _DENSE_OPERAND_OPS:
+        return sum(graph.tensors[t].nbytes for t in op.inputs if graph.tensors[t].expanded)
+    return 0
+
+
 def live_bytes_timeline(graph: Graph, base_bytes: int = 0) -> list[int]:
-    """Live bytes while each op runs (its inputs and new outputs all live)."""
+    """Live bytes while each op runs: its inputs, its new outputs and its kernel's scratch."""
     n = len(graph.ops)
     delta = [0] * (n + 2)
     for sid, death in storage_deaths(graph).items():
@@ -96,9 +114,9 @@ def live_bytes_timeline(graph: Graph, base_bytes: int = 0) -> list[int]:
         delta[s.allocated_at] += s.nbytes
         delta[min(death, n) + 1] -= s.nbytes
     live, out = base_bytes, []
-    for i in range(n):
+    for i, op in enumerate(graph.ops):
         live += delta[i]
-        out.append(live)
+        out.append(live + kernel_workspace_bytes(graph, op))
     return out
 
 

@@ -42,6 +42,13 @@ class Tensor:
     dtype: str
     nbytes: int
     producer: int | None = None
+    stride: tuple[int, ...] = ()
+
+    @property
+    def expanded(self) -> bool:
+        """A broadcast view (stride 0 along a dimension longer than 1): kernels that need dense
+        operands copy it to `nbytes` of contiguous memory first."""
+        return any(st == 0 and n > 1 for st, n in zip(self.stride, self.shape, strict=False))
 
 
 @dataclass(frozen=True)
@@ -212,7 +219,7 @@ class Graph:
 
         return cls(
             ops=[Op(**tup(o, "inputs", "outputs")) for o in d["ops"]],
-            tensors={t["id"]: Tensor(**tup(t, "shape")) for t in d["tensors"]},
+            tensors={t["id"]: Tensor(**tup(t, "shape", "stride")) for t in d["tensors"]},
             storages={s["id"]: Storage(**s) for s in d["storages"]},
             saved=[Saved(**s) for s in d["saved"]],
             nodes={n["id"]: Node(**n) for n in d["nodes"]},

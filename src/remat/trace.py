@@ -139,6 +139,7 @@ class _Tracer(TorchDispatchMode):
             dtype=dtype_name(t.dtype),
             nbytes=int(t.numel() * t.element_size()),
             producer=producer,
+            stride=tuple(int(st) for st in t.stride()),
         )
         self.tensor_ids[t] = tid
         return tid
