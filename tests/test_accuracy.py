@@ -12,7 +12,7 @@ from remat import models
 # Small real sizes. ResNet needs images of at least ~64 px: below that, oneDNN's fixed ~1.2 MB
 # convolution scratchpad (no tensor shows it) dominates the peak of the tiny network.
 SMALL = {
-    "resnet-50": {"batch": 4, "image_size": 96},
+    "resnet50": {"batch": 4, "image_size": 96},
     "mlp-chain-16": {"batch": 8},
 }
 ZOO = [n for n in models.preset_names() if not n.startswith("mlp-chain")] + ["mlp-chain-16"]

@@ -91,4 +91,4 @@ def _inputs(
 
 TINY = {"layers": (1, 1, 1, 1), "width": 8, "n_classes": 10, "image_size": 32}
 
-PRESETS = {"resnet-50": Preset(ResNetConfig(), TINY, ResNet, _inputs)}
+PRESETS = {"resnet50": Preset(ResNetConfig(), TINY, ResNet, _inputs)}

@@ -1,0 +1,121 @@
+"""The model zoo: `build(name)` returns `(model, example_inputs)` ready for `model(*inputs)`.
+
+`name` is one of three forms:
+
+- a preset with published shapes (`preset_names()`), e.g. "gpt2", "llama-3.1-8b", "resnet50",
+  "vit-b-16", "megatron-gpt", or "mlp-chain-N" for any N >= 1;
+- "pkg.module:factory", a function of yours returning (model, inputs), see `factory`;
+- "hf:<model_type>", a Hugging Face transformers architecture built offline, see `hf`.
+
+Parameters are created directly on `device`, "meta" by default, so a 70B model allocates nothing
+and builds in well under a second: remat plans from shapes, and only needs real memory to measure.
+`tiny=True` swaps in a small config of the same family that trains on a CPU in milliseconds, and
+`**overrides` then replace config fields by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from difflib import get_close_matches
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import RematError, UnknownModelError
+from remat.models import factory, gpt, hf, llama, megatron, mlp, resnet, vit
+from remat.models.preset import Preset
+
+__all__ = ["PRESETS", "Preset", "build", "preset_names"]
+
+PRESETS: dict[str, Preset] = {
+    **gpt.PRESETS,
+    **llama.PRESETS,
+    **resnet.PRESETS,
+    **vit.PRESETS,
+    **mlp.PRESETS,
+    **megatron.PRESETS,
+}
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def preset_names() -> list[str]:
+    """The registered preset names, sorted. Any "mlp-chain-N" builds too, listed or not."""
+    return sorted(PRESETS)
+
+
+def build(
+    name: str,
+    batch: int = 2,
+    seq: int = 128,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "meta",
+    tiny: bool = False,
+    **overrides: Any,
+) -> tuple[nn.Module, tuple[Any, ...]]:
+    """Build model `name` in training mode with its parameters on `device`, and example inputs.
+
+    Token models take `input_ids` (batch, seq); image models (batch, 3, image_size, image_size)
+    and `mlp-chain-N` (batch, d_model) ignore `seq`; `megatron-gpt` takes (seq, batch, d_model).
+    Float inputs have the model's `dtype` ("fp32", "bf16", "fp16" or a torch.dtype).
+    """
+    dtype = _dtype(dtype)
+    device = torch.device(device)
+    if batch < 1 or seq < 1:
+        raise RematError(f"batch={batch} and seq={seq} must both be >= 1")
+    kw = {"batch": batch, "seq": seq, "dtype": dtype, "device": device}
+    if name.startswith("hf:"):
+        model, inputs = hf.build(name[3:], **kw, tiny=tiny, overrides=overrides)
+    elif ":" in name:
+        model, inputs = factory.load(name, **kw, tiny=tiny, overrides=overrides)
+    else:
+        preset = _lookup(name)
+        config = preset.fit_seq(_configure(name, preset, tiny, overrides), seq)
+        with torch.device(device):
+            model = preset.model(config).to(dtype)
+        inputs = preset.inputs(config, batch, seq, dtype, device)
+    return model.train(), inputs
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise RematError(f"dtype {dtype!r} is not a float type; use one of {', '.join(_DTYPES)}")
+
+
+def _lookup(name: str) -> Preset:
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.startswith(mlp.PREFIX):
+        return mlp.chain(name)
+    close = get_close_matches(name, PRESETS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    if "." in name and all(part.isidentifier() for part in name.split(".")):
+        hint = f" If {name!r} is a module, name the factory in it: '{name}:<function>'."
+    raise UnknownModelError(
+        f"unknown model {name!r}.{hint} Presets: {', '.join(preset_names())}, and mlp-chain-N "
+        "for any N >= 1. Or name your own function as 'pkg.module:factory' (it returns "
+        "(model, inputs)), or a Hugging Face architecture as 'hf:<model_type>', e.g. 'hf:gpt2'."
+    )
+
+
+def _configure(name: str, preset: Preset, tiny: bool, overrides: dict[str, Any]) -> Any:
+    """The preset's config with the tiny sizes, then the overrides, in one `replace`."""
+    valid = [f.name for f in fields(preset.config)]
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise UnknownModelError(
+            f"{name} has no config field {', '.join(map(repr, unknown))}; "
+            f"valid fields: {', '.join(valid)}"
+        )
+    return replace(preset.config, **{**(preset.tiny if tiny else {}), **overrides})

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Test models are tiny: intra-op threads gain nothing, and on a small VM handing each op to the
+    thread pool costs ~10 ms, which turns a millisecond step into a second."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
