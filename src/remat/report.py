@@ -46,8 +46,8 @@ def estimate_dict(graph: Graph, est: MemoryEstimate, **context: Any) -> dict[str
 def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12) -> list[Table]:
     """Totals, the largest modules by saved bytes (blocks summarised), and the largest op types."""
     totals = Table(title=title, show_header=False, title_justify="left")
-    totals.add_column("what")
-    totals.add_column("bytes", justify="right")
+    totals.add_column("what", no_wrap=True)
+    totals.add_column("bytes", justify="right", no_wrap=True)
     totals.add_column("", style="dim")
     blocks = block_saved_bytes(graph, est)
     rows = [

@@ -1,0 +1,86 @@
+"""The command line: what a user types and what they get back, exit codes included."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from remat.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_estimate_json_has_the_documented_fields(capsys):
+    assert main(["estimate", "--model", "gpt2", "--batch", "2", "--seq", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "activation_bytes",
+        "peak_bytes",
+        "param_bytes",
+        "by_module",
+        "per_block_saved_bytes",
+    ):
+        assert key in out
+    assert out["param_bytes"] == 124_439_808 * 4
+    assert {"module", "saved_bytes"} <= set(out["by_module"][0])
+    blocks = [b["saved_bytes"] for b in out["per_block_saved_bytes"]]
+    assert len(blocks) == 12 and len(set(blocks[1:-1])) == 1
+    assert out["peak_bytes"] > out["activation_bytes"] + out["param_bytes"]
+
+
+def test_estimate_table_names_the_totals_and_the_peak(capsys):
+    assert main(["estimate", "--model", "llama-3.2-1b", "--tiny", "--optimizer", "adamw"]) == 0
+    text = capsys.readouterr().out
+    assert "activations (saved for backward)" in text
+    assert "peak of the step" in text
+    assert "optimizer state" in text
+
+
+def test_unknown_model_exits_2_and_lists_the_presets():
+    result = run("estimate", "--model", "gpt3")
+    assert result.returncode == 2
+    assert "gpt2" in result.stderr and "llama-3.1-70b" in result.stderr
+
+
+def test_malformed_factory_exits_2_and_says_what_is_wrong():
+    result = run("estimate", "--model", "no_such_module_xyz:make")
+    assert result.returncode == 2
+    assert "no_such_module_xyz" in result.stderr
+
+
+def test_bad_override_exits_2_naming_the_field():
+    result = run("estimate", "--model", "gpt2", "--set", "n_layers=2")
+    assert result.returncode == 2
+    assert "n_layers" in result.stderr and "n_layer" in result.stderr
+
+
+def test_data_dependent_model_exits_2_and_suggests_a_cpu_trace(tmp_path, monkeypatch):
+    (tmp_path / "ddmodel.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        h = self.fc(x); return h[h > 0].sum()\n"
+        "def make(batch=2):\n"
+        "    return M(), (torch.randn(batch, 4),)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    result = run("estimate", "--model", "ddmodel:make")
+    assert result.returncode == 2
+    assert "depends on tensor data" in result.stderr and "--trace-device cpu" in result.stderr
+    assert run("estimate", "--model", "ddmodel:make", "--trace-device", "cpu").returncode == 0
+
+
+@pytest.mark.slow
+def test_demo_runs():
+    result = run("demo")
+    assert result.returncode == 0, result.stderr
+    assert "peak of the step" in result.stdout
