@@ -95,7 +95,7 @@ class _Tracer(TorchDispatchMode):
         # autograd nodes
         self.nodes: dict[int, dict[str, Any]] = {}
         self.node_objs: list[Any] = []
-        self.pending_grad_fn: list[tuple[int, torch.Tensor]] = []
+        self.pending_grad_fn: list[tuple[int, torch.Tensor, Any]] = []
         self.current_node: int | None = None
         self.saved: dict[int, _SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
@@ -162,12 +162,13 @@ class _Tracer(TorchDispatchMode):
 
     def resolve_grad_fns(self) -> None:
         """Attribute the last forward op's outputs' `grad_fn`. Autograd attaches it only after the
-        op returns (and after FakeTensor's own metadata queries), so outputs stay pending until seen
-        with a grad_fn or until the next recorded op replaces them."""
+        op returns (and after FakeTensor's own metadata queries), and an in-place op's output still
+        carries the previous op's node until then: outputs stay pending until their grad_fn differs
+        from the one seen inside the op, or until the next recorded op replaces them."""
         unresolved = []
-        for index, t in self.pending_grad_fn:
-            if t.grad_fn is None:
-                unresolved.append((index, t))
+        for index, t, before in self.pending_grad_fn:
+            if t.grad_fn is None or t.grad_fn is before:
+                unresolved.append((index, t, before))
             elif self.ops[index]["node"] is None:
                 self.ops[index]["node"] = self.node_id(t.grad_fn, forward_op=index)
         self.pending_grad_fn = unresolved
@@ -263,7 +264,7 @@ class _Tracer(TorchDispatchMode):
             }
         )
         if self.phase == "forward":
-            self.pending_grad_fn = [(index, t) for t in outs]
+            self.pending_grad_fn = [(index, t, t.grad_fn) for t in outs]
 
     # -- saved tensor hooks ----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
