@@ -1,0 +1,164 @@
+"""Realise a `Plan` on a live `nn.Module` with PyTorch's own mechanisms.
+
+Each region becomes `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around the module
+(or run of consecutive blocks) it names; a region that keeps some ops gets a selective-checkpoint
+policy (`create_selective_checkpoint_contexts`) that marks exactly those ops MUST_SAVE. Ops are
+matched by their position in the region's traced op stream, so "keep `h.3.attn.c_attn.addmm_0`"
+means that call, on every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from remat.errors import RematError
+from remat.graph import Graph
+from remat.plan import Plan
+from remat.schedule import Region
+
+_ORIGINAL = "_remat_original_forward"
+
+
+def _policy_factory(targets: list[str], keep: list[bool]) -> Callable[[], Any]:
+    """A `context_fn` for checkpoint: a fresh pair of selective-checkpoint contexts per call whose
+    policy walks the region's traced op stream; ops the trace did not record (no tensor output)
+    are recomputed without advancing."""
+
+    def context_fn():
+        position = {False: 0, True: 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            pos = position[ctx.is_recompute]
+            if pos < len(targets) and str(func) == targets[pos]:
+                position[ctx.is_recompute] = pos + 1
+                if keep[pos]:
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _batchnorm_stats_restored(modules: list[nn.Module]) -> Iterator[None]:
+    """Recomputation re-runs BatchNorm in training mode, which would update its running statistics
+    a second time; put them back so they move once per step, as without checkpointing."""
+    norms = [
+        m
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    saved = [[b.detach().clone() for b in m.buffers()] for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(norms, saved, strict=True):
+                for b, old in zip(m.buffers(), buffers, strict=True):
+                    b.copy_(old)
+
+
+def _checkpointed(
+    run: Callable[..., Any], modules: list[nn.Module], context_fn
+) -> Callable[..., Any]:
+    calls = {"n": 0}
+
+    def recomputable(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the forward itself
+            return run(*args, **kwargs)
+        with _batchnorm_stats_restored(modules):
+            return run(*args, **kwargs)
+
+    @functools.wraps(run)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)  # inference: nothing to save, no overhead
+        calls["n"] = 0
+        kw = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(recomputable, *args, use_reentrant=False, **kw, **kwargs)
+
+    return forward
+
+
+def _segment_runner(blocks: list[nn.Module], originals: list[Callable]) -> Callable[..., Any]:
+    """Run consecutive blocks as one function: x -> b0(x, *rest) -> b1(., *rest) -> ... The model
+    must chain them that way (a transformer's `for block in blocks: x = block(x, ...)`)."""
+
+    def run(x, *rest, **kwargs):
+        for fwd in originals:
+            x = fwd(x, *rest, **kwargs)
+        return x
+
+    return run
+
+
+def apply(model: nn.Module, plan: Plan, graph: Graph) -> nn.Module:
+    """Install `plan` on `model` in place (undo with `remove`). `graph` is the trace the plan was
+    made from (or a trace of a model of the same architecture): it gives each region's op stream."""
+    remove(model)
+    named = dict(model.named_modules())
+    for region in plan.regions:
+        missing = [p for p in region.modules if p not in named]
+        if missing:
+            raise RematError(
+                f"plan region {region.modules[0]!r}: the model has no submodule {missing[0]!r}; "
+                "the plan was made for another architecture"
+            )
+        ops = graph.ops[region.first_op : region.last_op + 1]
+        keep_names = set(region.keep)
+        context_fn = (
+            _policy_factory([op.target for op in ops], [op.name in keep_names for op in ops])
+            if keep_names
+            else None
+        )
+        blocks = [named[p] for p in region.modules]
+        originals = [b.forward for b in blocks]
+        run = originals[0] if len(blocks) == 1 else _segment_runner(blocks, originals)
+        setattr(blocks[0], _ORIGINAL, originals[0])
+        blocks[0].forward = _checkpointed(run, blocks, context_fn)
+        for block, original in zip(blocks[1:], originals[1:], strict=True):
+            setattr(block, _ORIGINAL, original)
+            block.forward = _pass_through
+    return model
+
+
+def _pass_through(x, *args, **kwargs):
+    """The later blocks of a checkpointed segment: the segment's first block already ran them."""
+    return x
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo `apply`: every module gets its own forward back."""
+    for m in model.modules():
+        if hasattr(m, _ORIGINAL):
+            m.forward = getattr(m, _ORIGINAL)
+            delattr(m, _ORIGINAL)
+            if "forward" in vars(m) and m.forward is type(m).forward.__get__(m):
+                del m.forward
+    return model
+
+
+def regions_for_blocks(
+    graph: Graph, paths: list[list[str]], keep: list[tuple[str, ...]] | None = None
+) -> tuple[Region, ...]:
+    """Regions over groups of consecutive blocks (each group one region), from the trace."""
+    calls = {c.path: c for c in graph.modules}
+    out = []
+    for k, group in enumerate(paths):
+        first, last = calls[group[0]], calls[group[-1]]
+        out.append(Region(tuple(group), first.first_op, last.last_op, keep[k] if keep else ()))
+    return tuple(out)
