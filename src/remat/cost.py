@@ -1,0 +1,204 @@
+"""Roofline time of each op: how long recomputing it would take on a given device.
+
+An op takes as long as the slower of its arithmetic and its memory traffic:
+`max(flops / rate, bytes_moved / bandwidth)`, where the rate is the matrix-unit peak for
+matmul-class ops and the (much lower) vector rate for everything else. This is the model the
+planners price recomputation with; it ignores launch overhead, caches and fusion, which is why it is
+only a ranking device and `measure` stays the ground truth.
+
+Nothing here imports torch at module level: only `calibrate()` needs it, to time the real machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from remat.graph import Graph, Op
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the roofline needs to know of a device: FLOP/s of its matrix units for the training
+    dtype (`peak_flops`), FLOP/s of everything else (`vector_flops`), and memory bandwidth in
+    bytes/s."""
+
+    name: str
+    peak_flops: float
+    vector_flops: float
+    bandwidth: float
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run `calibrate()`
+    # to measure the machine at hand.
+    "cpu": DeviceProfile("cpu", peak_flops=1e11, vector_flops=2e10, bandwidth=2e10),
+    # Dense (no sparsity) BF16 tensor-core peak, FP32 CUDA-core rate as the vector rate, and HBM
+    # bandwidth, from NVIDIA's datasheets: "NVIDIA A100 Tensor Core GPU" (A100 80GB SXM),
+    # "NVIDIA H100 Tensor Core GPU" (H100 SXM) and "NVIDIA H200 Tensor Core GPU" (H200 SXM).
+    "a100": DeviceProfile("a100", peak_flops=312e12, vector_flops=19.5e12, bandwidth=2.039e12),
+    "h100": DeviceProfile("h100", peak_flops=989e12, vector_flops=67e12, bandwidth=3.35e12),
+    "h200": DeviceProfile("h200", peak_flops=989e12, vector_flops=67e12, bandwidth=4.8e12),
+}
+
+#: Ops (by short name) whose outputs alias an input's storage: they only build new tensor metadata,
+#: read and write no data, and so cost 0 bytes and 0 seconds.
+VIEW_OPS = frozenset(
+    {
+        "_reshape_alias",
+        "_unsafe_view",
+        "alias",
+        "as_strided",
+        "detach",
+        "diagonal",
+        "expand",
+        "permute",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unfold",
+        "unsqueeze",
+        "view",
+    }
+)
+
+#: Matmul-class ops (by short name), which run on the matrix units at `peak_flops`.
+MATMUL_OPS = frozenset(
+    {
+        "_convolution",
+        "addbmm",
+        "addmm",
+        "baddbmm",
+        "bmm",
+        "convolution",
+        "convolution_backward",
+        "linear",
+        "matmul",
+        "mm",
+    }
+)
+#: Prefixes of the fused attention kernels (SDPA and its flash / memory-efficient backends, forward
+#: and backward), which are matmul-class as well.
+ATTENTION_PREFIXES = (
+    "_scaled_dot_product_",
+    "scaled_dot_product_",
+    "_flash_attention_",
+    "_efficient_attention_",
+)
+
+
+def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
+    """A profile from `PROFILES` by name, or the given profile unchanged."""
+    if isinstance(name_or_profile, DeviceProfile):
+        return name_or_profile
+    try:
+        return PROFILES[name_or_profile]
+    except KeyError:
+        raise ValueError(
+            f"unknown device profile {name_or_profile!r}: choose one of "
+            f"{', '.join(sorted(PROFILES))}, or pass a DeviceProfile (see remat.cost.calibrate)"
+        ) from None
+
+
+def is_view(op: Op) -> bool:
+    """A view op, or its in-place form (`t_`, `squeeze_`), which restrides and writes no data."""
+    return op.short.rstrip("_") in VIEW_OPS
+
+
+def is_matmul(op: Op) -> bool:
+    short = op.short
+    return short in MATMUL_OPS or short.startswith(ATTENTION_PREFIXES)
+
+
+def op_bytes_moved(graph: Graph, op: Op) -> int:
+    """Bytes the op reads and writes: the `nbytes` of its distinct input and output tensors (an
+    in-place op reads its input and writes its result, so both count). 0 for a view op."""
+    if is_view(op):
+        return 0
+    tensors = graph.tensors
+    return sum(tensors[t].nbytes for t in set(op.inputs) | set(op.outputs))
+
+
+def op_seconds(graph: Graph, op: Op, profile: DeviceProfile | str) -> float:
+    """Roofline seconds of `op` on `profile`: max(compute time, memory time); 0 for a view op."""
+    p = get_profile(profile)
+    rate = p.peak_flops if is_matmul(op) else p.vector_flops
+    return max(op.flops / rate, op_bytes_moved(graph, op) / p.bandwidth)
+
+
+def op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
+    """`op_seconds` of every op, indexed by op index; one pass, with the op kind looked up once per
+    distinct target, for graphs of tens of thousands of ops."""
+    p = get_profile(profile)
+    kinds: dict[str, tuple[bool, bool]] = {}
+    nbytes = {tid: t.nbytes for tid, t in graph.tensors.items()}
+    out = [0.0] * len(graph.ops)
+    for op in graph.ops:
+        kind = kinds.get(op.target)
+        if kind is None:
+            kind = kinds[op.target] = (is_view(op), is_matmul(op))
+        view, matmul = kind
+        if view:
+            continue
+        moved = sum(nbytes[t] for t in set(op.inputs) | set(op.outputs))
+        rate = p.peak_flops if matmul else p.vector_flops
+        out[op.index] = max(op.flops / rate, moved / p.bandwidth)
+    return out
+
+
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up: first-call dispatch, allocator, thread pool
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate(device: str = "cpu") -> DeviceProfile:
+    """Measure `device` instead of trusting a table: the median of a few runs of a square matmul
+    (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul` (2 FLOPs an element)
+    for the vector rate, and of a 64 MiB copy (bytes read + written) for the bandwidth. Takes well
+    under 3 s on a 2-core CPU."""
+    import torch
+
+    dev = torch.device(device)
+    on_cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+
+    n, dtype = (4096, torch.bfloat16) if on_cuda else (1024, torch.float32)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    peak = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=c), sync, reps=5)
+
+    m = 1 << 16  # 3 x 256 KiB: stays in cache, so arithmetic rather than memory bounds it
+    x, y, z, w = (torch.rand(m, device=dev) for _ in range(4))
+    loops = 50
+
+    def pointwise() -> None:
+        for _ in range(loops):
+            torch.addcmul(x, y, z, out=w)
+
+    vector = 2 * m * loops / _median_seconds(pointwise, sync, reps=5)
+
+    src = torch.rand(1 << 24, device=dev)
+    dst = torch.empty_like(src)
+    moved = 2 * src.numel() * src.element_size()
+    bandwidth = moved / _median_seconds(lambda: dst.copy_(src), sync, reps=5)
+    return DeviceProfile(
+        f"{device} (calibrated)", peak_flops=peak, vector_flops=vector, bandwidth=bandwidth
+    )

@@ -1,0 +1,1 @@
+"""Planners that choose which activations to keep and which to recompute under a byte budget."""

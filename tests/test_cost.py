@@ -1,0 +1,76 @@
+"""The roofline cost model: views are free, matmuls are compute-bound, pointwise ops memory-bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.cost import (
+    PROFILES,
+    DeviceProfile,
+    calibrate,
+    get_profile,
+    is_matmul,
+    op_bytes_moved,
+    op_seconds,
+    op_seconds_all,
+)
+
+
+@pytest.fixture(scope="module")
+def mlp_graph() -> remat.Graph:
+    """Linear(4096, 4096) + GELU in bf16 on 8192 tokens, as half a transformer MLP runs it (traced
+    on fake tensors: nothing of that size is allocated)."""
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    model = nn.Sequential(nn.Linear(4096, 4096, **meta), nn.GELU())
+    return remat.trace(model, torch.empty(8192, 4096, **meta))
+
+
+def _op(graph: remat.Graph, short: str):
+    return next(op for op in graph.forward_ops if op.short == short)
+
+
+def test_view_ops_cost_nothing(mlp_graph):
+    t = _op(mlp_graph, "t")  # the weight's transpose
+    assert op_bytes_moved(mlp_graph, t) == 0
+    assert op_seconds(mlp_graph, t, "h100") == 0.0
+
+
+def test_matmul_is_compute_bound_and_pointwise_memory_bound_on_h100(mlp_graph):
+    h100 = PROFILES["h100"]
+    mm = _op(mlp_graph, "addmm")
+    gelu = _op(mlp_graph, "gelu")
+    assert is_matmul(mm) and not is_matmul(gelu)
+    assert mm.flops == 2 * 8192 * 4096 * 4096
+    assert op_seconds(mlp_graph, mm, h100) == pytest.approx(mm.flops / h100.peak_flops)
+    assert op_seconds(mlp_graph, mm, h100) > op_bytes_moved(mlp_graph, mm) / h100.bandwidth
+    # GELU reads its 64 MiB input and writes its 64 MiB output
+    gelu_bytes = 2 * 8192 * 4096 * 2
+    assert op_bytes_moved(mlp_graph, gelu) == gelu_bytes
+    assert op_seconds(mlp_graph, gelu, h100) == pytest.approx(gelu_bytes / h100.bandwidth)
+
+
+def test_op_seconds_all_matches_op_seconds(mlp_graph):
+    times = op_seconds_all(mlp_graph, "a100")
+    assert len(times) == len(mlp_graph.ops)
+    for op in mlp_graph.ops:
+        assert times[op.index] == pytest.approx(op_seconds(mlp_graph, op, "a100"))
+
+
+def test_get_profile():
+    assert get_profile("h200") is PROFILES["h200"]
+    custom = DeviceProfile("mine", 1.0, 1.0, 1.0)
+    assert get_profile(custom) is custom
+    with pytest.raises(ValueError, match="a100, cpu, h100, h200"):
+        get_profile("tpu")
+
+
+def test_calibrate_measures_plausible_rates():
+    p = calibrate()
+    rates = (p.peak_flops, p.vector_flops, p.bandwidth)
+    assert all(math.isfinite(r) and r > 0 for r in rates)
+    assert p.peak_flops > p.vector_flops
