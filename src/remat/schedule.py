@@ -46,6 +46,7 @@ class Simulation:
     recompute_ops: tuple[int, ...]  # forward op indices re-run in backward, in replay order
     timeline: tuple[int, ...]  # live bytes at each position of the schedule
     schedule: tuple[tuple[str, int], ...]  # ("op", i) or ("replay", i) per position
+    deaths: dict[int, int]  # storage -> position after which its first life ends
 
 
 def simulate(
@@ -105,6 +106,15 @@ def simulate(
         for r, nodes in needing.items():
             if r not in trigger and op.node in nodes:
                 trigger[r] = op.index
+    # A kept op's output sits in the policy's cache until the region's replay takes it back (to
+    # the end of the step when the region never replays), whether or not a node saved it.
+    for r, reg in enumerate(regions):
+        until = trigger.get(r, end)
+        for name in reg.keep:
+            for t in graph.op_by_name[name].outputs:
+                sid = graph.tensors[t].storage
+                if graph.storages[sid].allocated_at == graph.op_by_name[name].index:
+                    held_until[sid] = max(held_until.get(sid, -1), until)
     replays: dict[int, list[int]] = defaultdict(list)  # backward op index -> replayed forward ops
     recompute_ops: list[int] = []
     for r, storages in dropped.items():
@@ -142,12 +152,14 @@ def simulate(
         for sid in graph.saved_storages
         if graph.storages[sid].allocated_at is None or sid in held_until
     )
+    deaths: dict[int, int] = {}
     for s in graph.storages.values():
         if s.allocated_at is None:
             continue
         program = end if s.released_after is None else s.released_after
         death = max(program, held_until.get(s.id, -1))
-        live(position_of_op[s.allocated_at], position_after(death), s.nbytes)
+        deaths[s.id] = position_after(death)
+        live(position_of_op[s.allocated_at], deaths[s.id], s.nbytes)
         if s.allocated_at in replay_position:
             r = region_of_op[s.allocated_at]
             replay_end = max(replay_position[i] for i in replays[trigger[r]])
@@ -175,4 +187,5 @@ def simulate(
         recompute_ops=tuple(recompute_ops),
         timeline=tuple(timeline),
         schedule=tuple(schedule),
+        deaths=deaths,
     )
