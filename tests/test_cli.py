@@ -84,3 +84,51 @@ def test_demo_runs():
     result = run("demo")
     assert result.returncode == 0, result.stderr
     assert "peak of the step" in result.stdout
+
+
+def test_plan_json_has_the_documented_fields(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--set", "n_layer=4"]
+    assert main([*args, "--budget", "80%", "--json", "--out", str(out_file)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "strategy",
+        "budget_bytes",
+        "predicted_peak_bytes",
+        "saved_bytes",
+        "recompute_flops",
+        "recompute_seconds",
+        "saved",
+    ):
+        assert key in out
+    assert out["predicted_peak_bytes"] <= out["budget_bytes"]
+    assert {"name", "op", "bytes"} <= set(out["saved"][0])
+    assert {row["strategy"] for row in out["comparison"]} >= {"store_all", "full", "sqrt", "milp"}
+    from remat.plan import Plan
+
+    assert Plan.from_json(out_file.read_text()).predicted_peak_bytes == out["predicted_peak_bytes"]
+
+
+def test_infeasible_budget_exits_3_with_the_smallest_feasible_budget():
+    result = run("plan", "--model", "gpt2", "--tiny", "--budget", "1KiB")
+    assert result.returncode == 3
+    assert "smallest feasible budget" in result.stderr
+
+
+def test_plan_plots_the_frontier(tmp_path):
+    png = tmp_path / "pareto.png"
+    result = run(
+        "plan",
+        "--model",
+        "mlp-chain-8",
+        "--batch",
+        "4096",
+        "--set",
+        "d_model=64",
+        "--budget",
+        "85%",
+        "--plot",
+        str(png),
+    )
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -28,6 +28,19 @@ examples:
 """
 
 
+EPILOG_PLAN = """\
+strategies: store_all keeps everything; store_none recomputes from the input (the O(n^2) reference,
+not appliable); full checkpoints every block; sqrt checkpoints sqrt(n) segments; chain_dp is the
+optimal segmentation (dynamic programming); selective:* keep some ops' outputs in each block;
+mincut is the memory-traffic min-cut; milp picks an option per block by integer programming;
+auto is the fastest of them that fits. Exit code 3 when nothing fits: the message gives the
+smallest feasible budget.
+examples:
+  remat plan --model gpt2 --batch 8 --seq 1024 --budget 50%
+  remat plan --model llama-3.1-8b --batch 1 --seq 8192 --dtype bf16 --budget 60GiB --device h100 --plot pareto.png
+"""
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -136,6 +149,77 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from remat.plan import resolve_budget
+    from remat.planner import STRATEGIES, Context, compare, pareto, plan_in
+    from remat.report import plan_dict, plan_table
+    from remat.units import format_bytes
+
+    if args.strategy not in STRATEGIES:
+        raise RematError(f"--strategy {args.strategy!r}: choose from {', '.join(STRATEGIES)}")
+    graph, seconds = _trace_model(args, console)
+    try:
+        ctx = Context.from_graph(graph, args.device, args.optimizer)
+        budget_bytes = resolve_budget(
+            args.budget, ctx.estimate.fixed_bytes, ctx.estimate.peak_bytes
+        )
+    except ValueError as e:
+        raise RematError(str(e)) from e
+    with console.status(f"planning {args.strategy} under {format_bytes(budget_bytes)} ..."):
+        rows = compare(ctx, budget_bytes)
+        chosen = plan_in(ctx, budget_bytes, args.strategy)
+    step_seconds = sum(ctx.op_seconds)
+    context = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype}
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(chosen.to_json())
+    if args.plot:
+        with console.status("sweeping budgets for the Pareto frontier ..."):
+            pareto(ctx).plot(
+                args.plot,
+                title=f"{args.model} b{args.batch} s{args.seq} {args.dtype} on {ctx.profile.name}",
+            )
+    if args.json:
+        d = plan_dict(chosen, **context)
+        d["comparison"] = [
+            {
+                "strategy": name,
+                "note": note,
+                **(
+                    {}
+                    if p is None
+                    else {
+                        "predicted_peak_bytes": p.predicted_peak_bytes,
+                        "saved_bytes": p.saved_bytes,
+                        "recompute_flops": p.recompute_flops,
+                        "recompute_seconds": p.recompute_seconds,
+                    }
+                ),
+            }
+            for name, p, note in rows
+        ]
+        print(json.dumps(d, indent=2))
+        return 0
+    console.print(plan_table(rows, chosen, step_seconds, budget_bytes))
+    console.print(
+        f"[bold]chosen: {chosen.strategy}[/bold]: predicted peak {format_bytes(chosen.predicted_peak_bytes)}, "
+        f"recompute {chosen.recompute_flops_share:.1%} of forward FLOPs "
+        f"({chosen.recompute_seconds / step_seconds:+.1%} step time on {ctx.profile.name})\n{chosen.reason}"
+    )
+    regions = ", ".join(
+        r.modules[0]
+        + (f"..{r.modules[-1]}" if len(r.modules) > 1 else "")
+        + (f" (keeps {len(r.keep)} ops)" if r.keep else "")
+        for r in chosen.regions
+    )
+    console.print(f"checkpoint regions: {regions or 'none'}")
+    if args.out:
+        console.print(f"plan written to {args.out}")
+    if args.plot:
+        console.print(f"frontier plotted to {args.plot}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"[bold]remat demo[/bold]: activation memory of {DEFAULT_MODEL['model']} "
@@ -180,6 +264,44 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     est.add_argument("--top", type=int, default=12, help="rows in the by-module and by-op tables")
     est.set_defaults(func=cmd_estimate)
+    pl = sub.add_parser(
+        "plan",
+        help="choose what to keep and what to recompute under a memory budget",
+        epilog=EPILOG_PLAN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(pl)
+    pl.add_argument(
+        "--budget",
+        default="50%",
+        help="bytes (40GiB, 512MiB, 1e9) or a share: 50%% = fixed memory (params, grads, optimizer state) + 50%% of the rest of store-all's peak (default: %(default)s)",
+    )
+    pl.add_argument(
+        "--strategy",
+        default="auto",
+        help="auto (default), store_all, store_none, full, sqrt, chain_dp, selective:megatron, selective:save-matmuls, selective:torchtitan, mincut, milp",
+    )
+    pl.add_argument(
+        "--device", default="cpu", help="cost profile: cpu, a100, h100, h200 (default: %(default)s)"
+    )
+    pl.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default=None,
+        help="count optimizer state and step in the peak",
+    )
+    pl.add_argument(
+        "--json", action="store_true", help="print the chosen plan and the comparison as JSON"
+    )
+    pl.add_argument(
+        "--out", metavar="PLAN.json", help="write the chosen plan (Plan.from_json reads it back)"
+    )
+    pl.add_argument(
+        "--plot",
+        metavar="PARETO.png",
+        help="plot the memory / recompute frontier with the strategies marked",
+    )
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 

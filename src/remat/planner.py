@@ -491,6 +491,24 @@ def plan(
     return plan_in(ctx, budget, strategy)
 
 
+def compare(ctx: Context, budget_bytes: int) -> list[tuple[str, Plan | None, str]]:
+    """Every strategy at this budget: (name, plan or None, note) for the comparison table."""
+    rows = []
+    for name in STRATEGIES:
+        if name == "auto":
+            continue
+        try:
+            p = STRATEGIES[name](ctx, budget_bytes)
+        except InfeasibleBudget as e:
+            rows.append((name, None, str(e).split(";")[0]))
+            continue
+        note = "fits" if p.predicted_peak_bytes <= budget_bytes else "over budget"
+        if p.details.get("appliable") is False:
+            note += " (reference only: not appliable)"
+        rows.append((name, p, note))
+    return rows
+
+
 def plan_in(ctx: Context, budget: int | str, strategy: str) -> Plan:
     budget_bytes = resolve_budget(budget, ctx.estimate.fixed_bytes, ctx.estimate.peak_bytes)
     p = STRATEGIES[strategy](ctx, budget_bytes)
@@ -503,3 +521,77 @@ def plan_in(ctx: Context, budget: int | str, strategy: str) -> Plan:
             min_feasible_bytes=p.predicted_peak_bytes,
         )
     return p
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Plans along the budget axis: `points` are the non-dominated (peak, recompute seconds) of
+    `auto` over budgets; `named` is where each named strategy falls."""
+
+    points: tuple[Plan, ...]
+    named: tuple[Plan, ...]
+
+    def plot(self, path: str, title: str = "") -> str:
+        """A PNG of the frontier with the named strategies marked."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        gib = 2**30
+        xs = [p.predicted_peak_bytes / gib for p in self.points]
+        ys = [p.recompute_seconds * 1e3 for p in self.points]
+        ax.step(xs, ys, where="post", color="black", label="remat auto (frontier)")
+        ax.scatter(xs, ys, color="black", s=12)
+        for p in self.named:
+            ax.scatter(p.predicted_peak_bytes / gib, p.recompute_seconds * 1e3, s=40, marker="D")
+            ax.annotate(
+                p.strategy,
+                (p.predicted_peak_bytes / gib, p.recompute_seconds * 1e3),
+                fontsize=8,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.set_xlabel("predicted peak of the step (GiB)")
+        ax.set_ylabel(
+            f"predicted recompute time (ms, {self.points[0].device if self.points else ''})"
+        )
+        ax.set_title(title or "memory / recompute frontier")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def pareto(
+    graph: Graph | Context,
+    device: str | DeviceProfile = "cpu",
+    optimizer: Optimizer = None,
+    steps: int = 16,
+) -> Frontier:
+    """The frontier of (predicted peak, recompute seconds) over budgets from the lowest feasible
+    peak to store-all's, planned by `auto`, and the named strategies for comparison."""
+    ctx = graph if isinstance(graph, Context) else Context.from_graph(graph, device, optimizer)
+    low = lowest_peak(ctx).predicted_peak_bytes
+    high = ctx.estimate.peak_bytes
+    plans = []
+    for k in range(steps):
+        budget = int(low + (high - low) * k / max(steps - 1, 1))
+        try:
+            plans.append(auto(ctx, budget))
+        except InfeasibleBudget:
+            continue
+    named = [
+        STRATEGIES[name](ctx, high)
+        for name in FIXED
+        if ctx.blocks or name in ("store_all", "mincut")
+    ]
+    frontier, best = [], None
+    for p in sorted([*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds)):
+        if best is None or p.recompute_seconds < best - 1e-15:
+            frontier.append(p)
+            best = p.recompute_seconds
+    return Frontier(points=tuple(frontier), named=tuple(named))

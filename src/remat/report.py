@@ -98,3 +98,43 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
     for o in est.by_op[:top]:
         ops.add_row(o.op, str(o.count), format_bytes(o.saved_bytes))
     return [totals, modules, ops]
+
+
+def plan_table(rows, chosen, step_seconds: float, budget_bytes: int) -> Table:
+    """Strategies side by side at one budget: predicted peak, kept bytes, extra FLOPs, time."""
+    t = Table(title=f"Strategies at a budget of {format_bytes(budget_bytes)}", title_justify="left")
+    for col, just in [
+        ("strategy", "left"),
+        ("peak", "right"),
+        ("kept", "right"),
+        ("recompute FLOPs", "right"),
+        ("time overhead", "right"),
+        ("", "left"),
+    ]:
+        t.add_column(col, justify=just)
+    for name, p, note in rows:
+        if p is None:
+            t.add_row(name, "-", "-", "-", "-", f"[dim]{note}[/dim]")
+            continue
+        style = (
+            "bold green"
+            if chosen is not None
+            and p.strategy == chosen.strategy.removeprefix("auto (").removesuffix(")")
+            else ""
+        )
+        t.add_row(
+            f"[{style}]{name}[/{style}]" if style else name,
+            format_bytes(p.predicted_peak_bytes),
+            format_bytes(p.saved_bytes),
+            f"{p.recompute_flops_share:.1%}",
+            f"{p.recompute_seconds / step_seconds:+.1%}" if step_seconds else "-",
+            note,
+        )
+    return t
+
+
+def plan_dict(plan, **context) -> dict[str, Any]:
+    """The `remat plan --json` object."""
+    d = plan.to_dict()
+    d.pop("details", None)
+    return {**context, **d, "recompute_flops_share": plan.recompute_flops_share}

@@ -35,11 +35,28 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.errors import TraceError
 from remat.graph import Graph, ModuleCall, Node, Op, Saved, Storage, Tensor
+
+
+def _heads_as_query(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
+    """K/V shape with the query's head count: grouped-query attention costs as many FLOPs."""
+    return (kv.shape[0], q.shape[1], kv.shape[2], kv.shape[3])
+
+
+#: torch.utils.flop_counter has no formula for the CPU flash-attention kernels; count them with its
+#: own SDPA formulas, as it counts the CUDA flash kernels.
+_EXTRA_FLOPS: dict[str, Callable[..., int]] = {
+    "_scaled_dot_product_flash_attention_for_cpu": lambda q, k, v, *a, **kw: sdpa_flop_count(
+        q.shape, _heads_as_query(q, k), _heads_as_query(q, v)
+    ),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": lambda g, q, k, v, *a, **kw: (
+        sdpa_backward_flop_count(g.shape, q.shape, _heads_as_query(q, k), _heads_as_query(q, v))
+    ),
+}
 
 LOSS_SCOPE = "<loss>"
 BACKWARD_SCOPE = "<backward>"
@@ -250,6 +267,7 @@ class _Tracer(TorchDispatchMode):
         self.name_counts[(prefix, short)] += 1
         sep = "." if prefix else ""
         flop_fn = flop_registry.get(func._overloadpacket)
+        extra = _EXTRA_FLOPS.get(short)
         self.ops.append(
             {
                 "index": index,
@@ -259,7 +277,11 @@ class _Tracer(TorchDispatchMode):
                 "phase": self.phase,
                 "inputs": tuple(inputs),
                 "outputs": tuple(outputs),
-                "flops": int(flop_fn(*args, **kwargs, out_val=out)) if flop_fn else 0,
+                "flops": int(flop_fn(*args, **kwargs, out_val=out))
+                if flop_fn
+                else int(extra(*args, **kwargs))
+                if extra
+                else 0,
                 "node": self.current_node if self.phase == "backward" else None,
             }
         )
