@@ -29,7 +29,11 @@ def bench(name: str, budget: str = "50%") -> dict:
     ctx = Context.from_graph(graph, "h100")
     try:
         p = plan_in(ctx, budget, "auto")
-        result = {"strategy": p.strategy, "predicted_peak_bytes": p.predicted_peak_bytes, "budget_bytes": p.budget_bytes}
+        result = {
+            "strategy": p.strategy,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "budget_bytes": p.budget_bytes,
+        }
     except InfeasibleBudget as e:
         result = {"infeasible": str(e)}
     planned = time.perf_counter()
@@ -45,7 +49,11 @@ def bench(name: str, budget: str = "50%") -> dict:
     print(
         f"{name}: {row['ops']} ops, trace {row['trace_seconds']} s, plan {row['plan_seconds']} s "
         f"(target {row['target_seconds']} s): {result.get('strategy', result.get('infeasible'))}"
-        + (f", peak {format_bytes(result['predicted_peak_bytes'])} <= {format_bytes(result['budget_bytes'])}" if "strategy" in result else "")
+        + (
+            f", peak {format_bytes(result['predicted_peak_bytes'])} <= {format_bytes(result['budget_bytes'])}"
+            if "strategy" in result
+            else ""
+        )
     )
     return row
 
@@ -54,4 +62,8 @@ if __name__ == "__main__":
     names = sys.argv[1:] or list(TARGET_SECONDS)
     rows = [bench(n) for n in names]
     out = Path(__file__).parent / "results" / "plan_speed.json"
-    out.write_text(json.dumps({"machine": f"{platform.machine()} {platform.processor()}, cpu", "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"machine": f"{platform.machine()} {platform.processor()}, cpu", "rows": rows}, indent=2
+        )
+    )

@@ -9,14 +9,18 @@ from pathlib import Path
 
 import remat
 from remat import models
-from remat.plan import resolve_budget
 from remat.planner import STRATEGIES, Context, compare, pareto, plan_in
+from remat.plans import resolve_budget
 from remat.units import format_bytes
 
 CASES = [
     ("gpt2", {"batch": 8, "seq": 1024, "dtype": "fp32"}, "cpu"),
     ("llama-3.1-8b", {"batch": 1, "seq": 8192, "dtype": "bf16"}, "h100"),
-    ("megatron-gpt", {"batch": 1, "seq": 2048, "dtype": "bf16", "n_layers": 24, "d_model": 2048, "n_heads": 16}, "h100"),
+    (
+        "megatron-gpt",
+        {"batch": 1, "seq": 2048, "dtype": "bf16", "n_layers": 24, "d_model": 2048, "n_heads": 16},
+        "h100",
+    ),
 ]
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
@@ -45,16 +49,24 @@ def table(name: str, kw: dict, device: str) -> str:
             auto_note = f"infeasible: smallest feasible {format_bytes(e.min_feasible_bytes)}"
         for strategy, p, note in compare(ctx, budget):
             if p is None:
-                lines.append(f"| {share} ({format_bytes(budget)}) | {strategy} | - | - | - | - | {note} |")
+                lines.append(
+                    f"| {share} ({format_bytes(budget)}) | {strategy} | - | - | - | - | {note} |"
+                )
                 continue
-            mark = " **(auto)**" if chosen is not None and chosen.strategy == f"auto ({strategy})" else ""
+            mark = (
+                " **(auto)**"
+                if chosen is not None and chosen.strategy == f"auto ({strategy})"
+                else ""
+            )
             lines.append(
                 f"| {share} ({format_bytes(budget)}) | {strategy}{mark} | {format_bytes(p.predicted_peak_bytes)} | "
                 f"{format_bytes(p.saved_bytes)} | {p.recompute_flops / step_flops:.1%} | "
                 f"{p.recompute_seconds / step_seconds:.1%} | {note} |"
             )
         if chosen is None:
-            lines.append(f"| {share} ({format_bytes(budget)}) | auto | - | - | - | - | {auto_note} |")
+            lines.append(
+                f"| {share} ({format_bytes(budget)}) | auto | - | - | - | - | {auto_note} |"
+            )
     png = IMG / f"pareto-{name}.png"
     pareto(ctx).plot(str(png), title=f"{name} {kw} on {device}")
     lines += ["", f"![Pareto frontier of {name}](img/{png.name})", ""]

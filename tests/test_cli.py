@@ -104,7 +104,7 @@ def test_plan_json_has_the_documented_fields(capsys, tmp_path):
     assert out["predicted_peak_bytes"] <= out["budget_bytes"]
     assert {"name", "op", "bytes"} <= set(out["saved"][0])
     assert {row["strategy"] for row in out["comparison"]} >= {"store_all", "full", "sqrt", "milp"}
-    from remat.plan import Plan
+    from remat.plans import Plan
 
     assert Plan.from_json(out_file.read_text()).predicted_peak_bytes == out["predicted_peak_bytes"]
 

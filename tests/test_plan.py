@@ -9,8 +9,8 @@ import torch
 import remat
 from remat import models
 from remat.errors import InfeasibleBudget
-from remat.plan import Plan
 from remat.planner import Context, plan, plan_in
+from remat.plans import Plan
 from remat.solvers.mincut import cut_cost, mincut
 
 

@@ -4,10 +4,13 @@ Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstim
 apply -> `measure` (the independent ground truth) -> report.
 """
 
+from remat.apply import apply, auto, remove
 from remat.errors import InfeasibleBudget, RematError, TraceError, UnknownModelError
 from remat.estimate import MemoryEstimate, estimate
 from remat.graph import Graph
 from remat.measure import Measurement, measure
+from remat.planner import pareto, plan
+from remat.plans import Plan
 from remat.trace import trace
 
 __all__ = [
@@ -15,11 +18,17 @@ __all__ = [
     "InfeasibleBudget",
     "Measurement",
     "MemoryEstimate",
+    "Plan",
     "RematError",
     "TraceError",
     "UnknownModelError",
+    "apply",
+    "auto",
     "estimate",
     "measure",
+    "pareto",
+    "plan",
+    "remove",
     "trace",
 ]
 __version__ = "0.1.0"

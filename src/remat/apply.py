@@ -9,9 +9,8 @@ means that call, on every run.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from torch.utils.checkpoint import (
 
 from remat.errors import RematError
 from remat.graph import Graph
-from remat.plan import Plan
+from remat.plans import Plan
 from remat.schedule import Region
 
 _ORIGINAL = "_remat_original_forward"
@@ -51,45 +50,49 @@ def _policy_factory(targets: list[str], keep: list[bool]) -> Callable[[], Any]:
     return context_fn
 
 
-@contextlib.contextmanager
-def _batchnorm_stats_restored(modules: list[nn.Module]) -> Iterator[None]:
-    """Recomputation re-runs BatchNorm in training mode, which would update its running statistics
-    a second time; put them back so they move once per step, as without checkpointing."""
-    norms = [
+def _batchnorms(modules: list[nn.Module]) -> list[nn.Module]:
+    return [
         m
         for root in modules
         for m in root.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm)
     ]
-    saved = [[b.detach().clone() for b in m.buffers()] for m in norms]
-    try:
-        yield
-    finally:
+
+
+def _restore_batchnorm_after_backward(norms: list[nn.Module], args: tuple) -> None:
+    """Recomputation re-runs BatchNorm in training mode and updates its running statistics a
+    second time. Snapshot them now, after the region's forward, and put them back once the
+    region's backward (and so its recomputation) is done: when its input's gradient arrives.
+    Nothing here may run inside recomputation, whose op stream must match the forward's."""
+    anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if anchor is None:
+        return
+    snapshot = [[b.detach().clone() for b in m.buffers()] for m in norms]
+
+    def restore(grad):
         with torch.no_grad():
-            for m, buffers in zip(norms, saved, strict=True):
+            for m, buffers in zip(norms, snapshot, strict=True):
                 for b, old in zip(m.buffers(), buffers, strict=True):
                     b.copy_(old)
+        return grad
+
+    anchor.register_hook(restore)
 
 
 def _checkpointed(
     run: Callable[..., Any], modules: list[nn.Module], context_fn
 ) -> Callable[..., Any]:
-    calls = {"n": 0}
-
-    def recomputable(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 1:  # the forward itself
-            return run(*args, **kwargs)
-        with _batchnorm_stats_restored(modules):
-            return run(*args, **kwargs)
+    norms = _batchnorms(modules)
 
     @functools.wraps(run)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)  # inference: nothing to save, no overhead
-        calls["n"] = 0
         kw = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(recomputable, *args, use_reentrant=False, **kw, **kwargs)
+        out = checkpoint(run, *args, use_reentrant=False, **kw, **kwargs)
+        if norms:
+            _restore_batchnorm_after_backward(norms, args)
+        return out
 
     return forward
 
@@ -150,6 +153,26 @@ def remove(model: nn.Module) -> nn.Module:
             if "forward" in vars(m) and m.forward is type(m).forward.__get__(m):
                 del m.forward
     return model
+
+
+def auto(
+    model: nn.Module,
+    *example_inputs: Any,
+    budget: int | str = "50%",
+    strategy: str = "auto",
+    device: str = "cpu",
+    optimizer: str | None = None,
+    **kwargs: Any,
+) -> Plan:
+    """Trace one step of `model(*example_inputs, **kwargs)` on fake tensors, plan under `budget`
+    and apply the plan in place: the one line to add to a training script. Returns the plan."""
+    from remat.planner import plan
+    from remat.trace import trace
+
+    graph = trace(model, *example_inputs, **kwargs)
+    chosen = plan(graph, budget=budget, strategy=strategy, device=device, optimizer=optimizer)
+    apply(model, chosen, graph)
+    return chosen
 
 
 def regions_for_blocks(

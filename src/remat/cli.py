@@ -150,8 +150,8 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    from remat.plan import resolve_budget
     from remat.planner import STRATEGIES, Context, compare, pareto, plan_in
+    from remat.plans import resolve_budget
     from remat.report import plan_dict, plan_table
     from remat.units import format_bytes
 

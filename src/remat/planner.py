@@ -17,11 +17,11 @@ from remat.cost import DeviceProfile, get_profile, is_matmul, op_seconds_all
 from remat.errors import InfeasibleBudget
 from remat.estimate import MemoryEstimate, Optimizer, estimate
 from remat.graph import Graph, ModuleCall
-from remat.plan import Plan, build_plan, resolve_budget
+from remat.plans import Plan, build_plan, resolve_budget
 from remat.schedule import Region, Simulation, simulate
 from remat.solvers import chain as chain_solver
 from remat.solvers.mincut import mincut as traffic_mincut
-from remat.solvers.selective import POLICIES
+from remat.solvers.selective import POLICIES, without_mutated
 from remat.units import format_bytes
 
 BLOCK_OPTIONS = ("store", "full", *(f"selective:{p}" for p in POLICIES))
@@ -91,7 +91,8 @@ class Context:
             keep: tuple[str, ...] = ()
             if option.startswith("selective:"):
                 ops = self.graph.ops[first.first_op : last.last_op + 1]
-                keep = tuple(sorted(POLICIES[option.split(":", 1)[1]](self.graph, ops)))
+                policy = POLICIES[option.split(":", 1)[1]]
+                keep = tuple(sorted(without_mutated(self.graph, ops, policy(self.graph, ops))))
             out.append(
                 Region(
                     tuple(self.blocks[i].path for i in group), first.first_op, last.last_op, keep
@@ -308,29 +309,15 @@ def mincut(ctx: Context, budget: int) -> Plan:
     which in eager mode would re-run every matmul."""
     cut = traffic_mincut(ctx.graph, never_recompute=is_matmul)
     saved = {name.split(":")[0] for name in cut.saved}
-    if ctx.blocks:
-        regions = tuple(
-            Region(
-                (c.path,),
-                c.first_op,
-                c.last_op,
-                tuple(
-                    sorted(
-                        op.name
-                        for op in ctx.graph.ops[c.first_op : c.last_op + 1]
-                        if op.name in saved
-                    )
-                ),
-            )
-            for c in ctx.blocks
-        )
-    else:
-        fwd = ctx.graph.forward_ops
-        regions = (
-            Region(
-                ("",), 0, len(fwd) - 1, tuple(sorted(op.name for op in fwd if op.name in saved))
-            ),
-        )
+    spans = [((c.path,), c.first_op, c.last_op) for c in ctx.blocks] or [
+        (("",), 0, len(ctx.graph.forward_ops) - 1)
+    ]
+    regions = []
+    for modules, first, last in spans:
+        ops = ctx.graph.ops[first : last + 1]
+        keep = without_mutated(ctx.graph, ops, {op.name for op in ops if op.name in saved})
+        regions.append(Region(modules, first, last, tuple(sorted(keep))))
+    regions = tuple(regions)
     return ctx.plan(regions, "mincut", budget, cut.reason, cut_cost_bytes=cut.cut_cost_bytes)
 
 

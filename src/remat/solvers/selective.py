@@ -95,3 +95,21 @@ POLICIES: dict[str, Policy] = {
     "save-matmuls": save_matmuls,
     "torchtitan": torchtitan,
 }
+
+
+def without_mutated(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
+    """Selective checkpointing caches a kept op's output tensor and refuses it when the region
+    modifies it in place (a ResNet's `relu_` or `+=`), in-place outputs included: storages written
+    in place inside the region are recomputed, never kept."""
+    written = {
+        graph.tensors[t].storage
+        for op in ops
+        if op.short.endswith("_")
+        for t in op.outputs
+        if graph.tensors[t].storage in {graph.tensors[i].storage for i in op.inputs}
+    }
+    return {
+        op.name
+        for op in ops
+        if op.name in keep and not any(graph.tensors[t].storage in written for t in op.outputs)
+    }
