@@ -132,3 +132,50 @@ def test_plan_plots_the_frontier(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_measures_each_strategy_and_writes_the_documented_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run(
+        "bench",
+        "--model",
+        "gpt2",
+        "--tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--budget",
+        "1000%",
+        "--strategies",
+        "full,selective:torchtitan,torch:checkpoint-per-block,hf:gradient_checkpointing",
+        "--steps",
+        "1",
+        "--json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {
+        "store_all",
+        "full",
+        "selective:torchtitan",
+        "torch:checkpoint-per-block",
+        "hf:gradient_checkpointing",
+    }
+    for name in ("store_all", "full", "selective:torchtitan", "torch:checkpoint-per-block"):
+        row = rows[name]
+        for key in (
+            "saved_bytes",
+            "peak_bytes",
+            "predicted_peak_bytes",
+            "step_seconds",
+            "time_ratio",
+            "grad_max_abs_diff",
+        ):
+            assert key in row
+        assert row["grad_max_abs_diff"] == 0.0
+    assert rows["full"]["peak_bytes"] == pytest.approx(
+        rows["full"]["predicted_peak_bytes"], rel=0.05
+    )
+    assert rows["hf:gradient_checkpointing"]["note"] == "not a Hugging Face model"

@@ -16,6 +16,16 @@ from remat.errors import InfeasibleBudget, RematError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_MODEL = {"model": "gpt2", "batch": 4, "seq": 256, "dtype": "fp32"}
+#: The demo's model: GPT-2's architecture, narrowed so a real training step takes about a second
+#: on a 2-core CPU and activations dominate (so a 50% budget has room to work).
+DEMO = {
+    "model": "gpt2",
+    "batch": 4,
+    "seq": 256,
+    "dtype": "fp32",
+    "set": ["n_layer=6", "n_embd=256", "n_head=8", "vocab_size=4096"],
+}
+DEMO_STRATEGIES = "store_all,full,sqrt,auto,torch:checkpoint-per-block"
 
 EPILOG = """\
 models:  a preset (remat estimate --model list), a Hugging Face type (hf:gpt2, hf:llama; needs
@@ -220,22 +230,99 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import Progress
+
+    from remat import models
+    from remat.bench import bench
+    from remat.planner import Context
+    from remat.report import bench_table, plot_bench
+
+    graph, _ = _trace_model(args, console)
+    ctx = Context.from_graph(graph, args.device_profile)
+    model, inputs = models.build(
+        args.model,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=DTYPES[args.dtype],
+        device=args.device,
+        tiny=args.tiny,
+        **_parse_overrides(args.set),
+    )
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("measuring", total=len(set(strategies) | {"store_all"}))
+
+        def advance(name: str) -> None:
+            bar.update(task, advance=1, description=f"measuring {name}")
+
+        rows = bench(
+            model, inputs, ctx, strategies, budget=args.budget, steps=args.steps, progress=advance
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "model": args.model,
+                    "batch": args.batch,
+                    "seq": args.seq,
+                    "dtype": args.dtype,
+                    "device": args.device,
+                    "budget": args.budget,
+                    "rows": [r.to_dict() for r in rows],
+                },
+                f,
+                indent=2,
+            )
     console.print(
-        f"[bold]remat demo[/bold]: activation memory of {DEFAULT_MODEL['model']} "
-        f"(batch {DEFAULT_MODEL['batch']}, seq {DEFAULT_MODEL['seq']}, {DEFAULT_MODEL['dtype']}), "
-        "traced on fake tensors"
+        bench_table(
+            rows,
+            title=f"{args.model} b{args.batch} s{args.seq} {args.dtype} on {args.device}, budget {args.budget}",
+        )
     )
-    ns = argparse.Namespace(
-        **DEFAULT_MODEL,
-        tiny=False,
-        set=[],
-        trace_device="meta",
-        optimizer="adamw",
-        json=False,
-        top=8,
+    if args.plot:
+        plot_bench(rows, ctx, args.plot)
+        console.print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = {**DEMO, "tiny": False, "trace_device": "meta", "optimizer": None}
+    console.rule("1. estimate: activation memory and the peak of a training step (fake tensors)")
+    cmd_estimate(argparse.Namespace(**common, json=False, top=6), console)
+    console.rule("2. plan: every strategy at a 50% budget, and the Pareto frontier")
+    cmd_plan(
+        argparse.Namespace(
+            **common,
+            budget="50%",
+            strategy="auto",
+            device="cpu",
+            json=False,
+            out=str(out / "plan.json"),
+            plot=str(out / "pareto.png"),
+        ),
+        console,
     )
-    return cmd_estimate(ns, console)
+    console.rule("3. apply and measure: real CPU steps, side by side with the baselines")
+    cmd_bench(
+        argparse.Namespace(
+            **common,
+            budget="50%",
+            strategies=DEMO_STRATEGIES,
+            device="cpu",
+            device_profile="cpu",
+            steps=2,
+            json=str(out / "bench.json"),
+            plot=str(out / "bench.png"),
+        ),
+        console,
+    )
+    console.print(f"[bold]results in {out}/[/bold]: plan.json, pareto.png, bench.json, bench.png")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,7 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the pipeline on the built-in default model")
+    demo = sub.add_parser(
+        "demo",
+        help="the whole pipeline on a built-in model, in about a minute: estimate, plan, apply, measure",
+    )
+    demo.add_argument(
+        "--out",
+        default="remat-demo",
+        help="folder for the plan, table and plots (default: %(default)s)",
+    )
     demo.set_defaults(func=cmd_demo)
     est = sub.add_parser(
         "estimate",
@@ -302,12 +397,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="plot the memory / recompute frontier with the strategies marked",
     )
     pl.set_defaults(func=cmd_plan)
+    be = sub.add_parser(
+        "bench", help="apply each strategy to the real model and measure peak, time and gradients"
+    )
+    _add_model_args(be)
+    be.add_argument(
+        "--budget", default="50%", help="budget for the budgeted strategies (default: %(default)s)"
+    )
+    be.add_argument(
+        "--strategies",
+        default="store_all,full,sqrt,selective:megatron,chain_dp,auto,torch:checkpoint-per-block,torch:checkpoint_sequential,hf:gradient_checkpointing",
+        help="comma-separated strategies and baselines",
+    )
+    be.add_argument(
+        "--device",
+        default="cpu",
+        help="where the real model runs: cpu or cuda (default: %(default)s)",
+    )
+    be.add_argument(
+        "--device-profile", default="cpu", help="cost profile for planning (cpu, a100, h100, h200)"
+    )
+    be.add_argument(
+        "--steps", type=int, default=3, help="timed steps per strategy (default: %(default)s)"
+    )
+    be.add_argument("--json", metavar="OUT.json", help="write the rows as JSON")
+    be.add_argument("--plot", metavar="OUT.png", help="measured points on the predicted frontier")
+    be.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: rich would assume 80 columns
+        console = Console(width=120)
     err = Console(stderr=True)
     try:
         return args.func(args, console)

@@ -138,3 +138,66 @@ def plan_dict(plan, **context) -> dict[str, Any]:
     d = plan.to_dict()
     d.pop("details", None)
     return {**context, **d, "recompute_flops_share": plan.recompute_flops_share}
+
+
+def bench_table(rows, title: str) -> Table:
+    """Measured against predicted, per strategy, with store_all as the reference."""
+    t = Table(title=title, title_justify="left")
+    for col in ("strategy", "saved MiB", "peak MiB", "predicted", "step ms", "ratio", "grad diff"):
+        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    mib = 2**20
+    for r in rows:
+        if r.peak_bytes is None:
+            t.add_row(r.strategy, "-", "-", "-", "-", "-", f"[dim]{r.note[:40]}[/dim]")
+            continue
+        t.add_row(
+            r.strategy,
+            f"{r.saved_bytes / mib:.1f}",
+            f"{r.peak_bytes / mib:.1f}",
+            f"{r.predicted_peak_bytes / mib:.1f}" if r.predicted_peak_bytes else "-",
+            f"{r.step_seconds * 1e3:.0f}",
+            f"{r.time_ratio:.2f}x" if r.time_ratio else "-",
+            f"{r.grad_max_abs_diff:.1e}",
+        )
+    return t
+
+
+def plot_bench(rows, ctx, path: str) -> str:
+    """Measured (peak, step-time ratio) of each row over remat's predicted frontier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from remat.planner import pareto
+
+    frontier = pareto(ctx)
+    step = sum(ctx.op_seconds)
+    mib = 2**20
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.step(
+        [p.predicted_peak_bytes / mib for p in frontier.points],
+        [1 + p.recompute_seconds / step for p in frontier.points],
+        where="post",
+        color="black",
+        label="predicted frontier (remat auto)",
+    )
+    for r in rows:
+        if r.peak_bytes is None or r.time_ratio is None:
+            continue
+        ax.scatter(r.peak_bytes / mib, r.time_ratio, s=40, marker="o")
+        ax.annotate(
+            r.strategy,
+            (r.peak_bytes / mib, r.time_ratio),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("peak of the step (MiB): measured points, predicted line")
+    ax.set_ylabel("step time / store_all")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
