@@ -1,0 +1,163 @@
+"""Plans applied to real eager models: same gradients as store-all, and the peak they predicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import models
+from remat.planner import Context, plan_in
+
+SMALL = {"resnet50": {"batch": 4, "image_size": 64}, "mlp-chain-16": {"batch": 8}}
+ZOO = [n for n in models.preset_names() if not n.startswith("mlp-chain")] + ["mlp-chain-16"]
+STRATEGIES = [
+    "full",
+    "sqrt",
+    "selective:megatron",
+    "selective:save-matmuls",
+    "selective:torchtitan",
+    "mincut",
+]
+
+
+def _build(name: str):
+    kw = {"batch": 2, "seq": 32, **SMALL.get(name, {})}
+    return models.build(name, device="cpu", tiny=True, **kw)
+
+
+def _grads(model: nn.Module, inputs, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    out = model(*inputs)
+    out.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", [*ZOO, "hf:gpt2", "hf:llama"])
+def test_every_strategy_gives_store_alls_gradients(name):
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, inputs = _build(name)
+    graph = remat.trace(model, *inputs)
+    ctx = Context.from_graph(graph)
+    reference = _grads(model, inputs)
+    for strategy in STRATEGIES:
+        plan = plan_in(ctx, "1000%", strategy)
+        remat.apply(model, plan, graph)
+        _assert_same(_grads(model, inputs), reference)
+        remat.remove(model)
+    _assert_same(_grads(model, inputs), reference)  # remove() restored the model
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama-3.2-1b", "megatron-gpt", "resnet50", "mlp-chain-16"]
+)
+@pytest.mark.parametrize("strategy", ["full", "sqrt", "selective:torchtitan"])
+def test_measured_peak_matches_the_plans_prediction(name, strategy):
+    torch.manual_seed(0)
+    model, inputs = _build(name)
+    graph = remat.trace(model, *inputs)
+    plan = plan_in(Context.from_graph(graph), "1000%", strategy)
+    remat.apply(model, plan, graph)
+    measured = remat.measure(model, *inputs)
+    remat.remove(model)
+    assert plan.predicted_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+
+
+def test_dropout_is_recomputed_with_the_same_random_mask():
+    torch.manual_seed(0)
+    model, inputs = models.build("megatron-gpt", batch=2, seq=32, device="cpu", tiny=True)
+    graph = remat.trace(model, *inputs)
+    reference = _grads(model, inputs, seed=7)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    _assert_same(_grads(model, inputs, seed=7), reference)
+
+
+def test_batchnorm_running_statistics_move_once_per_step():
+    torch.manual_seed(0)
+    model, inputs = _build("resnet50")
+    graph = remat.trace(model, *inputs)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    _grads(model, inputs)
+    once = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(plain)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    _grads(model, inputs)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, once[k], msg=k)
+
+
+def test_inference_under_no_grad_runs_the_plain_forward():
+    torch.manual_seed(0)
+    model, inputs = _build("gpt2")
+    graph = remat.trace(model, *inputs)
+    with torch.no_grad():
+        expected = model(*inputs)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    calls = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    try:
+        torch.utils.checkpoint.checkpoint = lambda *a, **k: calls.append(1) or checkpoint(*a, **k)
+        with torch.no_grad():
+            got = model(*inputs)
+    finally:
+        torch.utils.checkpoint.checkpoint = checkpoint
+    assert calls == []
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_second_backward_through_a_recomputed_region_raises_clearly():
+    torch.manual_seed(0)
+    model, inputs = _build("gpt2")
+    graph = remat.trace(model, *inputs)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    loss = model(*inputs).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+def test_autocast_bf16_on_cpu_keeps_gradients_equal():
+    torch.manual_seed(0)
+    model, inputs = _build("llama-3.2-1b")
+    graph = remat.trace(model, *inputs)
+
+    def grads():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _grads(model, inputs)
+
+    reference = grads()
+    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    _assert_same(grads(), reference)
+
+
+def test_plan_from_json_applies_to_a_fresh_model():
+    torch.manual_seed(0)
+    model, inputs = _build("gpt2")
+    graph = remat.trace(model, *inputs)
+    plan = plan_in(Context.from_graph(graph), "1000%", "selective:torchtitan")
+    fresh, _ = _build("gpt2")
+    fresh.load_state_dict(model.state_dict())
+    reference = _grads(model, inputs)
+    remat.apply(fresh, remat.Plan.from_json(plan.to_json()), graph)
+    _assert_same(_grads(fresh, inputs), reference)
+
+
+def test_auto_traces_plans_and_applies_in_one_call():
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", batch=8, seq=128, device="cpu", tiny=True, n_layer=4)
+    reference = _grads(model, inputs)
+    plan = remat.auto(model, *inputs, budget="90%")
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    _assert_same(_grads(model, inputs), reference)
