@@ -120,6 +120,7 @@ def test_plan_round_trips_through_json_and_explains_every_saved_tensor(gpt2_ctx)
     assert {r["decision"] for r in rows} == {"keep", "recompute"}
     assert all(r["why"] for r in rows)
     assert sum(r["bytes"] for r in rows if r["decision"] == "recompute") > 0
+    assert all(r["recompute_seconds"] > 0 for r in rows if r["decision"] == "recompute")
 
 
 def test_unknown_strategy_names_the_choices():

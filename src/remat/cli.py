@@ -162,7 +162,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from remat.planner import STRATEGIES, Context, compare, pareto, plan_in
     from remat.plans import resolve_budget
-    from remat.report import plan_dict, plan_table
+    from remat.report import explain_table, plan_dict, plan_table
     from remat.units import format_bytes
 
     if args.strategy not in STRATEGIES:
@@ -211,6 +211,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(d, indent=2))
         return 0
     console.print(plan_table(rows, chosen, step_seconds, budget_bytes))
+    if args.explain:
+        console.print(explain_table(chosen.explain(graph)))
     console.print(
         f"[bold]chosen: {chosen.strategy}[/bold]: predicted peak {format_bytes(chosen.predicted_peak_bytes)}, "
         f"recompute {chosen.recompute_flops_share:.1%} of forward FLOPs "
@@ -302,6 +304,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
             strategy="auto",
             device="cpu",
             json=False,
+            explain=False,
             out=str(out / "plan.json"),
             plot=str(out / "pareto.png"),
         ),
@@ -387,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument(
         "--json", action="store_true", help="print the chosen plan and the comparison as JSON"
+    )
+    pl.add_argument(
+        "--explain",
+        action="store_true",
+        help="print, for the largest saved tensors, whether each is kept or recomputed and why",
     )
     pl.add_argument(
         "--out", metavar="PLAN.json", help="write the chosen plan (Plan.from_json reads it back)"

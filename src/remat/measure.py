@@ -19,11 +19,8 @@ the loss stay referenced until the step ends, as in a loop that writes `out = mo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import statistics
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -36,6 +33,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from remat.errors import RematError
+from remat.quiet import quiet_fd
 
 __all__ = ["Measurement", "measure", "saved_tensor_bytes"]
 
@@ -294,32 +292,17 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """The profiler's C++ side prints a line to stderr when it starts and stops; hide only those."""
-    sys.stderr.flush()
-    saved_fd = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved_fd, 2)
-        os.close(devnull)
-        os.close(saved_fd)
-
-
 def _cpu_memory_step(step: _TrainingStep, saved: _SavedStorages) -> tuple[int, int]:
     """Run `step` under the profiler; return (retained, peak) bytes allocated within it."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
+    with quiet_fd(2):
         prof.__enter__()
     try:
         with record_function(_FORWARD_RANGE), saved.hooks():
             out, loss = step.forward()  # both stay live until the step is over
         step.backward(loss)
     finally:
-        with _quiet_stderr():
+        with quiet_fd(2):
             prof.__exit__(None, None, None)
     events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD_RANGE)

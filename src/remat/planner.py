@@ -18,6 +18,7 @@ from remat.errors import InfeasibleBudget
 from remat.estimate import MemoryEstimate, Optimizer, estimate
 from remat.graph import Graph, ModuleCall
 from remat.plans import Plan, build_plan, resolve_budget
+from remat.quiet import quiet_fd
 from remat.schedule import Region, Simulation, simulate
 from remat.solvers import chain as chain_solver
 from remat.solvers.mincut import mincut as traffic_mincut
@@ -378,7 +379,8 @@ def milp(ctx: Context, budget: int) -> Plan:
     problem = ctx.block_problem()
 
     def solve(target: int):
-        res = milp_solver.milp(problem, target)
+        with quiet_fd(1):
+            res = milp_solver.milp(problem, target)
         regions = tuple(
             r
             for b, name in enumerate(res.option_names[1:])
@@ -409,7 +411,8 @@ def lowest_peak(ctx: Context) -> Plan:
         from remat.solvers import milp as milp_solver
 
         problem = ctx.block_problem()
-        res = milp_solver.milp(problem, milp_solver.min_peak(problem))
+        with quiet_fd(1):
+            res = milp_solver.milp(problem, milp_solver.min_peak(problem))
         regions = tuple(
             r
             for b, name in enumerate(res.option_names[1:])

@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from remat.cost import PROFILES, op_seconds_all
 from remat.graph import Graph
 from remat.schedule import Region, simulate
 from remat.units import format_bytes, parse_bytes
@@ -68,8 +69,10 @@ class Plan:
         return cls(**d)
 
     def explain(self, graph: Graph) -> list[dict[str, Any]]:
-        """Every activation autograd saves in store-all, with what this plan does with it and why."""
-        op_seconds = self.details.get("op_seconds")
+        """Every activation autograd saves in store-all, with what this plan does with it, what
+        recomputing it costs on the plan's device profile, and why."""
+        profile = PROFILES.get(self.device, PROFILES["cpu"])
+        op_seconds = op_seconds_all(graph, profile)
         kept = {s.name for s in self.saved}
         recomputed = set(self.recomputed)
         rows = []
@@ -94,7 +97,7 @@ class Plan:
                     "bytes": graph.storages[sid].nbytes,
                     "decision": "recompute" if name in recomputed else "keep",
                     "recompute_seconds": op_seconds[producer.index]
-                    if op_seconds and producer is not None
+                    if producer is not None
                     else 0.0,
                     "why": why,
                 }
@@ -157,7 +160,7 @@ def build_plan(
         reason=reason,
         saved=tuple(saved),
         recomputed=tuple(recomputed),
-        details={**(details or {}), "op_seconds": None},
+        details=details or {},
     )
 
 

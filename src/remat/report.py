@@ -201,3 +201,28 @@ def plot_bench(rows, ctx, path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def explain_table(rows: list[dict[str, Any]], top: int = 25) -> Table:
+    """The plan's decision for the largest saved tensors."""
+    t = Table(
+        title=f"Decisions, largest {min(top, len(rows))} of {len(rows)} saved tensors",
+        title_justify="left",
+    )
+    for col, just in [
+        ("tensor", "left"),
+        ("bytes", "right"),
+        ("decision", "left"),
+        ("recompute", "right"),
+        ("why", "left"),
+    ]:
+        t.add_column(col, justify=just, no_wrap=col != "why")
+    for r in sorted(rows, key=lambda r: -r["bytes"])[:top]:
+        t.add_row(
+            r["name"],
+            format_bytes(r["bytes"]),
+            r["decision"],
+            f"{r['recompute_seconds'] * 1e6:.0f} us",
+            r["why"],
+        )
+    return t
