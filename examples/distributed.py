@@ -51,7 +51,7 @@ def main() -> None:
 
     model, (ids,) = build()
     graph = remat.trace(model, ids)
-    remat.apply(model, remat.plan(graph, budget="1000%", strategy=args.strategy), graph)
+    remat.apply(model, remat.plan(graph, budget="1TiB", strategy=args.strategy))
     if args.mode == "ddp":
         wrapped = DistributedDataParallel(model)
     else:

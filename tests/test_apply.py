@@ -53,26 +53,36 @@ def test_every_strategy_gives_store_alls_gradients(name):
     ctx = Context.from_graph(graph)
     reference = _grads(model, inputs)
     for strategy in STRATEGIES:
-        plan = plan_in(ctx, "1000%", strategy)
-        remat.apply(model, plan, graph)
+        plan = plan_in(ctx, "1TiB", strategy)
+        remat.apply(model, plan)
         _assert_same(_grads(model, inputs), reference)
         remat.remove(model)
     _assert_same(_grads(model, inputs), reference)  # remove() restored the model
 
 
-@pytest.mark.parametrize(
-    "name", ["gpt2", "llama-3.2-1b", "megatron-gpt", "resnet50", "mlp-chain-16"]
-)
-@pytest.mark.parametrize("strategy", ["full", "sqrt", "selective:torchtitan"])
-def test_measured_peak_matches_the_plans_prediction(name, strategy):
+KNOWN_GAPS = {
+    # Predicted 1,327,496 B, measured 1,218,968 B (+9%): the simulation's model of when torch's
+    # non-reentrant checkpoint triggers recomputation and where its early stop falls is off for
+    # regions whose kept and recomputed tensors interleave (attention core recomputed, its
+    # neighbours kept). Open item; strict, so fixing it flips this test.
+    ("megatron-gpt", "selective:megatron"),
+}
+
+
+@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_measured_peak_matches_the_plans_prediction(name, strategy, request):
+    if (name, strategy) in KNOWN_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known simulation gap"))
     torch.manual_seed(0)
     model, inputs = _build(name)
     graph = remat.trace(model, *inputs)
-    plan = plan_in(Context.from_graph(graph), "1000%", strategy)
-    remat.apply(model, plan, graph)
+    plan = plan_in(Context.from_graph(graph), "1TiB", strategy)
+    remat.apply(model, plan)
     measured = remat.measure(model, *inputs)
     remat.remove(model)
     assert plan.predicted_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+    assert plan.retained_bytes == pytest.approx(measured.retained_bytes, rel=0.02)
 
 
 def test_dropout_is_recomputed_with_the_same_random_mask():
@@ -80,7 +90,7 @@ def test_dropout_is_recomputed_with_the_same_random_mask():
     model, inputs = models.build("megatron-gpt", batch=2, seq=32, device="cpu", tiny=True)
     graph = remat.trace(model, *inputs)
     reference = _grads(model, inputs, seed=7)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
     _assert_same(_grads(model, inputs, seed=7), reference)
 
 
@@ -92,7 +102,7 @@ def test_batchnorm_running_statistics_move_once_per_step():
     _grads(model, inputs)
     once = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(plain)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
     _grads(model, inputs)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, once[k], msg=k)
@@ -104,7 +114,7 @@ def test_inference_under_no_grad_runs_the_plain_forward():
     graph = remat.trace(model, *inputs)
     with torch.no_grad():
         expected = model(*inputs)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
     calls = []
     checkpoint = torch.utils.checkpoint.checkpoint
     try:
@@ -121,7 +131,7 @@ def test_a_second_backward_through_a_recomputed_region_raises_clearly():
     torch.manual_seed(0)
     model, inputs = _build("gpt2")
     graph = remat.trace(model, *inputs)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
     loss = model(*inputs).sum()
     loss.backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -138,7 +148,7 @@ def test_autocast_bf16_on_cpu_keeps_gradients_equal():
             return _grads(model, inputs)
 
     reference = grads()
-    remat.apply(model, plan_in(Context.from_graph(graph), "1000%", "full"), graph)
+    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
     _assert_same(grads(), reference)
 
 
@@ -146,11 +156,11 @@ def test_plan_from_json_applies_to_a_fresh_model():
     torch.manual_seed(0)
     model, inputs = _build("gpt2")
     graph = remat.trace(model, *inputs)
-    plan = plan_in(Context.from_graph(graph), "1000%", "selective:torchtitan")
+    plan = plan_in(Context.from_graph(graph), "1TiB", "selective:torchtitan")
     fresh, _ = _build("gpt2")
     fresh.load_state_dict(model.state_dict())
     reference = _grads(model, inputs)
-    remat.apply(fresh, remat.Plan.from_json(plan.to_json()), graph)
+    remat.apply(fresh, remat.Plan.from_json(plan.to_json()))
     _assert_same(_grads(fresh, inputs), reference)
 
 

@@ -146,7 +146,7 @@ def test_bench_measures_each_strategy_and_writes_the_documented_rows(tmp_path):
         "--seq",
         "32",
         "--budget",
-        "1000%",
+        "1TiB",
         "--strategies",
         "full,selective:torchtitan,torch:checkpoint-per-block,hf:gradient_checkpointing",
         "--steps",

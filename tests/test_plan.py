@@ -49,9 +49,9 @@ def test_sqrt_articles_table_on_mlp_chains():
         ctx = Context.from_graph(remat.trace(model, *inputs))
         fixed = ctx.estimate.fixed_bytes
         for name in memory:
-            memory[name].append(plan_in(ctx, "1000%", name).predicted_peak_bytes - fixed)
+            memory[name].append(plan_in(ctx, "1TiB", name).predicted_peak_bytes - fixed)
         for name in recompute:
-            recompute[name].append(plan_in(ctx, "1000%", name).recompute_flops)
+            recompute[name].append(plan_in(ctx, "1TiB", name).recompute_flops)
         forward.append(sum(op.flops for op in ctx.graph.forward_ops))
     assert _fit_exponent(ns, memory["store_all"]) == pytest.approx(1.0, abs=0.1)
     assert _fit_exponent(ns, memory["sqrt"]) == pytest.approx(0.5, abs=0.1)
@@ -82,7 +82,7 @@ def test_budgeted_plans_fit_and_never_grow_as_the_budget_shrinks(gpt2_ctx, strat
 
 
 def test_fixed_strategies_refuse_a_budget_they_exceed_and_name_their_peak(gpt2_ctx):
-    full = plan_in(gpt2_ctx, "1000%", "full")
+    full = plan_in(gpt2_ctx, "1TiB", "full")
     with pytest.raises(InfeasibleBudget) as err:
         plan_in(gpt2_ctx, full.predicted_peak_bytes - 1, "full")
     assert err.value.min_feasible_bytes == full.predicted_peak_bytes

@@ -4,7 +4,7 @@ Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstim
 apply -> `measure` (the independent ground truth) -> report.
 """
 
-from remat.apply import apply, auto, remove
+from remat.eager import apply, auto, remove
 from remat.errors import InfeasibleBudget, RematError, TraceError, UnknownModelError
 from remat.estimate import MemoryEstimate, estimate
 from remat.graph import Graph

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from remat.apply import apply, remove
+from remat.eager import apply, remove
 from remat.errors import InfeasibleBudget
 from remat.measure import measure
 from remat.planner import Context, plan_in
@@ -131,7 +131,7 @@ def bench(
             run_baseline(model, name, paths, run, rows)
             continue
         try:
-            p = plan_in(ctx, "1000%" if name == "store_all" else budget, name)
+            p = plan_in(ctx, "1TiB" if name == "store_all" else budget, name)
         except InfeasibleBudget as e:
             rows.append(BenchRow(name, None, None, e.min_feasible_bytes, None, None, None, str(e)))
             continue
@@ -142,7 +142,7 @@ def bench(
                 )
             )
             continue
-        apply(model, p, ctx.graph)
+        apply(model, p)
         try:
             run(name, p.predicted_peak_bytes, p.strategy)
         finally:

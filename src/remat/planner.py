@@ -19,7 +19,7 @@ from remat.estimate import MemoryEstimate, Optimizer, estimate
 from remat.graph import Graph, ModuleCall
 from remat.plans import Plan, build_plan, resolve_budget
 from remat.quiet import quiet_fd
-from remat.schedule import Region, Simulation, simulate
+from remat.schedule import Region, Simulation, make_region, simulate
 from remat.solvers import chain as chain_solver
 from remat.solvers.mincut import mincut as traffic_mincut
 from remat.solvers.selective import POLICIES, without_mutated
@@ -89,16 +89,13 @@ class Context:
         out = []
         for group in groups:
             first, last = self.blocks[group[0]], self.blocks[group[-1]]
-            keep: tuple[str, ...] = ()
+            keep: set[str] = set()
             if option.startswith("selective:"):
                 ops = self.graph.ops[first.first_op : last.last_op + 1]
                 policy = POLICIES[option.split(":", 1)[1]]
-                keep = tuple(sorted(without_mutated(self.graph, ops, policy(self.graph, ops))))
-            out.append(
-                Region(
-                    tuple(self.blocks[i].path for i in group), first.first_op, last.last_op, keep
-                )
-            )
+                keep = without_mutated(self.graph, ops, policy(self.graph, ops))
+            modules = tuple(self.blocks[i].path for i in group)
+            out.append(make_region(self.graph, modules, first.first_op, last.last_op, keep))
         return tuple(out)
 
     def require_blocks(self, strategy: str) -> None:
@@ -317,7 +314,7 @@ def mincut(ctx: Context, budget: int) -> Plan:
     for modules, first, last in spans:
         ops = ctx.graph.ops[first : last + 1]
         keep = without_mutated(ctx.graph, ops, {op.name for op in ops if op.name in saved})
-        regions.append(Region(modules, first, last, tuple(sorted(keep))))
+        regions.append(make_region(ctx.graph, modules, first, last, keep))
     regions = tuple(regions)
     return ctx.plan(regions, "mincut", budget, cut.reason, cut_cost_bytes=cut.cut_cost_bytes)
 

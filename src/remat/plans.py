@@ -27,7 +27,7 @@ class Plan:
     budget_bytes: int | None
     regions: tuple[Region, ...]
     predicted_peak_bytes: int
-    saved_bytes: int
+    saved_bytes: int  # activations held from the forward for the backward
     recompute_flops: int
     recompute_seconds: float
     forward_flops: int
@@ -35,6 +35,7 @@ class Plan:
     reason: str
     saved: tuple[SavedTensor, ...] = ()
     recomputed: tuple[str, ...] = ()
+    retained_bytes: int = 0  # all the forward allocated that is live when backward starts
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -61,6 +62,8 @@ class Plan:
                 first_op=r["first_op"],
                 last_op=r["last_op"],
                 keep=tuple(r["keep"]),
+                targets=tuple(r.get("targets", ())),
+                keep_at=tuple(r.get("keep_at", ())),
             )
             for r in d["regions"]
         )
@@ -160,6 +163,7 @@ def build_plan(
         reason=reason,
         saved=tuple(saved),
         recomputed=tuple(recomputed),
+        retained_bytes=sim.retained_bytes,
         details=details or {},
     )
 

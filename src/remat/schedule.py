@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from remat.estimate import kernel_workspace_bytes
 from remat.graph import Graph
 
+#: `torch.utils.checkpoint` (preserve_rng_state=True) keeps a copy of the CPU generator's state per
+#: region call until the region's backward: `torch.get_rng_state().numel()` bytes.
+CPU_RNG_STATE_BYTES = 5056
+
 
 @dataclass(frozen=True)
 class Region:
@@ -33,9 +37,45 @@ class Region:
     first_op: int
     last_op: int
     keep: tuple[str, ...] = ()
+    # For a selective region: the aten targets of its forward ops in order, and the positions in
+    # that stream whose outputs are kept, so a plan read from JSON applies without the trace.
+    targets: tuple[str, ...] = ()
+    keep_at: tuple[int, ...] = ()
 
     def covers(self, op_index: int | None) -> bool:
         return op_index is not None and self.first_op <= op_index <= self.last_op
+
+
+def batchnorm_snapshot_bytes(graph: Graph, region: Region) -> int:
+    """`remat.apply` keeps a copy of the running statistics of the BatchNorms in a region from its
+    forward until its backward (to undo recomputation's second update): their buffers' bytes."""
+    ops = graph.ops[region.first_op : region.last_op + 1]
+    if not any("batch_norm" in op.short for op in ops):
+        return 0
+    buffers = {
+        graph.tensors[t].storage
+        for op in ops
+        for t in op.inputs
+        if graph.storages[graph.tensors[t].storage].kind == "buffer"
+    }
+    return sum(graph.storages[sid].nbytes for sid in buffers)
+
+
+def make_region(
+    graph: Graph, modules: tuple[str, ...], first_op: int, last_op: int, keep: set[str] | tuple = ()
+) -> Region:
+    """A region over forward ops first_op..last_op that keeps the ops named in `keep`."""
+    if not keep:
+        return Region(modules, first_op, last_op)
+    ops = graph.ops[first_op : last_op + 1]
+    return Region(
+        modules,
+        first_op,
+        last_op,
+        keep=tuple(sorted(keep)),
+        targets=tuple(op.target for op in ops),
+        keep_at=tuple(i for i, op in enumerate(ops) if op.name in keep),
+    )
 
 
 @dataclass(frozen=True)
@@ -43,6 +83,7 @@ class Simulation:
     peak_bytes: int
     peak_position: int
     saved_bytes: int  # activation bytes held from the forward for backward (the plan's "kept")
+    retained_bytes: int  # everything the forward allocated that is still live when backward starts
     recompute_ops: tuple[int, ...]  # forward op indices re-run in backward, in replay order
     timeline: tuple[int, ...]  # live bytes at each position of the schedule
     schedule: tuple[tuple[str, int], ...]  # ("op", i) or ("replay", i) per position
@@ -106,10 +147,18 @@ def simulate(
         for r, nodes in needing.items():
             if r not in trigger and op.node in nodes:
                 trigger[r] = op.index
-    # A kept op's output sits in the policy's cache until the region's replay takes it back (to
-    # the end of the step when the region never replays), whether or not a node saved it.
+    # The checkpoint frame (its policy cache, RNG state, BatchNorm snapshot) lives until the
+    # region's replay, or, for a region that never replays, until its last node has run.
+    frame_until = {}
+    for node in graph.nodes.values():
+        r = node_region(node.id)
+        if r != -1:
+            frame_until[r] = max(frame_until.get(r, -1), node_release(node.id))
+    for r in range(len(regions)):
+        frame_until[r] = trigger.get(r, frame_until.get(r, end))
+    # A kept op's output sits in the policy's cache until then, whether or not a node saved it.
     for r, reg in enumerate(regions):
-        until = trigger.get(r, end)
+        until = frame_until[r]
         for name in reg.keep:
             for t in graph.op_by_name[name].outputs:
                 sid = graph.tensors[t].storage
@@ -175,6 +224,15 @@ def simulate(
                 s.nbytes,
             )
 
+    overhead = [CPU_RNG_STATE_BYTES + batchnorm_snapshot_bytes(graph, reg) for reg in regions]
+    for r, reg in enumerate(regions):
+        live(position_of_op[reg.first_op], position_after(frame_until[r]), overhead[r])
+    end_of_forward = position_of_op[len(graph.forward_ops) - 1]
+    retained_bytes = sum(overhead) + sum(
+        graph.storages[sid].nbytes
+        for sid, death in deaths.items()
+        if death > end_of_forward and graph.ops[graph.storages[sid].allocated_at].phase == "forward"
+    )
     timeline, current = [], base_bytes
     for pos, (_, i) in enumerate(schedule):
         current += delta[pos]
@@ -184,6 +242,7 @@ def simulate(
         peak_bytes=timeline[peak_position],
         peak_position=peak_position,
         saved_bytes=saved_bytes,
+        retained_bytes=retained_bytes,
         recompute_ops=tuple(recompute_ops),
         timeline=tuple(timeline),
         schedule=tuple(schedule),

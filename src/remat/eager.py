@@ -22,25 +22,37 @@ from torch.utils.checkpoint import (
 )
 
 from remat.errors import RematError
-from remat.graph import Graph
 from remat.plans import Plan
-from remat.schedule import Region
 
 _ORIGINAL = "_remat_original_forward"
 
 
+#: Ops a fake-tensor trace can record that a real run does not issue (FakeTensor detaches the
+#: constants it makes, e.g. the result of `torch.full`); they allocate nothing.
+_TRACE_ONLY = frozenset(
+    {
+        "aten.detach.default",
+        "aten.alias.default",
+        "aten.lift_fresh.default",
+        "aten.lift_fresh_copy.default",
+    }
+)
+
+
 def _policy_factory(targets: list[str], keep: list[bool]) -> Callable[[], Any]:
-    """A `context_fn` for checkpoint: a fresh pair of selective-checkpoint contexts per call whose
-    policy walks the region's traced op stream; ops the trace did not record (no tensor output)
-    are recomputed without advancing."""
+    """A `context_fn` for checkpoint: fresh selective-checkpoint contexts per call whose policy walks
+    the region's traced op stream. Traced aliasing ops the real run does not issue are skipped; real
+    ops the trace did not record (no tensor output) are recomputed without advancing."""
 
     def context_fn():
-        position = {False: 0, True: 0}
+        position = [0]
 
         def policy(ctx, func, *args, **kwargs):
-            pos = position[ctx.is_recompute]
-            if pos < len(targets) and str(func) == targets[pos]:
-                position[ctx.is_recompute] = pos + 1
+            name, pos = str(func), position[0]
+            while pos < len(targets) and targets[pos] != name and targets[pos] in _TRACE_ONLY:
+                pos += 1
+            if pos < len(targets) and targets[pos] == name:
+                position[0] = pos + 1
                 if keep[pos]:
                     return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -109,9 +121,9 @@ def _segment_runner(blocks: list[nn.Module], originals: list[Callable]) -> Calla
     return run
 
 
-def apply(model: nn.Module, plan: Plan, graph: Graph) -> nn.Module:
-    """Install `plan` on `model` in place (undo with `remove`). `graph` is the trace the plan was
-    made from (or a trace of a model of the same architecture): it gives each region's op stream."""
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Install `plan` on `model` in place (undo with `remove`): a plan made for, or read from JSON
+    for, any model of the same architecture."""
     remove(model)
     named = dict(model.named_modules())
     for region in plan.regions:
@@ -121,11 +133,10 @@ def apply(model: nn.Module, plan: Plan, graph: Graph) -> nn.Module:
                 f"plan region {region.modules[0]!r}: the model has no submodule {missing[0]!r}; "
                 "the plan was made for another architecture"
             )
-        ops = graph.ops[region.first_op : region.last_op + 1]
-        keep_names = set(region.keep)
+        kept = set(region.keep_at)
         context_fn = (
-            _policy_factory([op.target for op in ops], [op.name in keep_names for op in ops])
-            if keep_names
+            _policy_factory(list(region.targets), [i in kept for i in range(len(region.targets))])
+            if region.keep
             else None
         )
         blocks = [named[p] for p in region.modules]
@@ -171,17 +182,5 @@ def auto(
 
     graph = trace(model, *example_inputs, **kwargs)
     chosen = plan(graph, budget=budget, strategy=strategy, device=device, optimizer=optimizer)
-    apply(model, chosen, graph)
+    apply(model, chosen)
     return chosen
-
-
-def regions_for_blocks(
-    graph: Graph, paths: list[list[str]], keep: list[tuple[str, ...]] | None = None
-) -> tuple[Region, ...]:
-    """Regions over groups of consecutive blocks (each group one region), from the trace."""
-    calls = {c.path: c for c in graph.modules}
-    out = []
-    for k, group in enumerate(paths):
-        first, last = calls[group[0]], calls[group[-1]]
-        out.append(Region(tuple(group), first.first_op, last.last_op, keep[k] if keep else ()))
-    return tuple(out)
