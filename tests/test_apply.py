@@ -171,3 +171,46 @@ def test_auto_traces_plans_and_applies_in_one_call():
     plan = remat.auto(model, *inputs, budget="90%")
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     _assert_same(_grads(model, inputs), reference)
+
+
+class KeywordBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, *, shift: torch.Tensor):
+        return torch.tanh(self.fc(x) + shift)
+
+
+class TwoOutputs(nn.Module):
+    """Blocks that take a keyword tensor input, and a model with several outputs."""
+
+    def __init__(self, d: int = 16, n: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(KeywordBlock(d) for _ in range(n))
+
+    def forward(self, x, *, shift):
+        for block in self.blocks:
+            x = block(x, shift=shift)
+        return x, x.pow(2).mean(dim=0)
+
+
+def test_keyword_inputs_and_several_outputs_keep_store_alls_gradients():
+    torch.manual_seed(0)
+    model, x, shift = TwoOutputs(), torch.randn(8, 16), torch.randn(16, requires_grad=True)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        shift.grad = None
+        a, b = model(x, shift=shift)
+        (a.sum() + 3 * b.sum()).backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["shift"] = shift.grad.clone()
+        return out
+
+    reference = grads()
+    graph = remat.trace(model, x, shift=shift)
+    for strategy in ["full", "sqrt", "selective:save-matmuls"]:
+        remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", strategy))
+        _assert_same(grads(), reference)
+        remat.remove(model)
