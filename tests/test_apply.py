@@ -8,6 +8,7 @@ from torch import nn
 
 import remat
 from remat import models
+from remat.bench import gradients
 from remat.planner import Context, plan_in
 
 SMALL = {"resnet50": {"batch": 4, "image_size": 64}, "mlp-chain-16": {"batch": 8}}
@@ -27,16 +28,6 @@ def _build(name: str):
     return models.build(name, device="cpu", tiny=True, **kw)
 
 
-def _grads(model: nn.Module, inputs, seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    model.zero_grad(set_to_none=True)
-    out = model(*inputs)
-    out.sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
@@ -51,13 +42,13 @@ def test_every_strategy_gives_store_alls_gradients(name):
     model, inputs = _build(name)
     graph = remat.trace(model, *inputs)
     ctx = Context.from_graph(graph)
-    reference = _grads(model, inputs)
+    reference = gradients(model, inputs)
     for strategy in STRATEGIES:
         plan = plan_in(ctx, "1TiB", strategy)
         remat.apply(model, plan)
-        _assert_same(_grads(model, inputs), reference)
+        _assert_same(gradients(model, inputs), reference)
         remat.remove(model)
-    _assert_same(_grads(model, inputs), reference)  # remove() restored the model
+    _assert_same(gradients(model, inputs), reference)  # remove() restored the model
 
 
 KNOWN_GAPS = {
@@ -89,9 +80,9 @@ def test_dropout_is_recomputed_with_the_same_random_mask():
     torch.manual_seed(0)
     model, inputs = models.build("megatron-gpt", batch=2, seq=32, device="cpu", tiny=True)
     graph = remat.trace(model, *inputs)
-    reference = _grads(model, inputs, seed=7)
+    reference = gradients(model, inputs, seed=7)
     remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
-    _assert_same(_grads(model, inputs, seed=7), reference)
+    _assert_same(gradients(model, inputs, seed=7), reference)
 
 
 def test_batchnorm_running_statistics_move_once_per_step():
@@ -99,11 +90,11 @@ def test_batchnorm_running_statistics_move_once_per_step():
     model, inputs = _build("resnet50")
     graph = remat.trace(model, *inputs)
     plain = {k: v.clone() for k, v in model.state_dict().items()}
-    _grads(model, inputs)
+    gradients(model, inputs)
     once = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(plain)
     remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
-    _grads(model, inputs)
+    gradients(model, inputs)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, once[k], msg=k)
 
@@ -145,7 +136,7 @@ def test_autocast_bf16_on_cpu_keeps_gradients_equal():
 
     def grads():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return _grads(model, inputs)
+            return gradients(model, inputs)
 
     reference = grads()
     remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
@@ -159,18 +150,18 @@ def test_plan_from_json_applies_to_a_fresh_model():
     plan = plan_in(Context.from_graph(graph), "1TiB", "selective:torchtitan")
     fresh, _ = _build("gpt2")
     fresh.load_state_dict(model.state_dict())
-    reference = _grads(model, inputs)
+    reference = gradients(model, inputs)
     remat.apply(fresh, remat.Plan.from_json(plan.to_json()))
-    _assert_same(_grads(fresh, inputs), reference)
+    _assert_same(gradients(fresh, inputs), reference)
 
 
 def test_auto_traces_plans_and_applies_in_one_call():
     torch.manual_seed(0)
     model, inputs = models.build("gpt2", batch=8, seq=128, device="cpu", tiny=True, n_layer=4)
-    reference = _grads(model, inputs)
+    reference = gradients(model, inputs)
     plan = remat.auto(model, *inputs, budget="90%")
     assert plan.predicted_peak_bytes <= plan.budget_bytes
-    _assert_same(_grads(model, inputs), reference)
+    _assert_same(gradients(model, inputs), reference)
 
 
 class KeywordBlock(nn.Module):

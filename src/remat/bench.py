@@ -23,6 +23,7 @@ from remat.eager import apply, remove
 from remat.errors import InfeasibleBudget
 from remat.measure import measure
 from remat.planner import Context, plan_in
+from remat.trace import default_loss
 
 BASELINES = (
     "torch:checkpoint-per-block",
@@ -48,12 +49,12 @@ class BenchRow:
         return asdict(self)
 
 
-def _grads(model: nn.Module, inputs: tuple, seed: int = 0) -> dict[str, torch.Tensor]:
+def gradients(model: nn.Module, inputs: tuple, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Parameter gradients of one step with remat's default loss (the sum of the outputs), from a
+    fixed RNG seed so that dropout draws the same masks in every run; grads are left cleared."""
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
-    out = model(*inputs)
-    loss = out if out.dim() == 0 else out.float().sum()
-    loss.backward()
+    default_loss(model(*inputs)).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
@@ -101,7 +102,7 @@ def bench(
 ) -> list[BenchRow]:
     """Measure store_all, each strategy's plan and the baselines on `model` (real tensors)."""
     paths = [b.path for b in ctx.blocks]
-    reference = _grads(model, inputs)
+    reference = gradients(model, inputs)
     rows: list[BenchRow] = []
     base_seconds: float | None = None
 
@@ -121,7 +122,7 @@ def bench(
                 predicted_peak_bytes=predicted,
                 step_seconds=seconds,
                 time_ratio=seconds / base_seconds if base_seconds else None,
-                grad_max_abs_diff=_max_diff(_grads(model, inputs), reference),
+                grad_max_abs_diff=_max_diff(gradients(model, inputs), reference),
                 note=note,
             )
         )
