@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from remat.cost import DeviceProfile, get_profile, is_matmul, op_seconds_all
@@ -80,7 +80,7 @@ class Context:
             details=details,
         )
         if self.optimizer_step_peak > p.predicted_peak_bytes:
-            p = _replace(p, predicted_peak_bytes=self.optimizer_step_peak)
+            p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
         return p
 
     # -- regions ---------------------------------------------------------------------------------
@@ -231,12 +231,6 @@ class Context:
         )
 
 
-def _replace(plan: Plan, **changes) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, **changes)
-
-
 # -- strategies --------------------------------------------------------------------------------
 Strategy = Callable[[Context, int], Plan]
 
@@ -274,7 +268,7 @@ def store_none(ctx: Context, budget: int) -> Plan:
     chain = ctx.chain()
     poor = chain_solver.store_none(chain)
     forward = ctx.plan((), "store_none", budget, "")
-    return _replace(
+    return replace(
         forward,
         predicted_peak_bytes=max(poor.peak_bytes, ctx.floor_bytes, ctx.optimizer_step_peak),
         saved_bytes=0,
@@ -442,7 +436,7 @@ def auto(ctx: Context, budget: int) -> Plan:
     others = ", ".join(
         f"{p.strategy} +{p.recompute_seconds * 1e3:.2f} ms" for p in candidates if p is not best
     )
-    return _replace(
+    return replace(
         best,
         strategy=f"auto ({best.strategy})",
         reason=f"fastest that fits: {best.reason}" + (f"; other fits: {others}" if others else ""),
