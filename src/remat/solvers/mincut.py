@@ -106,13 +106,20 @@ class _Value:
 
 
 @dataclass(frozen=True)
-class _Problem:
+class JointProblem:
+    """The forward values of a graph as the min-cut and the budgeted save set see them: `needed`
+    are the values backward reads, `unsaveable` those that cannot be held until backward."""
+
     values: list[_Value]
     needed: list[int]
     unsaveable: frozenset[int]
 
 
-def _problem(graph: Graph, never_recompute: Callable[[Op], bool] | None) -> _Problem:
+def joint_problem(
+    graph: Graph,
+    never_recompute: Callable[[Op], bool] | None,
+    never_save: Callable[[Op], bool] | None = None,
+) -> JointProblem:
     values: list[_Value] = []
     by_tensor: dict[int, int] = {}
     by_input: dict[int, int] = {}
@@ -130,11 +137,17 @@ def _problem(graph: Graph, never_recompute: Callable[[Op], bool] | None) -> _Pro
             values.append(_Value(f"input:{s.id}", None, -1, s.id, s.nbytes, (), pinned=True))
         return by_input[t.storage]
 
+    ops = graph.op_by_name
     last_write: dict[int, int] = {}  # storage -> last forward op that wrote it in place
     for op in graph.forward_ops:
         inputs = tuple(sorted({v for t in op.inputs if (v := value_of(t)) is not None}))
         read = {graph.tensors[t].storage for t in op.inputs}
-        pinned = is_random(op) or (never_recompute is not None and never_recompute(op))
+        # A random op the caller lets no one save (a user's MUST_RECOMPUTE tag) is recomputed
+        # with its RNG state replayed (torch's functionalize_rng_ops): only then is it not pinned.
+        tagged_recompute = never_save is not None and never_save(op)
+        pinned = (is_random(op) and not tagged_recompute) or (
+            never_recompute is not None and never_recompute(op)
+        )
         for k, tid in enumerate(op.outputs):
             t = graph.tensors[tid]
             if t.storage in read and not is_view(op):
@@ -146,7 +159,10 @@ def _problem(graph: Graph, never_recompute: Callable[[Op], bool] | None) -> _Pro
     needed = {value_of(s.tensor) for s in graph.saved if s.node is not None}
     needed.discard(None)
     clobbered = {i for i, v in enumerate(values) if last_write.get(v.storage, -1) > v.made_at}
-    return _Problem(values, sorted(needed), frozenset(clobbered - needed))
+    banned = set()
+    if never_save is not None:
+        banned = {i for i, v in enumerate(values) if v.op is not None and never_save(ops[v.op])}
+    return JointProblem(values, sorted(needed), frozenset((clobbered - needed) | banned))
 
 
 def _scaled(costs: np.ndarray) -> np.ndarray:
@@ -160,7 +176,7 @@ def _scaled(costs: np.ndarray) -> np.ndarray:
     return -(-scaled >> shift)
 
 
-def _source_side(problem: _Problem) -> np.ndarray:
+def _source_side(problem: JointProblem) -> np.ndarray:
     """Whether each network node is on the source side of a minimum cut (node 2+2v is v_in, 3+2v
     is v_out): the nodes the source reaches in the residual graph of a maximum flow."""
     values = problem.values
@@ -202,7 +218,7 @@ def _source_side(problem: _Problem) -> np.ndarray:
     return side
 
 
-def _recomputed(problem: _Problem, saved: set[int]) -> list[int] | None:
+def recomputed_values(problem: JointProblem, saved: set[int]) -> list[int] | None:
     """The values backward recomputes when `saved` are saved, or None if some needed value
     cannot be had without recomputing an input or a pinned op."""
     values = problem.values
@@ -219,7 +235,7 @@ def _recomputed(problem: _Problem, saved: set[int]) -> list[int] | None:
     return sorted(recomputed)
 
 
-def _index(problem: _Problem, names: list[str]) -> set[int]:
+def _index(problem: JointProblem, names: list[str]) -> set[int]:
     by_name = {v.name: i for i, v in enumerate(problem.values)}
     unknown = [n for n in names if n not in by_name]
     if unknown:
@@ -230,6 +246,26 @@ def _index(problem: _Problem, names: list[str]) -> set[int]:
     return {by_name[n] for n in names}
 
 
+def _no_save_set(problem: JointProblem, saved: set[int]) -> str:
+    """Why no save set exists: recomputing a value backward needs reaches one that may be neither
+    saved nor recomputed."""
+    values = problem.values
+    seen: set[int] = set()
+    stack = list(problem.needed)
+    while stack:
+        v = stack.pop()
+        if v in saved or v in seen:
+            continue
+        if values[v].pinned:
+            return (
+                f"no save set obeys the rules: {values[v].name!r} may be neither saved nor "
+                "recomputed, and backward needs it; relax its MUST_RECOMPUTE tag or its ban"
+            )
+        seen.add(v)
+        stack.extend(values[v].inputs)
+    return "no save set obeys the rules"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -237,7 +273,7 @@ def _count(n: int, noun: str) -> str:
 def default_save_set(graph: Graph) -> tuple[str, ...]:
     """The values autograd itself saves (for backward nodes that ran), by value name: the save set
     that recomputes nothing."""
-    problem = _problem(graph, None)
+    problem = joint_problem(graph, None)
     return tuple(problem.values[v].name for v in problem.needed)
 
 
@@ -246,31 +282,39 @@ def cut_cost(
     saved: Iterable[str],
     *,
     never_recompute: Callable[[Op], bool] | None = None,
+    never_save: Callable[[Op], bool] | None = None,
 ) -> int | None:
     """Exact traffic in bytes of saving the values named in `saved` (2 B per intermediate, 1 B per
     input, superfluous ones included), or None if they are not a valid save set: one of them is
     overwritten in place later in the forward, or some value backward needs could only be had by
     recomputing an input, a random op or an op `never_recompute` names. Raises ValueError on a
     name that is not a forward value."""
-    problem = _problem(graph, never_recompute)
+    problem = joint_problem(graph, never_recompute, never_save)
     chosen = _index(problem, list(saved))
-    if chosen & problem.unsaveable or _recomputed(problem, chosen) is None:
+    if chosen & problem.unsaveable or recomputed_values(problem, chosen) is None:
         return None
     return sum(problem.values[v].cost for v in chosen)
 
 
-def mincut(graph: Graph, *, never_recompute: Callable[[Op], bool] | None = None) -> MinCutResult:
+def mincut(
+    graph: Graph,
+    *,
+    never_recompute: Callable[[Op], bool] | None = None,
+    never_save: Callable[[Op], bool] | None = None,
+) -> MinCutResult:
     """The save set of minimum memory traffic between forward and backward (see the module
-    docstring for the network), recomputing neither random ops nor those `never_recompute` names.
-    Only values backward actually reaches are reported as saved or recomputed."""
-    problem = _problem(graph, never_recompute)
+    docstring for the network), recomputing neither random ops nor those `never_recompute` names,
+    and saving no output of an op `never_save` names. Only values backward actually reaches are
+    reported as saved or recomputed. Raises ValueError when no save set obeys both."""
+    problem = joint_problem(graph, never_recompute, never_save)
     values = problem.values
     side = _source_side(problem)
     # A value the walk back from what backward needs reaches is saved if its split edge is cut
     # (v_in on the source side; v_out is then on the sink side, or an infinite edge would be cut).
     cut = {i for i in range(len(values)) if side[2 + 2 * i] and not side[3 + 2 * i]}
-    recomputed = _recomputed(problem, cut)
-    assert recomputed is not None, "a minimum cut separates every needed value from the source"
+    recomputed = recomputed_values(problem, cut)
+    if recomputed is None:
+        raise ValueError(_no_save_set(problem, cut))
     saved = sorted(
         {u for v in recomputed for u in values[v].inputs if u in cut}
         | {v for v in problem.needed if v in cut}

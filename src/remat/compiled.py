@@ -1,0 +1,507 @@
+"""The compiled path: remat decides the save set inside torch.compile, with a byte budget.
+
+AOTAutograd traces the forward and backward of a compiled graph into one joint FX graph and hands it
+to a partition function, which splits it into the forward graph (which also returns the values to
+save) and the backward graph (which recomputes what was not saved). Torch's own partitioner picks
+the save set with a min-cut plus a 0-1 `activation_memory_budget`, a share of saved bytes that does
+not bound the peak. remat keeps torch's partitioning machinery (dead-code elimination, CSE,
+selective-checkpoint tags, RNG functionalisation, effect tokens, graph extraction, the backward's
+autograd order: the field's own parts) and replaces only the decision, `choose_saved_values_set`:
+
+1. the joint graph becomes a remat `Graph` (forward ops, backward ops, storages from the fake
+   tensors' storages, FLOPs from `torch.utils.flop_counter`), so the solvers in `solvers/` run on
+   it unchanged;
+2. `mincut` is the min-cut article's network (solvers/mincut.py), banning recomputation of
+   compute-intensive ops as AOTAutograd does; `milp` is the budgeted save set (solvers/saveset.py):
+   least recompute + traffic seconds with a predicted peak within the budget; `auto` takes the
+   min-cut when it fits the budget, else the budgeted one;
+3. user intent wins: ops a selective-checkpoint policy tagged MUST_SAVE are never recomputed,
+   MUST_RECOMPUTE / PREFER_RECOMPUTE ones never saved, and random ops are never recomputed unless
+   tagged so (torch then replays their RNG state).
+
+Each compiled graph's decision is kept as a `Plan` (explainable, JSON) on the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
+
+from remat.cost import DeviceProfile, get_profile, is_matmul, is_view, op_seconds_all
+from remat.errors import InfeasibleBudget, RematError
+from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
+from remat.plans import Plan, SavedTensor, resolve_budget
+from remat.solvers.mincut import JointProblem, joint_problem, mincut
+from remat.solvers.saveset import SaveSet, describe_save_set, save_set_within
+from remat.trace import dtype_name
+from remat.units import format_bytes
+
+STRATEGIES = ("mincut", "milp", "auto")
+COMPILERS = ("inductor", "aot_eager")
+
+_RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+@dataclass
+class JointGraph:
+    """A joint graph as remat sees it: the `Graph`, and for each value name the FX node to save."""
+
+    graph: Graph
+    node_of_value: dict[str, fx.Node]
+    must_save: frozenset[str]  # op names tagged MUST_SAVE
+    must_recompute: frozenset[str]  # op names tagged MUST_RECOMPUTE or PREFER_RECOMPUTE
+    saved_symbols: list[fx.Node]  # non-tensor forward values backward reads (sizes)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _tensors_of(val: Any) -> list[torch.Tensor | None]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def _flops(node: fx.Node) -> int:
+    packet = getattr(node.target, "_overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    args, kwargs = pytree.tree_map_only(
+        fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
+    )
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that cannot read these arguments: count no FLOPs
+        return 0
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    return path.replace("L['self'].", "").replace("L['self']", "")
+
+
+def joint_graph(joint: fx.Graph, node_info: Any, num_fwd_outputs: int) -> JointGraph:
+    """The joint graph (after torch's partitioner prepared it) as a remat `Graph`: forward ops are
+    the nodes that do not depend on the tangents, in graph order, then the backward ops. Value
+    names are FX node names (`<node>:<k>` for output k of a multi-output node)."""
+    bw_nodes = set(node_info.tangents_closure) | set(node_info.required_bw_nodes)
+    primals = set(node_info.inputs)
+    params = set(node_info.static_lifetime_input_nodes)
+    storages: dict[int, Storage] = {}
+    by_key: dict[int, int] = {}
+    tensors: dict[int, Tensor] = {}
+    tensor_of: dict[fx.Node, list[int]] = {}
+    node_of_value: dict[str, fx.Node] = {}
+    ops: list[Op] = []
+
+    def new_tensor(t: torch.Tensor, kind: str, producer: int | None) -> int:
+        key = _storage_key(t)
+        if key not in by_key:
+            sid = by_key[key] = len(storages)
+            at = producer if kind == "activation" else None
+            storages[sid] = Storage(sid, int(t.untyped_storage().nbytes()), kind, at)
+        tid = len(tensors)
+        tensors[tid] = Tensor(
+            tid,
+            by_key[key],
+            tuple(t.shape),
+            dtype_name(t.dtype),
+            t.numel() * t.element_size(),
+            producer,
+            tuple(t.stride()),
+        )
+        return tid
+
+    for node in joint.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor):
+            continue
+        kind = "param" if node in params else "input" if node in primals else "grad"
+        tid = new_tensor(val, kind, None)
+        tensor_of[node] = [tid]
+        if kind != "grad":
+            node_of_value.setdefault(f"input:{tensors[tid].storage}", node)
+
+    calls = [n for n in joint.nodes if n.op == "call_function"]
+    ordered = [n for n in calls if n not in bw_nodes] + [n for n in calls if n in bw_nodes]
+    elements: dict[fx.Node, list[int | None]] = {}
+    for node in ordered:
+        if node.target is operator.getitem:
+            source, k = node.args
+            tid = elements.get(source, [])[k] if k < len(elements.get(source, [])) else None
+            tensor_of[node] = [tid] if tid is not None else []
+            continue
+        index = len(ops)
+        inputs = tuple(
+            dict.fromkeys(
+                tid
+                for arg in pytree.tree_leaves((node.args, node.kwargs))
+                if isinstance(arg, fx.Node)
+                for tid in tensor_of.get(arg, [])
+            )
+        )
+        val = node.meta.get("val")
+        outs = _tensors_of(val)
+        ids = [new_tensor(t, "activation", index) if t is not None else None for t in outs]
+        present = [tid for tid in ids if tid is not None]
+        elements[node] = ids
+        tensor_of[node] = present if isinstance(val, torch.Tensor) else []
+        ops.append(
+            Op(
+                index=index,
+                name=node.name,
+                target=str(node.target),
+                module=_module_path(node),
+                phase="backward" if node in bw_nodes else "forward",
+                inputs=inputs,
+                outputs=tuple(present),
+                flops=_flops(node),
+                node=0 if node in bw_nodes else None,
+            )
+        )
+        if isinstance(val, torch.Tensor):
+            node_of_value[node.name] = node
+        for user in node.users:
+            if user.target is operator.getitem and ids[user.args[1]] is not None:
+                k = present.index(ids[user.args[1]])
+                node_of_value[f"{node.name}:{k}" if len(present) > 1 else node.name] = user
+
+    output = next(n for n in joint.nodes if n.op == "output")
+    results = list(output.args[0])
+    fwd_outputs = [n for n in results[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    bwd_outputs = [n for n in results[num_fwd_outputs:] if isinstance(n, fx.Node)]
+    forward_made = {tid for op in ops if op.phase == "forward" for tid in op.outputs}
+    forward_made |= {
+        tid for tid, t in tensors.items() if storages[t.storage].kind in ("param", "input")
+    }
+    needed: dict[int, int] = {}
+    readers = [tid for op in ops if op.phase == "backward" for tid in op.inputs]
+    readers += [tid for n in bwd_outputs for tid in tensor_of.get(n, [])]
+    for tid in readers:
+        if tid in forward_made:
+            needed.setdefault(tid, tensors[tid].storage)
+    backward_ops = [op for op in ops if op.phase == "backward"]
+    saved_symbols = [
+        n
+        for n in joint.nodes
+        if n not in bw_nodes
+        and n.op != "output"
+        and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+        and any(u in bw_nodes for u in n.users)
+    ]
+    graph = Graph(
+        ops=ops,
+        tensors=tensors,
+        storages=storages,
+        saved=[Saved(storage=sid, tensor=tid, node=0) for tid, sid in needed.items()],
+        nodes={0: Node(0, "backward", None, backward_ops[-1].index if backward_ops else None)},
+        modules=[],
+        info={
+            "forward_outputs": [t for n in fwd_outputs for t in tensor_of.get(n, [])],
+            "backward_outputs": [t for n in bwd_outputs for t in tensor_of.get(n, [])],
+        },
+    )
+    tags = {n.name: n.meta.get("recompute") for n in ordered}
+    return JointGraph(
+        graph=graph,
+        node_of_value=node_of_value,
+        must_save=frozenset(k for k, v in tags.items() if v == CheckpointPolicy.MUST_SAVE),
+        must_recompute=frozenset(k for k, v in tags.items() if v in _RECOMPUTE_TAGS),
+        saved_symbols=saved_symbols,
+    )
+
+
+def compiled_op_seconds(graph: Graph, profile: DeviceProfile) -> list[float]:
+    """Seconds of recomputing each op inside a fused backward kernel: compute-intensive ops
+    (matmuls, convolutions, attention) at their roofline time, views free, everything else at its
+    arithmetic alone, since under a fusing compiler its memory traffic is what the cut prices."""
+    roofline = op_seconds_all(graph, profile)
+    return [
+        roofline[op.index]
+        if is_matmul(op)
+        else 0.0
+        if is_view(op)
+        else op.flops / profile.vector_flops
+        for op in graph.ops
+    ]
+
+
+def _rules(jg: JointGraph, strategy: str) -> tuple[Callable[[Op], bool], Callable[[Op], bool]]:
+    """Which ops may not be recomputed and which may not be saved: the user's tags, and for the
+    min-cut AOTAutograd's ban on recomputing compute-intensive ops (the pure traffic model would
+    re-run every matmul)."""
+    must_save, must_recompute = jg.must_save, jg.must_recompute
+    ban_matmuls = strategy == "mincut"
+
+    def never_recompute(op: Op) -> bool:
+        return op.name in must_save or (ban_matmuls and is_matmul(op))
+
+    def never_save(op: Op) -> bool:
+        return op.name in must_recompute
+
+    return never_recompute, never_save
+
+
+def _problem(jg: JointGraph, strategy: str) -> JointProblem:
+    return joint_problem(jg.graph, *_rules(jg, strategy))
+
+
+def _indices(problem: JointProblem, names: list[str]) -> set[int]:
+    by_name = {v.name: i for i, v in enumerate(problem.values)}
+    return {by_name[n] for n in names if n in by_name}
+
+
+def decide(
+    jg: JointGraph, strategy: str, budget: int | str | None, profile: DeviceProfile
+) -> tuple[SaveSet, Plan]:
+    """remat's save set for one joint graph, and the plan that describes it."""
+    graph = jg.graph
+    op_seconds = compiled_op_seconds(graph, profile)
+    problem = _problem(jg, "milp")
+    store_all = describe_save_set(graph, problem, set(problem.needed), op_seconds)
+    fixed = sum(
+        s.nbytes for s in graph.storages.values() if s.kind in ("param", "buffer", "input")
+    ) + sum(graph.tensors[t].nbytes for t in graph.info["backward_outputs"])
+    budget_bytes = None if budget is None else resolve_budget(budget, fixed, store_all.peak_bytes)
+    chosen: SaveSet | None = None
+    if strategy in ("mincut", "auto"):
+        cut_problem = _problem(jg, "mincut")
+        never_recompute, never_save = _rules(jg, "mincut")
+        try:
+            cut = mincut(graph, never_recompute=never_recompute, never_save=never_save)
+        except ValueError as err:
+            raise RematError(f"compiled graph: {err}") from None
+        chosen = describe_save_set(
+            graph, cut_problem, _indices(cut_problem, list(cut.saved)), op_seconds
+        )
+        if budget_bytes is not None and chosen.peak_bytes > budget_bytes:
+            if strategy == "mincut":
+                raise InfeasibleBudget(
+                    f"the min-cut save set peaks at {format_bytes(chosen.peak_bytes)}, above the "
+                    f"budget {format_bytes(budget_bytes)}: the min-cut has no byte budget; use "
+                    "strategy='milp' or 'auto', which bound the predicted peak",
+                    budget_bytes=budget_bytes,
+                    min_feasible_bytes=chosen.peak_bytes,
+                )
+            chosen = None
+    if chosen is None:
+        chosen = save_set_within(graph, problem, op_seconds, profile.bandwidth, budget_bytes)
+    return chosen, _plan(jg, chosen, strategy, budget_bytes, profile, store_all)
+
+
+def _plan(
+    jg: JointGraph,
+    chosen: SaveSet,
+    strategy: str,
+    budget_bytes: int | None,
+    profile: DeviceProfile,
+    store_all: SaveSet,
+) -> Plan:
+    graph = jg.graph
+    by_name = graph.op_by_name
+    saved = []
+    for name in chosen.saved:
+        node = jg.node_of_value[name]
+        val = node.meta.get("val")
+        nbytes = int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+        saved.append(
+            SavedTensor(name, str(node.target) if node.op == "call_function" else "input", nbytes)
+        )
+    recompute_flops = sum(by_name[o].flops for o in chosen.recomputed)
+    reason = (
+        f"{strategy}: saves {len(chosen.saved)} values ({format_bytes(chosen.saved_bytes)}, "
+        f"{format_bytes(chosen.traffic_bytes)} of traffic) and recomputes "
+        f"{len(chosen.recomputed)} forward ops in backward; store-all saves "
+        f"{format_bytes(store_all.saved_bytes)}"
+    )
+    return Plan(
+        strategy=f"compile:{strategy}",
+        budget_bytes=budget_bytes,
+        regions=(),
+        predicted_peak_bytes=chosen.peak_bytes,
+        saved_bytes=chosen.saved_bytes,
+        recompute_flops=recompute_flops,
+        recompute_seconds=chosen.recompute_seconds,
+        forward_flops=sum(op.flops for op in graph.forward_ops),
+        device=profile.name,
+        reason=reason,
+        saved=tuple(saved),
+        recomputed=chosen.recomputed,
+        retained_bytes=chosen.saved_bytes,
+        details={
+            "path": "compile",
+            "traffic_bytes": chosen.traffic_bytes,
+            "store_all_peak_bytes": store_all.peak_bytes,
+            "store_all_saved_bytes": store_all.saved_bytes,
+        },
+    )
+
+
+@contextlib.contextmanager
+def _replaced(module: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+try:  # torch >= 2.9 lets inductor take a custom partitioner
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn as _PartitionerBase
+except ImportError:  # pragma: no cover - older torch: only compiler="aot_eager"
+    _PartitionerBase = object  # type: ignore[assignment,misc]
+
+
+class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
+    """AOTAutograd's min-cut partition pipeline with remat's choice of the values to save."""
+
+    def __init__(self, backend: RematBackend):
+        self.backend = backend
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch import partitioners
+
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        torch_choice = partitioners.choose_saved_values_set
+        backend = self.backend
+
+        def choose(joint: fx.Graph, node_info: Any, memory_budget: float = 1) -> list[fx.Node]:
+            jg = joint_graph(joint, node_info, num_fwd_outputs)
+            if backend.strategy == "torch":
+                nodes = torch_choice(joint, node_info, memory_budget=memory_budget)
+                chosen, plan = _priced(jg, nodes, backend.profile, memory_budget)
+            else:
+                chosen, plan = decide(jg, backend.strategy, backend.budget, backend.profile)
+                nodes = [jg.node_of_value[n] for n in chosen.saved] + jg.saved_symbols
+            backend.graphs.append(jg.graph)
+            backend.plans.append(plan)
+            return nodes
+
+        with _replaced(partitioners, "choose_saved_values_set", choose):
+            return partitioners.min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> None:
+        return None  # no inductor cache: a cached graph would skip the partitioner and its plan
+
+
+def _priced(
+    jg: JointGraph, nodes: list[fx.Node], profile: DeviceProfile, memory_budget: float
+) -> tuple[SaveSet, Plan]:
+    """Torch's own save set, priced and described by remat's model (for side-by-side rows)."""
+    graph = jg.graph
+    problem = _problem(jg, "milp")
+    name_of = {node: name for name, node in jg.node_of_value.items()}
+    chosen = _indices(problem, [name_of[n] for n in nodes if n in name_of])
+    op_seconds = compiled_op_seconds(graph, profile)
+    save_set = describe_save_set(graph, problem, chosen, op_seconds)
+    store_all = describe_save_set(graph, problem, set(problem.needed), op_seconds)
+    plan = _plan(jg, save_set, f"torch@{memory_budget:g}", None, profile, store_all)
+    return save_set, plan
+
+
+@dataclass
+class RematBackend:
+    """A torch.compile backend whose partitioner is remat's. `plans` and `graphs` collect, per
+    compiled graph (one per graph break), the decision and the joint graph it was made on."""
+
+    budget: int | str | None = None
+    strategy: str = "auto"
+    device: str | DeviceProfile = "cpu"
+    compiler: str = "inductor"
+    plans: list[Plan] = field(default_factory=list)
+    graphs: list[Graph] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in (*STRATEGIES, "torch"):
+            raise RematError(
+                f"compiled strategy {self.strategy!r} is unknown: choose one of "
+                f"{', '.join(STRATEGIES)} (or 'torch' to record torch's own partitioner)"
+            )
+        if self.compiler not in COMPILERS:
+            raise RematError(
+                f"compiler {self.compiler!r} is unknown: choose 'inductor' (fused kernels) or "
+                "'aot_eager' (the same graphs run op by op, for debugging)"
+            )
+        self.profile = get_profile(self.device)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        partitioner = _Partitioner(self)
+        if self.compiler == "aot_eager":
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._dynamo.backends.debugging import boxed_nop
+
+            return aot_autograd(
+                fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner
+            )(gm, example_inputs)
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        if not hasattr(inductor_config, "custom_partitioner_fn"):
+            raise RematError(
+                f"torch {torch.__version__} cannot give inductor a custom partitioner; use "
+                "compiler='aot_eager' or a newer torch"
+            )
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+
+
+def backend(
+    budget: int | str | None = None,
+    strategy: str = "auto",
+    device: str | DeviceProfile = "cpu",
+    compiler: str = "inductor",
+) -> RematBackend:
+    """A torch.compile backend with remat's partitioner: `torch.compile(model, backend=...)`.
+
+    `budget` bounds the predicted peak of each compiled graph's forward + backward, in bytes
+    (`"2GiB"`, an int) or as a share (`"50%"`: the parameters, inputs and gradients plus that share
+    of the rest of the peak when everything backward needs is saved). `strategy`: `mincut` (the
+    article's least-traffic cut; no budget), `milp` (least recompute + traffic time within the
+    budget), `auto` (the min-cut when it fits, else `milp`). `device` names the cost profile."""
+    return RematBackend(budget=budget, strategy=strategy, device=device, compiler=compiler)
+
+
+def compile(
+    model: nn.Module,
+    budget: int | str | None = None,
+    strategy: str = "auto",
+    device: str | DeviceProfile = "cpu",
+    compiler: str = "inductor",
+    **compile_kwargs: Any,
+) -> nn.Module:
+    """`torch.compile(model)` with remat's partitioner (see `backend`). The decisions appear, one
+    plan per compiled graph, in `plans_of(compiled)` after the first call. Shapes are static
+    (`dynamic=False`) unless `compile_kwargs` says otherwise."""
+    chosen = backend(budget=budget, strategy=strategy, device=device, compiler=compiler)
+    compile_kwargs.setdefault("dynamic", False)
+    compiled = torch.compile(model, backend=chosen, **compile_kwargs)
+    compiled.remat_backend = chosen
+    return compiled
+
+
+def plans_of(compiled: nn.Module) -> list[Plan]:
+    """The plans remat's partitioner made for a model from `remat.compile`, one per graph."""
+    chosen = getattr(compiled, "remat_backend", None)
+    if chosen is None:
+        raise RematError("this model was not compiled with remat.compile")
+    return chosen.plans
