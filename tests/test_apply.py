@@ -51,20 +51,9 @@ def test_every_strategy_gives_store_alls_gradients(name):
     _assert_same(gradients(model, inputs), reference)  # remove() restored the model
 
 
-KNOWN_GAPS = {
-    # Predicted 1,327,496 B, measured 1,218,968 B (+9%): the simulation's model of when torch's
-    # non-reentrant checkpoint triggers recomputation and where its early stop falls is off for
-    # regions whose kept and recomputed tensors interleave (attention core recomputed, its
-    # neighbours kept). Open item; strict, so fixing it flips this test.
-    ("megatron-gpt", "selective:megatron"),
-}
-
-
 @pytest.mark.parametrize("name", ZOO)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_measured_peak_matches_the_plans_prediction(name, strategy, request):
-    if (name, strategy) in KNOWN_GAPS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known simulation gap"))
+def test_measured_peak_matches_the_plans_prediction(name, strategy):
     torch.manual_seed(0)
     model, inputs = _build(name)
     graph = remat.trace(model, *inputs)

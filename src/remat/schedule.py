@@ -1,14 +1,23 @@
 """Simulate a training step run with checkpoint regions, as eager PyTorch runs it.
 
 Semantics of `torch.utils.checkpoint(use_reentrant=False)` with a selective-checkpoint policy,
-which is what `remat.apply` installs:
-- Forward: the region runs normally, but autograd does not hold what nodes *inside* the region save
-  of tensors made inside it, unless the op that made them is kept by the policy (MUST_SAVE). Tensors
-  made outside the region (its inputs, parameters) stay held, by the checkpoint frame or autograd.
-- Backward: the first node of the region to run re-runs the region's forward from its first op up to
-  the last op whose output a node needs (early stop). Kept ops return their cached output. Each
-  recomputed tensor a node needs lives until that node has run; the others die during the replay as
-  they did in the forward.
+which is what `remat.apply` installs (torch/utils/checkpoint.py: `_checkpoint_hook`,
+`_recomputation_hook`, `_CachingTorchDispatchMode`, `_CachedTorchDispatchMode`):
+- Forward: every tensor a node *inside* the region saves, whatever made it, is swapped for an
+  empty holder; autograd holds none of them. The checkpoint frame holds the region's inputs and the
+  RNG state; the policy's cache holds the outputs of the ops it keeps (MUST_SAVE). Outside tensors
+  that region nodes saved stay alive only through the frame (inputs) or their other owners.
+- Backward: the first unpack of *any* of the region's holders, i.e. the first region node that
+  saved anything (kept tensors and parameters included), re-runs the region from its first op and
+  stops right after the last save of the forward has been re-made (early stop): after that op's
+  kernel when the save is one of its outputs, before it when it is an input. Kept ops reached by the
+  replay hand over their cached outputs (the cache lets go of them); the others run again.
+- Every value the replay re-saves sits in the frame until its node unpacks it, so it lives until the
+  last region node that saved it has run, kept tensors too. The rest of the replay's tensors die
+  as in the forward, or when the replay stops. A kept output the replay did not reach stays in the
+  cache until the frame dies.
+- The frame (its inputs, RNG state, cache, and remat's BatchNorm snapshot) lives until its last
+  holder is released: after the last region node that saved anything has run.
 
 The result is the live-bytes timeline of the whole step under the plan, so the peak a plan predicts
 and the one `remat.measure` sees are the same quantity.
@@ -16,6 +25,7 @@ and the one `remat.measure` sees are the same quantity.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +34,7 @@ from remat.estimate import kernel_workspace_bytes
 from remat.graph import Graph
 
 #: `torch.utils.checkpoint` (preserve_rng_state=True) keeps a copy of the CPU generator's state per
-#: region call until the region's backward: `torch.get_rng_state().numel()` bytes.
+#: region call in its frame, until the frame dies: `torch.get_rng_state().numel()` bytes.
 CPU_RNG_STATE_BYTES = 5056
 
 
@@ -119,68 +129,61 @@ def simulate(
             return -1
         return region_of_op[node.forward_op]
 
-    # Which saves autograd still holds, and which a region drops (to recompute them).
+    # Saves made by nodes outside every region are held by autograd until their node has run.
+    # Inside a region, checkpoint's pack hook swaps every save for a holder: the frame refills the
+    # holders in backward, by replaying the region, and hands each value over at its node.
     held_until: dict[int, int] = {}
-    dropped: dict[int, list[int]] = defaultdict(list)  # region -> storages it must recompute
-    dropped_releases: dict[int, int] = {}  # storage -> last release among nodes needing it again
+    region_saves: dict[int, list] = defaultdict(list)  # region -> its saves, in pack order
     for sv in graph.saved:
         s = graph.storages[sv.storage]
-        if s.allocated_at is None:
-            continue
         r = node_region(sv.node)
-        produced_inside = r != -1 and region_of_op[s.allocated_at] == r
-        release = node_release(sv.node)
-        if produced_inside and s.allocated_at not in keep:
-            dropped[r].append(s.id)
-            dropped_releases[s.id] = max(dropped_releases.get(s.id, -1), release)
-        else:
-            held_until[s.id] = max(held_until.get(s.id, -1), release)
-
-    # Where each region's replay goes: before the first backward op of a node that needs it.
-    trigger: dict[int, int] = {}
-    needing = {r: set() for r in dropped}
-    for sv in graph.saved:
-        r = node_region(sv.node)
-        if r in needing and sv.storage in dropped_releases:
-            needing[r].add(sv.node)
-    for op in graph.backward_ops:
-        for r, nodes in needing.items():
-            if r not in trigger and op.node in nodes:
-                trigger[r] = op.index
-    # The checkpoint frame (its policy cache, RNG state, BatchNorm snapshot) lives until the
-    # region's replay, or, for a region that never replays, until its last node has run.
-    frame_until = {}
-    for node in graph.nodes.values():
-        r = node_region(node.id)
         if r != -1:
-            frame_until[r] = max(frame_until.get(r, -1), node_release(node.id))
+            region_saves[r].append(sv)
+        elif s.allocated_at is not None:
+            held_until[s.id] = max(held_until.get(s.id, -1), node_release(sv.node))
+
+    # Replay: at the first unpack of any of the region's holders, i.e. before the first backward
+    # op of a region node that saved something, from the region's first op up to the last pack
+    # (early stop), which comes after its op's kernel when it saves an output, before otherwise.
+    trigger: dict[int, int] = {}
+    stop_at: dict[int, int] = {}
+    frame_until: dict[int, int] = {}
+    # region -> storage -> the last release among the region's nodes that saved it
+    holder_release: dict[int, dict[int, int]] = defaultdict(dict)
+    first_backward_op: dict[int, int] = {}
+    for op in graph.backward_ops:
+        if op.node is not None:
+            first_backward_op.setdefault(op.node, op.index)
+    for r, saves in region_saves.items():
+        frame_until[r] = max(node_release(sv.node) for sv in saves)
+        for sv in saves:
+            release = node_release(sv.node)
+            held = holder_release[r]
+            held[sv.storage] = max(held.get(sv.storage, -1), release)
+            # A node that ran without issuing an op unpacked right after the op before its end.
+            start = first_backward_op.get(sv.node, release + 1)
+            if start < end:
+                trigger[r] = min(trigger.get(r, end), start)
+        last = saves[-1]
+        last_op = ops[graph.nodes[last.node].forward_op]
+        stop_at[r] = last_op.index if last.tensor in last_op.outputs else last_op.index - 1
     for r in range(len(regions)):
-        frame_until[r] = trigger.get(r, frame_until.get(r, end))
-    # A kept op's output sits in the policy's cache until then, whether or not a node saved it.
-    for r, reg in enumerate(regions):
-        until = frame_until[r]
-        for name in reg.keep:
-            for t in graph.op_by_name[name].outputs:
-                sid = graph.tensors[t].storage
-                if graph.storages[sid].allocated_at == graph.op_by_name[name].index:
-                    held_until[sid] = max(held_until.get(sid, -1), until)
-    replays: dict[int, list[int]] = defaultdict(list)  # backward op index -> replayed forward ops
+        frame_until.setdefault(r, end)
+    replays: dict[int, list[int]] = {}  # region -> its replayed forward ops, in order
+    replay_before: dict[int, int] = {}  # backward op index -> the region replayed before it
     recompute_ops: list[int] = []
-    for r, storages in dropped.items():
-        if r not in trigger:
-            continue
+    for r, at in sorted(trigger.items(), key=lambda item: item[1]):
         reg = regions[r]
-        stop = max(graph.storages[sid].allocated_at for sid in storages)
-        replay = [i for i in range(reg.first_op, stop + 1) if i not in keep]
-        replays[trigger[r]].extend(replay)
-        recompute_ops.extend(replay)
+        replays[r] = [i for i in range(reg.first_op, stop_at[r] + 1) if i not in keep]
+        replay_before[at] = r
+        recompute_ops.extend(replays[r])
 
     # Positions: forward ops, then backward ops with replays inserted before their trigger.
     schedule: list[tuple[str, int]] = []
     position_of_op = [0] * n
     replay_position: dict[int, int] = {}
     for op in ops:
-        for i in replays.get(op.index, ()):
+        for i in replays[replay_before[op.index]] if op.index in replay_before else ():
             replay_position[i] = len(schedule)
             schedule.append(("replay", i))
         position_of_op[op.index] = len(schedule)
@@ -196,33 +199,54 @@ def simulate(
         delta[start] += nbytes
         delta[min(stop, total) + 1] -= nbytes
 
-    saved_bytes = sum(
-        graph.storages[sid].nbytes
-        for sid in graph.saved_storages
-        if graph.storages[sid].allocated_at is None or sid in held_until
-    )
+    # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
+    calls = {(m.path, m.first_op): m for m in graph.modules}
+    for r, reg in enumerate(regions):
+        call = calls.get((reg.modules[0], reg.first_op))
+        for t in call.inputs if call is not None else ():
+            sid = graph.tensors[t].storage
+            if graph.storages[sid].allocated_at is not None:
+                held_until[sid] = max(held_until.get(sid, -1), frame_until[r])
+
+    saved_bytes = 0
     deaths: dict[int, int] = {}
     for s in graph.storages.values():
         if s.allocated_at is None:
             continue
         program = end if s.released_after is None else s.released_after
         death = max(program, held_until.get(s.id, -1))
+        r = region_of_op[s.allocated_at]
+        replayed = s.allocated_at in replay_position
+        if s.allocated_at in keep:
+            # The policy's cache holds a kept op's outputs until the replay reaches the op; from
+            # there the holders of the region's nodes that saved it do, until those nodes ran.
+            reached = r in trigger and s.allocated_at <= stop_at[r]
+            death = max(death, trigger[r] if reached else frame_until[r])
+            if reached:
+                death = max(death, holder_release[r].get(s.id, -1))
         deaths[s.id] = position_after(death)
+        if s.id in graph.saved_storages and (s.id in held_until or s.allocated_at in keep):
+            saved_bytes += s.nbytes
         live(position_of_op[s.allocated_at], deaths[s.id], s.nbytes)
-        if s.allocated_at in replay_position:
-            r = region_of_op[s.allocated_at]
-            replay_end = max(replay_position[i] for i in replays[trigger[r]])
-            if s.id in dropped_releases:
-                stop = position_after(dropped_releases[s.id])
-            elif program in replay_position:
-                stop = replay_position[program]
-            else:
-                stop = replay_end
+        if replayed:
+            # A replayed tensor that a region node saved stays in the frame until that node has
+            # unpacked it and run; the others die in the replay when the program dropped them,
+            # or when the replay stops.
+            replay = replays[r]
+            if s.id in holder_release[r]:
+                stop = position_after(holder_release[r][s.id])
+            else:  # the last replayed op up to the program's release, or the replay's last op
+                stop = replay_position[replay[bisect_right(replay, program) - 1]]
             live(
                 replay_position[s.allocated_at],
                 max(stop, replay_position[s.allocated_at]),
                 s.nbytes,
             )
+    saved_bytes += sum(
+        graph.storages[sid].nbytes
+        for sid in graph.saved_storages
+        if graph.storages[sid].allocated_at is None
+    )
 
     overhead = [CPU_RNG_STATE_BYTES + batchnorm_snapshot_bytes(graph, reg) for reg in regions]
     for r, reg in enumerate(regions):
