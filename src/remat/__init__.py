@@ -4,6 +4,7 @@ Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstim
 apply -> `measure` (the independent ground truth) -> report.
 """
 
+from remat.compiled import backend, compile
 from remat.eager import apply, auto, remove
 from remat.errors import InfeasibleBudget, RematError, TraceError, UnknownModelError
 from remat.estimate import MemoryEstimate, estimate
@@ -24,6 +25,8 @@ __all__ = [
     "UnknownModelError",
     "apply",
     "auto",
+    "backend",
+    "compile",
     "estimate",
     "measure",
     "pareto",

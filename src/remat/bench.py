@@ -55,7 +55,11 @@ def gradients(model: nn.Module, inputs: tuple, seed: int = 0) -> dict[str, torch
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
     default_loss(model(*inputs)).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        n.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     model.zero_grad(set_to_none=True)
     return grads
 
@@ -170,3 +174,85 @@ def run_baseline(model: nn.Module, name: str, paths: list[str], run, rows: list[
         return
     with _blocks_checkpointed(model, paths, sequential=name.endswith("sequential")):
         run(name, None)
+
+
+#: Torch's own partitioner at these `activation_memory_budget` values (1.0 is its default).
+TORCH_COMPILE_BUDGETS = (1.0, 0.5, 0.0)
+COMPILED_STRATEGIES = ("mincut", "milp", "auto")
+
+
+def bench_compiled(
+    model: nn.Module,
+    inputs: tuple,
+    budget: int | str | None = "50%",
+    steps: int = 3,
+    compiler: str = "inductor",
+    device: str = "cpu",
+    base_seconds: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Rows for torch.compile: torch's partitioner at each of `TORCH_COMPILE_BUDGETS` (its save set
+    priced by remat's model), then remat's partitioner with each compiled strategy, all measured
+    like the eager rows. Every row compiles from scratch (`torch._dynamo.reset()`)."""
+    from torch._functorch import config as functorch_config
+
+    from remat.compiled import RematBackend
+
+    reference = gradients(model, inputs)
+    rows: list[BenchRow] = []
+    runs: list[tuple[str, RematBackend, float | None]] = [
+        (
+            f"torch.compile@{b:g}",
+            RematBackend(strategy="torch", device=device, compiler=compiler),
+            b,
+        )
+        for b in TORCH_COMPILE_BUDGETS
+    ]
+    runs += [
+        (
+            f"compile:{s}",
+            RematBackend(
+                budget=None if s == "mincut" else budget,
+                strategy=s,
+                device=device,
+                compiler=compiler,
+            ),
+            None,
+        )
+        for s in COMPILED_STRATEGIES
+    ]
+    for name, backend, torch_budget in runs:
+        if progress:
+            progress(name)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        patch = functorch_config.patch(activation_memory_budget=torch_budget or 1.0)
+        try:
+            with patch:
+                diff = _max_diff(gradients(compiled, inputs), reference)
+        except Exception as e:  # an infeasible budget surfaces wrapped by dynamo
+            cause = e.__cause__ if isinstance(e.__cause__, InfeasibleBudget) else e
+            if not isinstance(cause, InfeasibleBudget) and "no save set fits" not in str(e):
+                raise
+            note = str(cause).splitlines()[0].split("raised:")[-1].strip()
+            rows.append(BenchRow(name, None, None, None, None, None, None, note))
+            continue
+        m = measure(compiled, *inputs, steps=steps)
+        seconds = statistics.median(m.step_seconds)
+        plans = backend.plans
+        rows.append(
+            BenchRow(
+                strategy=name,
+                saved_bytes=m.retained_bytes,
+                peak_bytes=m.peak_bytes,
+                predicted_peak_bytes=max(p.predicted_peak_bytes for p in plans) if plans else None,
+                step_seconds=seconds,
+                time_ratio=seconds / base_seconds if base_seconds else None,
+                grad_max_abs_diff=diff,
+                note=f"{compiler}; predicted recompute "
+                f"{sum(p.recompute_seconds for p in plans) * 1e3:.2f} ms, saved "
+                f"{sum(p.saved_bytes for p in plans)} B",
+            )
+        )
+    torch._dynamo.reset()
+    return rows

@@ -236,7 +236,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
     from remat import models
-    from remat.bench import bench
+    from remat.bench import COMPILED_STRATEGIES, TORCH_COMPILE_BUDGETS, bench, bench_compiled
     from remat.planner import Context
     from remat.report import bench_table, plot_bench
 
@@ -252,8 +252,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         **_parse_overrides(args.set),
     )
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    total = len(set(strategies) | {"store_all"})
+    if args.compile:
+        total += len(TORCH_COMPILE_BUDGETS) + len(COMPILED_STRATEGIES)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("measuring", total=len(set(strategies) | {"store_all"}))
+        task = bar.add_task("measuring", total=total)
 
         def advance(name: str) -> None:
             bar.update(task, advance=1, description=f"measuring {name}")
@@ -261,6 +264,18 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         rows = bench(
             model, inputs, ctx, strategies, budget=args.budget, steps=args.steps, progress=advance
         )
+        if args.compile:
+            base = next((r.step_seconds for r in rows if r.strategy == "store_all"), None)
+            rows += bench_compiled(
+                model,
+                inputs,
+                budget=args.budget,
+                steps=args.steps,
+                compiler=args.compiler,
+                device=args.device_profile,
+                base_seconds=base,
+                progress=advance,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -427,6 +442,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     be.add_argument(
         "--steps", type=int, default=3, help="timed steps per strategy (default: %(default)s)"
+    )
+    be.add_argument(
+        "--compile",
+        action="store_true",
+        help="also torch.compile the model: rows for torch's partitioner at "
+        "activation_memory_budget 1.0 (its default), 0.5 and 0.0, and for remat's partitioner "
+        "(compile:mincut, compile:milp and compile:auto at --budget)",
+    )
+    be.add_argument(
+        "--compiler",
+        default="inductor",
+        choices=["inductor", "aot_eager"],
+        help="with --compile: inductor (fused kernels; compiling takes a while on CPU) or "
+        "aot_eager (the same partition run op by op) (default: %(default)s)",
     )
     be.add_argument("--json", metavar="OUT.json", help="write the rows as JSON")
     be.add_argument("--plot", metavar="OUT.png", help="measured points on the predicted frontier")

@@ -349,6 +349,7 @@ def _plan(
         details={
             "path": "compile",
             "traffic_bytes": chosen.traffic_bytes,
+            "held_bytes": chosen.held_bytes,
             "store_all_peak_bytes": store_all.peak_bytes,
             "store_all_saved_bytes": store_all.saved_bytes,
         },

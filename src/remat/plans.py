@@ -76,6 +76,8 @@ class Plan:
         recomputing it costs on the plan's device profile, and why."""
         profile = PROFILES.get(self.device, PROFILES["cpu"])
         op_seconds = op_seconds_all(graph, profile)
+        if self.details.get("path") == "compile":
+            return self._explain_compiled(graph, op_seconds)
         kept = {s.name for s in self.saved}
         recomputed = set(self.recomputed)
         rows = []
@@ -103,6 +105,39 @@ class Plan:
                     if producer is not None
                     else 0.0,
                     "why": why,
+                }
+            )
+        return rows
+
+    def _explain_compiled(self, graph: Graph, op_seconds: list[float]) -> list[dict[str, Any]]:
+        """A compiled plan on its joint graph: each value saved across the forward/backward
+        boundary, and each forward op the backward graph recomputes."""
+        rows = []
+        for s in self.saved:
+            op = graph.op_by_name.get(s.name.partition(":")[0])
+            rows.append(
+                {
+                    "name": s.name,
+                    "op": s.op,
+                    "bytes": s.bytes,
+                    "decision": "keep",
+                    "recompute_seconds": op_seconds[op.index] if op is not None else 0.0,
+                    "why": "a forward input: backward reads it (1x traffic)"
+                    if op is None
+                    else f"saved by the {self.strategy} choice: backward reads it (2x traffic) "
+                    "instead of recomputing it",
+                }
+            )
+        for name in self.recomputed:
+            op = graph.op_by_name[name]
+            rows.append(
+                {
+                    "name": name,
+                    "op": op.target,
+                    "bytes": sum(graph.tensors[t].nbytes for t in op.outputs),
+                    "decision": "recompute",
+                    "recompute_seconds": op_seconds[op.index],
+                    "why": "recomputed inside the backward graph from saved values",
                 }
             )
         return rows

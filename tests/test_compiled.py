@@ -1,0 +1,271 @@
+"""The compiled path: remat's partitioner inside torch.compile keeps gradients exact, saves exactly
+what its plan says, respects user tags and random ops, bounds the peak by the byte budget, and is
+never slower (in its model) than torch's own partitioner at the same saved bytes."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from test_mincut import build, specs
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import remat
+from remat import models
+from remat.bench import gradients
+from remat.compiled import plans_of
+from remat.measure import saved_tensor_bytes
+from remat.solvers.mincut import joint_problem, recomputed_values
+from remat.solvers.saveset import cheapest_save_set, describe_save_set
+
+BANDWIDTH = 1e9
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: past dynamo's recompile limit a model silently runs eager."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _build(name: str, batch: int = 2, seq: int = 32):
+    torch.manual_seed(0)
+    return models.build(name, batch=batch, seq=seq, device="cpu", tiny=True)
+
+
+def _assert_close(got: dict, ref: dict) -> None:
+    """Inductor's fused kernels sum in another order than eager: equal up to float rounding."""
+    assert len(got) == len(ref)
+    for g, r in zip(got.values(), ref.values(), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()) + 1e-7)
+
+
+# -- the min-cut article's example, under inductor ---------------------------------------------------
+def _article(a, b, c, d):
+    return torch.cos(torch.cos(a + b + c + d))
+
+
+def test_article_example_compiled_backward_saves_only_the_last_add():
+    leaves = [torch.randn(1024, requires_grad=True) for _ in range(4)]
+    chosen = remat.backend(strategy="mincut")
+    compiled = torch.compile(_article, backend=chosen, dynamic=False)
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t.detach().clone())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(*leaves)
+    out.sum().backward()
+    got = [leaf.grad.clone() for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    _article(*leaves).sum().backward()
+    for g, leaf in zip(got, leaves, strict=True):
+        torch.testing.assert_close(g, leaf.grad)
+    (plan,) = chosen.plans
+    assert len(saved) == 1  # z = a + b + c + d, the article's cut at add_2 (cost 2B)
+    torch.testing.assert_close(saved[0], sum(leaves).detach())
+    assert [s.bytes for s in plan.saved] == [4096]
+    assert plan.details["traffic_bytes"] == 2 * 4096
+    assert plan.saved_bytes == 4096
+
+
+# -- gradients and saved bytes of zoo models under inductor -----------------------------------------
+@pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b"])
+def test_inductor_gradients_match_eager_and_saved_bytes_match_the_plan(name):
+    model, inputs = _build(name)
+    reference = gradients(model, inputs, seed=1)
+    compiled = remat.compile(model, budget="100%", strategy="auto")
+    _assert_close(gradients(compiled, inputs, seed=1), reference)
+    (plan,) = plans_of(compiled)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert saved_tensor_bytes(compiled, *inputs) == plan.saved_bytes
+
+
+# -- the same decisions, op by op (aot_eager): fast, and the peak model is exact there --------------
+@pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b", "megatron-gpt", "mlp-chain-16"])
+@pytest.mark.parametrize("strategy", ["mincut", "milp", "auto"])
+def test_saved_and_peak_bytes_equal_the_plans_prediction(name, strategy):
+    model, inputs = _build(name)
+    reference = gradients(model, inputs, seed=3)
+    compiled = remat.compile(model, strategy=strategy, compiler="aot_eager")
+    got = gradients(compiled, inputs, seed=3)
+    for g, r in zip(got.values(), reference.values(), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    (plan,) = plans_of(compiled)
+    measured = remat.measure(compiled, *inputs)
+    assert measured.saved_bytes == plan.saved_bytes
+    assert plan.predicted_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.01)
+
+
+def test_random_ops_are_never_recomputed():
+    model, inputs = _build("megatron-gpt")
+    compiled = remat.compile(model, strategy="milp", budget="70%", compiler="aot_eager")
+    gradients(compiled, inputs)
+    (plan,) = plans_of(compiled)
+    assert plan.recomputed  # the budget forces recomputation...
+    assert not [op for op in plan.recomputed if "dropout" in op]  # ...but never of dropout
+
+
+# -- budgets ------------------------------------------------------------------------------------------
+def test_measured_peak_never_grows_as_the_budget_shrinks():
+    model, inputs = _build("llama-3.2-1b", batch=8, seq=128)
+    peaks, predicted, saved = [], [], []
+    for budget in ["100%", "85%", "70%", "60%", "55%"]:
+        compiled = remat.compile(model, budget=budget, strategy="milp", compiler="aot_eager")
+        measured = remat.measure(compiled, *inputs)
+        (plan,) = plans_of(compiled)
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        peaks.append(measured.peak_bytes)
+        predicted.append(plan.predicted_peak_bytes)
+        saved.append(plan.saved_bytes)
+    assert peaks == sorted(peaks, reverse=True)
+    assert peaks[0] > peaks[-1]
+    assert predicted == pytest.approx(peaks, rel=0.01)
+    with pytest.raises(Exception, match="no save set fits"):
+        compiled = remat.compile(model, budget="10%", strategy="milp", compiler="aot_eager")
+        compiled(*inputs)
+
+
+def test_mincut_refuses_a_budget_it_cannot_meet():
+    model, inputs = _build("llama-3.2-1b", batch=8, seq=128)
+    compiled = remat.compile(model, budget="50%", strategy="mincut", compiler="aot_eager")
+    with pytest.raises(Exception, match="use strategy='milp' or 'auto'"):
+        compiled(*inputs)
+
+
+@pytest.mark.parametrize("torch_budget", [1.0, 0.5, 0.0])
+def test_remat_needs_no_more_recompute_than_torch_at_its_saved_bytes(torch_budget):
+    from torch._functorch import config as functorch_config
+
+    model, inputs = _build("gpt2", batch=4, seq=64)
+    watcher = remat.backend(strategy="torch", compiler="aot_eager")
+    with functorch_config.patch(activation_memory_budget=torch_budget):
+        compiled = torch.compile(model, backend=watcher, dynamic=False)
+        gradients(compiled, inputs)
+    (theirs,) = watcher.plans
+    graph = watcher.graphs[0]
+    problem = joint_problem(graph, None)
+    from remat.compiled import compiled_op_seconds
+    from remat.cost import get_profile
+
+    op_seconds = compiled_op_seconds(graph, get_profile("cpu"))
+    ours = cheapest_save_set(
+        graph, problem, op_seconds, BANDWIDTH, theirs.details["held_bytes"], traffic_weight=0.0
+    )
+    mine = describe_save_set(graph, problem, ours, op_seconds)
+    assert mine.held_bytes <= theirs.details["held_bytes"]
+    assert mine.recompute_seconds <= theirs.recompute_seconds * (1 + 1e-9)
+
+
+# -- user intent: selective-checkpoint tags --------------------------------------------------------
+def _save_matmuls_only(ctx, op, *args, **kwargs):
+    if op == torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+class _Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64, 64) / 8)
+        self.w2 = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def body(self, x):
+        return torch.sin(torch.relu(x @ self.w1) @ self.w2).cos()
+
+    def forward(self, x):
+        return checkpoint(
+            self.body,
+            x,
+            use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls_only),
+        )
+
+
+@pytest.mark.parametrize("strategy", ["mincut", "milp"])
+def test_selective_checkpoint_tags_win(strategy):
+    torch.manual_seed(0)
+    model, x = _Tagged(), torch.randn(32, 64)
+    reference = gradients(model, (x,))
+    compiled = remat.compile(model, strategy=strategy, compiler="aot_eager")
+    got = gradients(compiled, (x,))
+    for g, r in zip(got.values(), reference.values(), strict=True):
+        torch.testing.assert_close(g, r)
+    (plan,) = plans_of(compiled)
+    kept_ops = {s.op for s in plan.saved}
+    assert kept_ops <= {"aten.mm.default", "input"}  # relu, sin, cos: tagged MUST_RECOMPUTE
+    assert sum(s.op == "aten.mm.default" for s in plan.saved) >= 1
+
+
+# -- the budgeted save set is optimal: brute force over every subset --------------------------------
+@settings(max_examples=60, deadline=None)
+@given(specs(max_values=10))
+def test_cheapest_save_set_matches_brute_force(spec):
+    graph, _ = build(spec)
+    problem = joint_problem(graph, None)
+    values = problem.values
+    rng = np.random.default_rng(len(spec.ops))
+    op_seconds = list(rng.uniform(0, 1e-3, size=len(graph.ops)))
+    held = sorted({v.storage for v in values if graph.storages[v.storage].kind == "activation"})
+    total_held = sum(graph.storages[m].nbytes for m in held)
+    for cap in (None, total_held // 2, 0):
+        best = None
+        for r in range(len(values) + 1):
+            for subset in itertools.combinations(range(len(values)), r):
+                chosen = set(subset)
+                if chosen & problem.unsaveable:
+                    continue
+                recomputed = recomputed_values(problem, chosen)
+                if recomputed is None:
+                    continue
+                storages = {values[v].storage for v in chosen} & set(held)
+                if cap is not None and sum(graph.storages[m].nbytes for m in storages) > cap:
+                    continue
+                ops = {graph.op_by_name[values[v].op].index for v in recomputed}
+                cost = (
+                    sum(op_seconds[i] for i in ops)
+                    + sum(values[v].cost for v in chosen) / BANDWIDTH
+                )
+                best = cost if best is None else min(best, cost)
+        found = cheapest_save_set(graph, problem, op_seconds, BANDWIDTH, cap)
+        if best is None:
+            assert found is None
+            continue
+        assert found is not None
+        got = describe_save_set(graph, problem, found, op_seconds)
+        assert got.recompute_seconds + got.traffic_bytes / BANDWIDTH == pytest.approx(
+            best, rel=1e-6, abs=1e-12
+        )
+
+
+def test_unknown_strategy_and_compiler_are_named():
+    with pytest.raises(remat.RematError, match="strategy 'fastest' is unknown"):
+        remat.backend(strategy="fastest")
+    with pytest.raises(remat.RematError, match="compiler 'tvm' is unknown"):
+        remat.backend(compiler="tvm")
+
+
+def test_compiled_plan_explains_itself_and_round_trips_json():
+    model, inputs = _build("gpt2")
+    compiled = remat.compile(model, strategy="mincut", compiler="aot_eager")
+    gradients(compiled, inputs)
+    (plan,) = plans_of(compiled)
+    graph = compiled.remat_backend.graphs[0]
+    rows = plan.explain(graph)
+    assert {r["decision"] for r in rows} == {"keep", "recompute"}
+    assert sum(r["bytes"] for r in rows if r["decision"] == "keep") >= plan.saved_bytes
+    assert len(rows) == len(plan.saved) + len(plan.recomputed)
+    assert remat.Plan.from_json(plan.to_json()) == plan
