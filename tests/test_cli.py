@@ -179,3 +179,43 @@ def test_bench_measures_each_strategy_and_writes_the_documented_rows(tmp_path):
         rows["full"]["predicted_peak_bytes"], rel=0.05
     )
     assert rows["hf:gradient_checkpointing"]["note"] == "not a Hugging Face model"
+
+
+def test_bench_compile_adds_torch_and_remat_partitioner_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run(
+        "bench",
+        "--model",
+        "gpt2",
+        "--tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--budget",
+        "1TiB",
+        "--strategies",
+        "store_all",
+        "--steps",
+        "1",
+        "--compile",
+        "--compiler",
+        "aot_eager",
+        "--json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {
+        "store_all",
+        "torch.compile@1",
+        "torch.compile@0.5",
+        "torch.compile@0",
+        "compile:mincut",
+        "compile:milp",
+        "compile:auto",
+    }
+    for name, row in rows.items():
+        assert row["grad_max_abs_diff"] <= 1e-5, name
+        if name != "store_all":
+            assert row["peak_bytes"] == pytest.approx(row["predicted_peak_bytes"], rel=0.01)

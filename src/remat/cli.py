@@ -334,6 +334,8 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
             device="cpu",
             device_profile="cpu",
             steps=2,
+            compile=False,
+            compiler="inductor",
             json=str(out / "bench.json"),
             plot=str(out / "bench.png"),
         ),

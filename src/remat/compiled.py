@@ -463,7 +463,15 @@ class RematBackend:
                 f"torch {torch.__version__} cannot give inductor a custom partitioner; use "
                 "compiler='aot_eager' or a newer torch"
             )
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        from torch._functorch import config as functorch_config
+
+        # A cached graph would skip the partitioner (and so the plan): no caches for these graphs.
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(
+                gm,
+                example_inputs,
+                config_patches={"custom_partitioner_fn": partitioner, "fx_graph_cache": False},
+            )
 
 
 def backend(

@@ -276,7 +276,7 @@ def candidate_save_sets(
     rungs: int = _RUNGS,
 ) -> list[SaveSet]:
     """Save sets along a ladder of caps on the activation bytes held for backward, from the
-    cheapest uncapped one down to holding none. Holding less does not always lower the peak
+    cheapest uncapped one down to holding none, and saving everything backward reads. Holding less does not always lower the peak
     (recomputing a long chain in backward keeps it all alive at once), so a budget is met by
     checking each rung's predicted peak; the ladder does not depend on the budget, which makes
     the chosen plan's peak never grow as the budget shrinks."""
@@ -286,7 +286,9 @@ def candidate_save_sets(
             "no save set obeys the rules (a needed value can be neither saved nor recomputed)"
         )
     found = [describe_save_set(graph, problem, top, op_seconds)]
-    seen = {found[0].saved}
+    if not problem.unsaveable & set(problem.needed):  # saving all backward reads: store-all
+        found.append(describe_save_set(graph, problem, set(problem.needed), op_seconds))
+    seen = {c.saved for c in found}
     for k in range(rungs - 1, -1, -1):
         chosen = cheapest_save_set(
             graph, problem, op_seconds, bandwidth, found[0].held_bytes * k // rungs
