@@ -325,3 +325,14 @@ def test_brute_force_oracle_on_the_article_shape():
     assert {int(m) for m in itertools.compress(range(len(total)), valid & (total == 2 * B))} == {
         1 << 6
     }
+
+
+def test_a_value_that_may_be_neither_saved_nor_recomputed_is_named(article_graph):
+    def is_add(op):
+        return op.short == "add"
+
+    with pytest.raises(ValueError, match="'add_2' may be neither saved nor recomputed"):
+        mincut(article_graph, never_recompute=is_add, never_save=is_add)
+    # banning only the save of cos(z) is fine: it is recomputed from z
+    result = mincut(article_graph, never_save=lambda op: op.short == "cos")
+    assert result.saved == ("add_2",)

@@ -218,9 +218,9 @@ def _source_side(problem: JointProblem) -> np.ndarray:
     return side
 
 
-def recomputed_values(problem: JointProblem, saved: set[int]) -> list[int] | None:
-    """The values backward recomputes when `saved` are saved, or None if some needed value
-    cannot be had without recomputing an input or a pinned op."""
+def _walk_back(problem: JointProblem, saved: set[int]) -> tuple[set[int], int | None]:
+    """Walk back from what backward needs through unsaved values: the values to recompute, and
+    the first pinned one met (which makes `saved` invalid), if any."""
     values = problem.values
     recomputed: set[int] = set()
     stack = list(problem.needed)
@@ -229,10 +229,17 @@ def recomputed_values(problem: JointProblem, saved: set[int]) -> list[int] | Non
         if v in saved or v in recomputed:
             continue
         if values[v].pinned:
-            return None
+            return recomputed, v
         recomputed.add(v)
         stack.extend(values[v].inputs)
-    return sorted(recomputed)
+    return recomputed, None
+
+
+def recomputed_values(problem: JointProblem, saved: set[int]) -> list[int] | None:
+    """The values backward recomputes when `saved` are saved, or None if some needed value
+    cannot be had without recomputing an input or a pinned op."""
+    recomputed, stuck = _walk_back(problem, saved)
+    return None if stuck is not None else sorted(recomputed)
 
 
 def _index(problem: JointProblem, names: list[str]) -> set[int]:
@@ -249,21 +256,12 @@ def _index(problem: JointProblem, names: list[str]) -> set[int]:
 def _no_save_set(problem: JointProblem, saved: set[int]) -> str:
     """Why no save set exists: recomputing a value backward needs reaches one that may be neither
     saved nor recomputed."""
-    values = problem.values
-    seen: set[int] = set()
-    stack = list(problem.needed)
-    while stack:
-        v = stack.pop()
-        if v in saved or v in seen:
-            continue
-        if values[v].pinned:
-            return (
-                f"no save set obeys the rules: {values[v].name!r} may be neither saved nor "
-                "recomputed, and backward needs it; relax its MUST_RECOMPUTE tag or its ban"
-            )
-        seen.add(v)
-        stack.extend(values[v].inputs)
-    return "no save set obeys the rules"
+    _, stuck = _walk_back(problem, saved)
+    name = problem.values[stuck].name if stuck is not None else "a value"
+    return (
+        f"no save set obeys the rules: {name!r} may be neither saved nor recomputed, and backward "
+        "needs it; relax its MUST_RECOMPUTE tag or its ban"
+    )
 
 
 def _count(n: int, noun: str) -> str:
@@ -312,6 +310,9 @@ def mincut(
     # A value the walk back from what backward needs reaches is saved if its split edge is cut
     # (v_in on the source side; v_out is then on the sink side, or an infinite edge would be cut).
     cut = {i for i in range(len(values)) if side[2 + 2 * i] and not side[3 + 2 * i]}
+    # Only an infinite edge left to cut (a value that may be neither saved nor recomputed) makes
+    # the cut invalid: it then either recomputes a pinned value or saves an unsaveable one.
+    cut -= problem.unsaveable
     recomputed = recomputed_values(problem, cut)
     if recomputed is None:
         raise ValueError(_no_save_set(problem, cut))
