@@ -226,16 +226,28 @@ def bench_compiled(
             progress(name)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=backend, dynamic=False)
-        patch = functorch_config.patch(activation_memory_budget=torch_budget or 1.0)
+        patch = functorch_config.patch(
+            activation_memory_budget=1.0 if torch_budget is None else torch_budget
+        )
         try:
             with patch:
                 diff = _max_diff(gradients(compiled, inputs), reference)
-        except Exception as e:  # an infeasible budget surfaces wrapped by dynamo
-            cause = e.__cause__ if isinstance(e.__cause__, InfeasibleBudget) else e
-            if not isinstance(cause, InfeasibleBudget) and "no save set fits" not in str(e):
+        except Exception as e:
+            infeasible = _infeasible_cause(e)
+            if infeasible is None:
                 raise
-            note = str(cause).splitlines()[0].split("raised:")[-1].strip()
-            rows.append(BenchRow(name, None, None, None, None, None, None, note))
+            rows.append(
+                BenchRow(
+                    name,
+                    None,
+                    None,
+                    infeasible.min_feasible_bytes,
+                    None,
+                    None,
+                    None,
+                    str(infeasible),
+                )
+            )
             continue
         m = measure(compiled, *inputs, steps=steps)
         seconds = statistics.median(m.step_seconds)
@@ -256,3 +268,13 @@ def bench_compiled(
         )
     torch._dynamo.reset()
     return rows
+
+
+def _infeasible_cause(error: BaseException) -> InfeasibleBudget | None:
+    """The InfeasibleBudget behind `error`: dynamo re-raises a backend's error wrapped."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, InfeasibleBudget):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -42,7 +42,7 @@ from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
 from remat.plans import Plan, SavedTensor, resolve_budget
 from remat.solvers.mincut import JointProblem, joint_problem, mincut
 from remat.solvers.saveset import SaveSet, describe_save_set, save_set_within
-from remat.trace import dtype_name
+from remat.trace import dtype_name, storage_key, storage_nbytes
 from remat.units import format_bytes
 
 STRATEGIES = ("mincut", "milp", "auto")
@@ -60,12 +60,6 @@ class JointGraph:
     must_save: frozenset[str]  # op names tagged MUST_SAVE
     must_recompute: frozenset[str]  # op names tagged MUST_RECOMPUTE or PREFER_RECOMPUTE
     saved_symbols: list[fx.Node]  # non-tensor forward values backward reads (sizes)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def _tensors_of(val: Any) -> list[torch.Tensor | None]:
@@ -113,11 +107,11 @@ def joint_graph(joint: fx.Graph, node_info: Any, num_fwd_outputs: int) -> JointG
     ops: list[Op] = []
 
     def new_tensor(t: torch.Tensor, kind: str, producer: int | None) -> int:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in by_key:
             sid = by_key[key] = len(storages)
             at = producer if kind == "activation" else None
-            storages[sid] = Storage(sid, int(t.untyped_storage().nbytes()), kind, at)
+            storages[sid] = Storage(sid, storage_nbytes(t), kind, at)
         tid = len(tensors)
         tensors[tid] = Tensor(
             tid,
@@ -321,7 +315,7 @@ def _plan(
     for name in chosen.saved:
         node = jg.node_of_value[name]
         val = node.meta.get("val")
-        nbytes = int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+        nbytes = storage_nbytes(val) if isinstance(val, torch.Tensor) else 0
         saved.append(
             SavedTensor(name, str(node.target) if node.op == "call_function" else "input", nbytes)
         )

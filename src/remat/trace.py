@@ -71,7 +71,8 @@ def storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-def _cdata(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (shared by its views), for real and fake tensors."""
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
@@ -122,7 +123,7 @@ class _Tracer(TorchDispatchMode):
     # -- storages and tensors --------------------------------------------------------------------
     def storage_id(self, t: torch.Tensor, kind: str, allocated_at: int | None = None) -> int:
         """The storage of `t`, registered with `kind` if it has not been seen."""
-        cdata = _cdata(t)
+        cdata = storage_key(t)
         sid = self.storage_by_cdata.get(cdata)
         if sid is not None:
             return sid
@@ -328,7 +329,7 @@ class _Tracer(TorchDispatchMode):
             if rec.payload is not None:
                 base.untyped_storage().copy_(rec.payload)
             stand_in = base.as_strided(rec.shape, rec.stride, rec.offset)
-            cdata = _cdata(stand_in)
+            cdata = storage_key(stand_in)
             self.storage_by_cdata[cdata] = rec.storage
             self.stand_in_refs.append(StorageWeakRef(stand_in.untyped_storage()))
             self.tensor_ids[stand_in] = rec.tensor
