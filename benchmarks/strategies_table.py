@@ -60,7 +60,7 @@ def table(name: str, kw: dict, device: str) -> str:
             )
             lines.append(
                 f"| {share} ({format_bytes(budget)}) | {strategy}{mark} | {format_bytes(p.predicted_peak_bytes)} | "
-                f"{format_bytes(p.saved_bytes)} | {p.recompute_flops / step_flops:.1%} | "
+                f"{format_bytes(p.held_bytes)} | {p.recompute_flops / step_flops:.1%} | "
                 f"{p.recompute_seconds / step_seconds:.1%} | {note} |"
             )
         if chosen is None:

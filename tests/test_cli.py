@@ -95,7 +95,7 @@ def test_plan_json_has_the_documented_fields(capsys, tmp_path):
         "strategy",
         "budget_bytes",
         "predicted_peak_bytes",
-        "saved_bytes",
+        "held_bytes",
         "recompute_flops",
         "recompute_seconds",
         "saved",
@@ -174,7 +174,7 @@ def test_bench_measures_each_strategy_and_writes_the_documented_rows(tmp_path):
     for name in ("store_all", "full", "selective:torchtitan", "torch:checkpoint-per-block"):
         row = rows[name]
         for key in (
-            "saved_bytes",
+            "held_bytes",
             "peak_bytes",
             "predicted_peak_bytes",
             "step_seconds",
@@ -201,7 +201,7 @@ def test_bench_compile_adds_torch_and_remat_partitioner_rows(tmp_path):
         "compile:auto",
     }
     # torch's activation_memory_budget 0 saves only the inputs: less is retained than at 1.0
-    assert rows["torch.compile@0"]["saved_bytes"] < rows["torch.compile@1"]["saved_bytes"]
+    assert rows["torch.compile@0"]["held_bytes"] < rows["torch.compile@1"]["held_bytes"]
     for name, row in rows.items():
         assert row["grad_max_abs_diff"] <= 1e-5, name
         if name != "store_all":

@@ -120,8 +120,8 @@ def test_mlp_baseline_saved_and_retained_match_shapes() -> None:
     x, act, out, loss = batch * 64 * F32, batch * 128 * F32, batch * 16 * F32, F32
     assert m.baseline_bytes == param_bytes(model) + x
     assert m.saved_bytes == x + 2 * act  # the input and both ReLU outputs
-    assert m.retained_bytes == 2 * act + out + loss  # the input existed before the step
-    assert m.retained_bytes >= m.saved_bytes - x
+    assert m.held_bytes == 2 * act + out + loss  # the input existed before the step
+    assert m.held_bytes >= m.saved_bytes - x
 
 
 def test_mlp_peak_is_activations_plus_backward_transient() -> None:
@@ -133,7 +133,7 @@ def test_mlp_peak_is_activations_plus_backward_transient() -> None:
     m = measure(model, torch.randn(batch, 64))
     act = batch * 128 * F32
     retained = 2 * act + batch * 16 * F32 + F32
-    assert m.retained_bytes == retained
+    assert m.held_bytes == retained
     expected = m.baseline_bytes + retained + F32 + (16 * 128 + 16) * F32 + 2 * act
     # Lower bound: all of that must coexist. Slack: kernel temporaries allocated through torch;
     # the largest in this step is mm's contiguous copy of the expanded (batch, 16) gradient.
@@ -251,7 +251,7 @@ class CheckpointedMiddle(nn.Module):
         return self.last(h)
 
 
-def test_checkpoint_lowers_retained_bytes() -> None:
+def test_checkpoint_lowers_held_bytes() -> None:
     x = torch.randn(32, 64)
     plain = measure(CheckpointedMiddle(False), x)
     ckpt = measure(CheckpointedMiddle(True), x)
@@ -260,7 +260,7 @@ def test_checkpoint_lowers_retained_bytes() -> None:
     # outputs go. Checkpoint keeps the block's input (the first ReLU output, kept anyway) and a
     # snapshot of the CPU generator state, to replay dropout the same way when it recomputes.
     rng_state = torch.get_rng_state().nbytes
-    assert ckpt.retained_bytes == plain.retained_bytes - 2 * act + rng_state
+    assert ckpt.held_bytes == plain.held_bytes - 2 * act + rng_state
     # Inner saves go through checkpoint's own hooks: saved_bytes does not see them at all.
     assert ckpt.saved_bytes == plain.saved_bytes - 2 * act
 
@@ -336,4 +336,4 @@ def test_cuda_agrees_with_cpu_up_to_allocator_rounding() -> None:
     assert gpu.device.startswith("cuda:")
     assert (gpu.saved_bytes, gpu.baseline_bytes) == (cpu.saved_bytes, cpu.baseline_bytes)
     # The caching allocator rounds each block up to 512 bytes: only the 4-byte loss grows here.
-    assert gpu.retained_bytes == cpu.retained_bytes - F32 + 512
+    assert gpu.held_bytes == cpu.held_bytes - F32 + 512

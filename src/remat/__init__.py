@@ -5,8 +5,15 @@ apply -> `measure` (the independent ground truth) -> report.
 """
 
 from remat.compiled import backend, compile
-from remat.eager import apply, auto, remove
-from remat.errors import InfeasibleBudget, RematError, TraceError, UnknownModelError
+from remat.eager import Verification, apply, auto, remove, verify
+from remat.errors import (
+    InfeasibleBudget,
+    RematError,
+    RematWarning,
+    StatefulModuleError,
+    TraceError,
+    UnknownModelError,
+)
 from remat.estimate import MemoryEstimate, estimate
 from remat.graph import Graph
 from remat.measure import Measurement, measure
@@ -21,8 +28,11 @@ __all__ = [
     "MemoryEstimate",
     "Plan",
     "RematError",
+    "RematWarning",
+    "StatefulModuleError",
     "TraceError",
     "UnknownModelError",
+    "Verification",
     "apply",
     "auto",
     "backend",
@@ -33,5 +43,6 @@ __all__ = [
     "plan",
     "remove",
     "trace",
+    "verify",
 ]
 __version__ = "0.1.0"

@@ -35,9 +35,7 @@ BASELINES = (
 @dataclass(frozen=True)
 class BenchRow:
     strategy: str
-    saved_bytes: (
-        int | None
-    )  # measured: bytes allocated by the forward still live when backward starts
+    held_bytes: int | None  # measured: what the forward left live for the backward
     peak_bytes: int | None  # measured peak of the step
     predicted_peak_bytes: int | None
     step_seconds: float | None  # median over the timed steps
@@ -121,7 +119,7 @@ def bench(
         rows.append(
             BenchRow(
                 strategy=name,
-                saved_bytes=m.retained_bytes,
+                held_bytes=m.held_bytes,
                 peak_bytes=m.peak_bytes,
                 predicted_peak_bytes=predicted,
                 step_seconds=seconds,
@@ -196,7 +194,7 @@ def bench_compiled(
     like the eager rows. Every row compiles from scratch (`torch._dynamo.reset()`)."""
     from torch._functorch import config as functorch_config
 
-    from remat.compiled import RematBackend
+    from remat.compiled import RematBackend, remat_error_cause
 
     reference = gradients(model, inputs)
     rows: list[BenchRow] = []
@@ -233,7 +231,7 @@ def bench_compiled(
             with patch:
                 diff = _max_diff(gradients(compiled, inputs), reference)
         except Exception as e:
-            infeasible = _infeasible_cause(e)
+            infeasible = remat_error_cause(e, InfeasibleBudget)
             if infeasible is None:
                 raise
             rows.append(
@@ -255,26 +253,16 @@ def bench_compiled(
         rows.append(
             BenchRow(
                 strategy=name,
-                saved_bytes=m.retained_bytes,
+                held_bytes=m.held_bytes,
                 peak_bytes=m.peak_bytes,
                 predicted_peak_bytes=max(p.predicted_peak_bytes for p in plans) if plans else None,
                 step_seconds=seconds,
                 time_ratio=seconds / base_seconds if base_seconds else None,
                 grad_max_abs_diff=diff,
                 note=f"{compiler}; predicted recompute "
-                f"{sum(p.recompute_seconds for p in plans) * 1e3:.2f} ms, saved "
-                f"{sum(p.saved_bytes for p in plans)} B",
+                f"{sum(p.recompute_seconds for p in plans) * 1e3:.2f} ms, held "
+                f"{sum(p.held_bytes for p in plans)} B",
             )
         )
     torch._dynamo.reset()
     return rows
-
-
-def _infeasible_cause(error: BaseException) -> InfeasibleBudget | None:
-    """The InfeasibleBudget behind `error`: dynamo re-raises a backend's error wrapped."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, InfeasibleBudget):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None

@@ -200,7 +200,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
                     if p is None
                     else {
                         "predicted_peak_bytes": p.predicted_peak_bytes,
-                        "saved_bytes": p.saved_bytes,
+                        "held_bytes": p.held_bytes,
                         "recompute_flops": p.recompute_flops,
                         "recompute_seconds": p.recompute_seconds,
                     }

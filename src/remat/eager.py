@@ -1,16 +1,22 @@
-"""Realise a `Plan` on a live `nn.Module` with PyTorch's own mechanisms.
+"""Realise a `Plan` on a live `nn.Module` with PyTorch's own mechanisms, and check it was.
 
 Each region becomes `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around the module
 (or run of consecutive blocks) it names; a region that keeps some ops gets a selective-checkpoint
 policy (`create_selective_checkpoint_contexts`) that marks exactly those ops MUST_SAVE. Ops are
-matched by their position in the region's traced op stream, so "keep `h.3.attn.c_attn.addmm_0`"
-means that call, on every run.
+found by a stable key, (module path, aten op, occurrence of that op in that module within the
+region's call), read from a module stack that forward hooks keep: a real run that issues a few
+ops the trace did not (or the other way round) still keeps the planned ones. Every forward counts
+what it kept; a region that missed some warns once, and `verify(model)` reports them all.
+A region that draws no random numbers does not keep the RNG state, and the step runs with
+key/value caching off (`remat.caches`), as the trace did.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,45 +27,90 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.errors import RematError
+from remat.caches import CachesOff
+from remat.errors import RematError, RematWarning, TraceError
 from remat.plans import Plan
+from remat.schedule import OpKey
 
-_ORIGINAL = "_remat_original_forward"
-
-
-#: Ops a fake-tensor trace can record that a real run does not issue (FakeTensor detaches the
-#: constants it makes, e.g. the result of `torch.full`); they allocate nothing.
-_TRACE_ONLY = frozenset(
-    {
-        "aten.detach.default",
-        "aten.alias.default",
-        "aten.lift_fresh.default",
-        "aten.lift_fresh_copy.default",
-    }
-)
+_APPLIED = "_remat_applied"
 
 
-def _policy_factory(targets: list[str], keep: list[bool]) -> Callable[[], Any]:
-    """A `context_fn` for checkpoint: fresh selective-checkpoint contexts per call whose policy walks
-    the region's traced op stream. Traced aliasing ops the real run does not issue are skipped; real
-    ops the trace did not record (no tensor output) are recomputed without advancing."""
+@dataclass
+class RegionCheck:
+    """What one region's policy kept in the latest forward, against what the plan keeps."""
+
+    modules: tuple[str, ...]
+    expected: frozenset[OpKey]
+    matched: frozenset[OpKey] = frozenset()  # in the latest finished forward
+    forwards: int = 0
+    running: set[OpKey] = field(default_factory=set, repr=False)  # in the forward under way
+
+    @property
+    def missing(self) -> list[OpKey]:
+        return sorted(self.expected - self.matched)
+
+
+@dataclass
+class _Applied:
+    """Everything `apply` changed on a model, so that `remove` undoes exactly that."""
+
+    plan: Plan
+    checks: list[RegionCheck]
+    caches: CachesOff
+    handles: list[Any]
+    forwards: dict[nn.Module, Any]  # module -> its own instance `forward`, or _ABSENT
+    warned: bool = False
+
+
+_ABSENT = object()
+
+
+def _policy_factory(
+    keys: frozenset[OpKey], scope: list[str], check: RegionCheck
+) -> Callable[[], Any]:
+    """A `context_fn` for checkpoint: fresh selective-checkpoint contexts per call whose policy
+    keeps the ops whose stable key is in `keys`, counting occurrences separately in the forward
+    and in the recomputation (they issue the same stream) and recording what the forward kept."""
+    target_of: dict[Any, str] = {}
 
     def context_fn():
-        position = [0]
+        counts: tuple[dict, dict] = ({}, {})
 
         def policy(ctx, func, *args, **kwargs):
-            name, pos = str(func), position[0]
-            while pos < len(targets) and targets[pos] != name and targets[pos] in _TRACE_ONLY:
-                pos += 1
-            if pos < len(targets) and targets[pos] == name:
-                position[0] = pos + 1
-                if keep[pos]:
-                    return CheckpointPolicy.MUST_SAVE
+            target = target_of.get(func)
+            if target is None:
+                target = target_of[func] = str(func)
+            at = (scope[-1], target)
+            seen = counts[ctx.is_recompute]
+            n = seen.get(at, 0)
+            seen[at] = n + 1
+            key = (*at, n)
+            if key in keys:
+                if not ctx.is_recompute:
+                    check.running.add(key)
+                return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
 
     return context_fn
+
+
+def _scope_hooks(model: nn.Module, scope: list[str]) -> list[Any]:
+    """Keep `scope[-1]` equal to the path of the innermost module running, as the tracer names
+    ops' modules."""
+    handles = []
+    for path, module in model.named_modules():
+
+        def enter(module, args, path=path):
+            scope.append(path)
+
+        def leave(module, args, output):
+            scope.pop()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    return handles
 
 
 def _batchnorms(modules: list[nn.Module]) -> list[nn.Module]:
@@ -92,7 +143,11 @@ def _restore_batchnorm_after_backward(norms: list[nn.Module], args: tuple) -> No
 
 
 def _checkpointed(
-    run: Callable[..., Any], modules: list[nn.Module], context_fn
+    run: Callable[..., Any],
+    modules: list[nn.Module],
+    context_fn: Callable[[], Any] | None,
+    preserve_rng_state: bool,
+    after_forward: Callable[[], None],
 ) -> Callable[..., Any]:
     norms = _batchnorms(modules)
 
@@ -101,29 +156,61 @@ def _checkpointed(
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)  # inference: nothing to save, no overhead
         kw = {"context_fn": context_fn} if context_fn is not None else {}
-        out = checkpoint(run, *args, use_reentrant=False, **kw, **kwargs)
+        out = checkpoint(
+            run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kw, **kwargs
+        )
         if norms:
             _restore_batchnorm_after_backward(norms, args)
+        after_forward()
         return out
 
     return forward
 
 
-def _segment_runner(blocks: list[nn.Module], originals: list[Callable]) -> Callable[..., Any]:
-    """Run consecutive blocks as one function: x -> b0(x, *rest) -> b1(., *rest) -> ... The model
-    must chain them that way (a transformer's `for block in blocks: x = block(x, ...)`)."""
+def _region_runner(
+    paths: list[str], originals: list[Callable], scope: list[str]
+) -> Callable[..., Any]:
+    """Run a region's blocks as one function, x -> b0(x, *rest) -> b1(., *rest) -> ..., with each
+    block's path on the module stack: the recomputation calls this directly, outside `__call__`
+    and so outside the blocks' own hooks."""
 
     def run(x, *rest, **kwargs):
-        for fwd in originals:
-            x = fwd(x, *rest, **kwargs)
+        for path, fwd in zip(paths, originals, strict=True):
+            scope.append(path)
+            try:
+                x = fwd(x, *rest, **kwargs)
+            finally:
+                scope.pop()
         return x
 
     return run
 
 
+def _check_region(state: _Applied, check: RegionCheck) -> Callable[[], None]:
+    """After a region's forward: count it, and warn once per model when it kept fewer ops than
+    planned."""
+
+    def after_forward():
+        check.forwards += 1
+        check.matched, check.running = frozenset(check.running), set()
+        if check.missing and not state.warned:
+            state.warned = True
+            name, target, n = check.missing[0]
+            warnings.warn(
+                f"remat: the plan is not fully carried out in {', '.join(check.modules)}: "
+                f"{len(check.matched)} of {len(check.expected)} kept ops matched (first missing: "
+                f"occurrence {n} of {target} in {name or '<root>'}); memory and time differ from "
+                "the plan. remat.verify(model) lists every region",
+                RematWarning,
+                stacklevel=3,
+            )
+
+    return after_forward
+
+
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """Install `plan` on `model` in place (undo with `remove`): a plan made for, or read from JSON
-    for, any model of the same architecture."""
+    for, any model of the same architecture. The model then trains with caching off."""
     remove(model)
     named = dict(model.named_modules())
     for region in plan.regions:
@@ -133,20 +220,29 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
                 f"plan region {region.modules[0]!r}: the model has no submodule {missing[0]!r}; "
                 "the plan was made for another architecture"
             )
-        kept = set(region.keep_at)
-        context_fn = (
-            _policy_factory(list(region.targets), [i in kept for i in range(len(region.targets))])
-            if region.keep
-            else None
-        )
+    scope: list[str] = [""]
+    selective = any(region.keep_keys for region in plan.regions)
+    state = _Applied(
+        plan=plan,
+        checks=[],
+        caches=CachesOff(model),
+        handles=_scope_hooks(model, scope) if selective else [],
+        forwards={},
+    )
+    for region in plan.regions:
+        check = RegionCheck(region.modules, frozenset(region.keep_keys))
+        state.checks.append(check)
+        context_fn = _policy_factory(check.expected, scope, check) if region.keep_keys else None
         blocks = [named[p] for p in region.modules]
-        originals = [b.forward for b in blocks]
-        run = originals[0] if len(blocks) == 1 else _segment_runner(blocks, originals)
-        setattr(blocks[0], _ORIGINAL, originals[0])
-        blocks[0].forward = _checkpointed(run, blocks, context_fn)
-        for block, original in zip(blocks[1:], originals[1:], strict=True):
-            setattr(block, _ORIGINAL, original)
+        for block in blocks:
+            state.forwards[block] = vars(block).get("forward", _ABSENT)
+        run = _region_runner(list(region.modules), [b.forward for b in blocks], scope)
+        blocks[0].forward = _checkpointed(
+            run, blocks, context_fn, region.random, _check_region(state, check)
+        )
+        for block in blocks[1:]:
             block.forward = _pass_through
+    setattr(model, _APPLIED, state)
     return model
 
 
@@ -156,14 +252,75 @@ def _pass_through(x, *args, **kwargs):
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo `apply`: every module gets its own forward back."""
-    for m in model.modules():
-        if hasattr(m, _ORIGINAL):
-            m.forward = getattr(m, _ORIGINAL)
-            delattr(m, _ORIGINAL)
-            if "forward" in vars(m) and m.forward is type(m).forward.__get__(m):
-                del m.forward
+    """Undo `apply`: every module gets back exactly the `forward` it had, and hooks come off."""
+    state = vars(model).get(_APPLIED)
+    if state is None:
+        return model
+    for module, forward in state.forwards.items():
+        if forward is _ABSENT:
+            del module.forward
+        else:
+            module.forward = forward
+    for handle in state.handles:
+        handle.remove()
+    state.caches.remove()
+    delattr(model, _APPLIED)
     return model
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How far the real run carried out a plan: per region, the kept ops its policy matched in
+    the latest forward against the plan's; with example inputs, the bytes a measured step held
+    for the backward at the end of its forward against the plan's prediction."""
+
+    regions: tuple[RegionCheck, ...]
+    kept_ops_expected: int
+    kept_ops_matched: int
+    held_bytes_predicted: int
+    held_bytes_measured: int | None
+
+    @property
+    def held_ratio(self) -> float | None:
+        if self.held_bytes_measured is None or not self.held_bytes_predicted:
+            return None
+        return self.held_bytes_measured / self.held_bytes_predicted
+
+    @property
+    def ok(self) -> bool:
+        """Every kept op matched, and the held bytes (when measured) within 2% of the plan."""
+        ratio = self.held_ratio
+        return self.kept_ops_matched == self.kept_ops_expected and (
+            ratio is None or abs(ratio - 1) <= 0.02
+        )
+
+
+def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verification:
+    """Report what the plan installed on `model` did in its latest training forward. With example
+    inputs (and the keyword arguments of the model's call, `loss_fn` included), first run one
+    measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes`."""
+    state = vars(model).get(_APPLIED)
+    if state is None:
+        raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
+    measured = None
+    if example_inputs or kwargs:
+        from remat.measure import measure
+
+        measured = measure(model, *example_inputs, **kwargs).held_bytes
+    checks = [c for c in state.checks if c.expected]
+    if any(c.forwards == 0 for c in checks):
+        raise RematError(
+            "verify: the model has not run a training forward since the plan was applied; run a "
+            "step first, or pass example inputs to verify(model, *inputs)"
+        )
+    snapshot = tuple(RegionCheck(c.modules, c.expected, c.matched, c.forwards) for c in checks)
+    return Verification(
+        regions=snapshot,
+        kept_ops_expected=sum(len(c.expected) for c in snapshot),
+        kept_ops_matched=sum(len(c.matched) for c in snapshot),
+        held_bytes_predicted=state.plan.held_bytes,
+        held_bytes_measured=measured,
+    )
 
 
 def auto(
@@ -173,14 +330,38 @@ def auto(
     strategy: str = "auto",
     device: str = "cpu",
     optimizer: str | None = None,
+    trace_device: str | None = None,
     **kwargs: Any,
 ) -> Plan:
-    """Trace one step of `model(*example_inputs, **kwargs)` on fake tensors, plan under `budget`
-    and apply the plan in place: the one line to add to a training script. Returns the plan."""
+    """Trace one step of `model(*example_inputs, **kwargs)`, plan under `budget` and apply the
+    plan in place: the one line to add to a training script. Returns the plan.
+
+    The step is traced on fake tensors (`trace_device=None` or "meta"); when an op cannot run on
+    them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
+    experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
+    tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start."""
     from remat.planner import plan
     from remat.trace import trace
 
-    graph = trace(model, *example_inputs, **kwargs)
+    if trace_device in (None, "meta"):
+        try:
+            graph = trace(model, *example_inputs, device="meta", **kwargs)
+        except TraceError as err:
+            if trace_device is not None or not getattr(err, "fake_tensor_failure", False):
+                raise
+            from remat.trace import fits_in_memory_for_real_trace
+
+            fits, why = fits_in_memory_for_real_trace(model, example_inputs, kwargs)
+            if not fits:
+                raise
+            warnings.warn(
+                f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})",
+                RematWarning,
+                stacklevel=2,
+            )
+            graph = trace(model, *example_inputs, device="cpu", **kwargs)
+    else:
+        graph = trace(model, *example_inputs, device=trace_device, **kwargs)
     chosen = plan(graph, budget=budget, strategy=strategy, device=device, optimizer=optimizer)
     apply(model, chosen)
     return chosen

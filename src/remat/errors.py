@@ -25,3 +25,17 @@ class InfeasibleBudget(RematError):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+
+
+class StatefulModuleError(RematError):
+    """A module to be recomputed writes tensors into state outside its outputs (a KV cache, an
+    attribute): recomputation would write them again. `module` is its path."""
+
+    def __init__(self, message: str, *, module: str):
+        super().__init__(message)
+        self.module = module
+
+
+class RematWarning(UserWarning):
+    """Something remat changed or could not do as planned, said once: caching turned off for
+    training, kept ops of a plan that the real run did not issue, a trace retried on real tensors."""

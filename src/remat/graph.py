@@ -21,6 +21,22 @@ StorageKind = Literal["param", "buffer", "input", "constant", "activation", "gra
 #: Storages that exist before the step starts and survive it.
 PERSISTENT_KINDS = frozenset({"param", "buffer", "input", "constant"})
 
+#: An op draws random numbers if its packet name contains one of these: it is never recomputed by
+#: the compiled path, and a checkpoint region without one need not keep the RNG state.
+RANDOM_MARKERS = (
+    "dropout",
+    "rand",
+    "bernoulli",
+    "normal",
+    "uniform",
+    "multinomial",
+    "poisson",
+    "exponential",
+    "geometric",
+    "cauchy",
+    "rrelu",
+)
+
 
 @dataclass(frozen=True)
 class Storage:
@@ -72,6 +88,11 @@ class Op:
         parts = self.target.split(".")
         return parts[1] if len(parts) > 1 else parts[0]
 
+    @property
+    def random(self) -> bool:
+        """Whether the op draws random numbers (dropout, rand, bernoulli_, ...)."""
+        return any(m in self.short for m in RANDOM_MARKERS)
+
 
 @dataclass(frozen=True)
 class Node:
@@ -95,7 +116,9 @@ class Saved:
 
 @dataclass(frozen=True)
 class ModuleCall:
-    """One call of a submodule during the forward, covering forward ops `first_op..last_op`."""
+    """One call of a submodule during the forward, covering forward ops `first_op..last_op`.
+    `escaped` are the ops of the call whose output storages outlived it outside its outputs: the
+    call wrote them into state (a cache, an attribute), which recomputing it would write again."""
 
     path: str
     type: str
@@ -103,6 +126,7 @@ class ModuleCall:
     last_op: int
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
+    escaped: tuple[int, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -223,6 +247,6 @@ class Graph:
             storages={s["id"]: Storage(**s) for s in d["storages"]},
             saved=[Saved(**s) for s in d["saved"]],
             nodes={n["id"]: Node(**n) for n in d["nodes"]},
-            modules=[ModuleCall(**tup(m, "inputs", "outputs")) for m in d["modules"]],
+            modules=[ModuleCall(**tup(m, "inputs", "outputs", "escaped")) for m in d["modules"]],
             info=d["info"],
         )

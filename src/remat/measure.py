@@ -59,7 +59,7 @@ class Measurement:
             its full `nbytes()`, even if only a view of it was saved. Saves made inside a
             non-reentrant `torch.utils.checkpoint` region go through checkpoint's own hooks and
             are not seen here.
-        retained_bytes: bytes allocated during forward and loss and still live when backward
+        held_bytes: bytes allocated during forward and loss and still live when backward
             starts: saved activations, the outputs and the loss, and everything else kept alive
             (such as the region input and the RNG state snapshot that a non-reentrant checkpoint
             keeps for its recomputation).
@@ -75,7 +75,7 @@ class Measurement:
     """
 
     saved_bytes: int
-    retained_bytes: int
+    held_bytes: int
     peak_bytes: int
     baseline_bytes: int
     step_seconds: tuple[float, ...]
@@ -170,7 +170,7 @@ def measure(
         seconds = tuple(_timed_step(step, target) for _ in range(steps))
     return Measurement(
         saved_bytes=saved.nbytes,
-        retained_bytes=retained,
+        held_bytes=retained,
         peak_bytes=baseline + peak,
         baseline_bytes=baseline,
         step_seconds=seconds,

@@ -84,10 +84,32 @@ class Context:
         return p
 
     # -- regions ---------------------------------------------------------------------------------
+    @cached_property
+    def chained(self) -> list[bool]:
+        """Whether block b+1 continues block b so that one region can run both: no op between
+        them, b's only output is b+1's first input, and their other tensor inputs are the same
+        (an encoder's last layer and a decoder's first are not chained)."""
+        return [
+            a.last_op + 1 == b.first_op
+            and len(a.outputs) == 1
+            and b.inputs[:1] == a.outputs
+            and b.inputs[1:] == a.inputs[1:]
+            for a, b in zip(self.blocks, self.blocks[1:], strict=False)
+        ]
+
     def block_regions(self, groups: list[list[int]], option: str = "full") -> tuple[Region, ...]:
-        """One region per group of consecutive block indices, checkpointed with `option`."""
-        out = []
+        """One region per group of consecutive block indices, checkpointed with `option`; a group
+        that spans blocks that are not chained is split where the chain breaks."""
+        split = []
         for group in groups:
+            split.append([group[0]])
+            for b in group[1:]:
+                if self.chained[b - 1]:
+                    split[-1].append(b)
+                else:
+                    split.append([b])
+        out = []
+        for group in split:
             first, last = self.blocks[group[0]], self.blocks[group[-1]]
             keep: set[str] = set()
             if option.startswith("selective:"):
@@ -271,7 +293,7 @@ def store_none(ctx: Context, budget: int) -> Plan:
     return replace(
         forward,
         predicted_peak_bytes=max(poor.peak_bytes, ctx.floor_bytes, ctx.optimizer_step_peak),
-        saved_bytes=0,
+        held_bytes=0,
         recompute_seconds=poor.recompute_seconds,
         recompute_flops=sum(
             (len(ctx.blocks) - j)

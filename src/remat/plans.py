@@ -27,7 +27,7 @@ class Plan:
     budget_bytes: int | None
     regions: tuple[Region, ...]
     predicted_peak_bytes: int
-    saved_bytes: int  # activations held from the forward for the backward
+    held_bytes: int  # live at the end of the forward for the backward (`Simulation.held_bytes`)
     recompute_flops: int
     recompute_seconds: float
     forward_flops: int
@@ -35,7 +35,6 @@ class Plan:
     reason: str
     saved: tuple[SavedTensor, ...] = ()
     recomputed: tuple[str, ...] = ()
-    retained_bytes: int = 0  # all the forward allocated that is live when backward starts
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -56,14 +55,17 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         d = json.loads(text)
+        if "held_bytes" not in d:  # written before the two byte figures became one
+            d["held_bytes"] = d.pop("retained_bytes", 0)
+        d.pop("saved_bytes", None)
         d["regions"] = tuple(
             Region(
                 modules=tuple(r["modules"]),
                 first_op=r["first_op"],
                 last_op=r["last_op"],
                 keep=tuple(r["keep"]),
-                targets=tuple(r.get("targets", ())),
-                keep_at=tuple(r.get("keep_at", ())),
+                keep_keys=tuple(tuple(k) for k in r.get("keep_keys", ())),
+                random=r.get("random", True),
             )
             for r in d["regions"]
         )
@@ -190,7 +192,7 @@ def build_plan(
         budget_bytes=budget_bytes,
         regions=regions,
         predicted_peak_bytes=sim.peak_bytes,
-        saved_bytes=sim.saved_bytes,
+        held_bytes=sim.held_bytes,
         recompute_flops=sum(graph.ops[i].flops for i in sim.recompute_ops),
         recompute_seconds=sum(op_seconds[i] for i in sim.recompute_ops),
         forward_flops=sum(op.flops for op in graph.forward_ops),
@@ -198,7 +200,6 @@ def build_plan(
         reason=reason,
         saved=tuple(saved),
         recomputed=tuple(recomputed),
-        retained_bytes=sim.retained_bytes,
         details=details or {},
     )
 
@@ -207,6 +208,6 @@ def describe(plan: Plan) -> str:
     budget = format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"
     return (
         f"{plan.strategy}: peak {format_bytes(plan.predicted_peak_bytes)} (budget {budget}), "
-        f"kept {format_bytes(plan.saved_bytes)}, recompute {plan.recompute_flops_share:.0%} of "
+        f"held {format_bytes(plan.held_bytes)}, recompute {plan.recompute_flops_share:.0%} of "
         f"forward FLOPs, +{plan.recompute_seconds * 1e3:.2f} ms"
     )

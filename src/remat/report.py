@@ -106,7 +106,7 @@ def plan_table(rows, chosen, step_seconds: float, budget_bytes: int) -> Table:
     for col, just in [
         ("strategy", "left"),
         ("peak", "right"),
-        ("kept", "right"),
+        ("held", "right"),
         ("recompute FLOPs", "right"),
         ("time overhead", "right"),
         ("", "left"),
@@ -125,7 +125,7 @@ def plan_table(rows, chosen, step_seconds: float, budget_bytes: int) -> Table:
         t.add_row(
             f"[{style}]{name}[/{style}]" if style else name,
             format_bytes(p.predicted_peak_bytes),
-            format_bytes(p.saved_bytes),
+            format_bytes(p.held_bytes),
             f"{p.recompute_flops_share:.1%}",
             f"{p.recompute_seconds / step_seconds:+.1%}" if step_seconds else "-",
             note,
@@ -143,7 +143,7 @@ def plan_dict(plan, **context) -> dict[str, Any]:
 def bench_table(rows, title: str) -> Table:
     """Measured against predicted, per strategy, with store_all as the reference."""
     t = Table(title=title, title_justify="left")
-    for col in ("strategy", "saved MiB", "peak MiB", "predicted", "step ms", "ratio", "grad diff"):
+    for col in ("strategy", "held MiB", "peak MiB", "predicted", "step ms", "ratio", "grad diff"):
         t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     mib = 2**20
     for r in rows:
@@ -152,7 +152,7 @@ def bench_table(rows, title: str) -> Table:
             continue
         t.add_row(
             r.strategy,
-            f"{r.saved_bytes / mib:.1f}",
+            f"{r.held_bytes / mib:.1f}",
             f"{r.peak_bytes / mib:.1f}",
             f"{r.predicted_peak_bytes / mib:.1f}" if r.predicted_peak_bytes else "-",
             f"{r.step_seconds * 1e3:.0f}",

@@ -4,8 +4,8 @@ Semantics of `torch.utils.checkpoint(use_reentrant=False)` with a selective-chec
 which is what `remat.apply` installs (torch/utils/checkpoint.py: `_checkpoint_hook`,
 `_recomputation_hook`, `_CachingTorchDispatchMode`, `_CachedTorchDispatchMode`):
 - Forward: every tensor a node *inside* the region saves, whatever made it, is swapped for an
-  empty holder; autograd holds none of them. The checkpoint frame holds the region's inputs and the
-  RNG state; the policy's cache holds the outputs of the ops it keeps (MUST_SAVE). Outside tensors
+  empty holder; autograd holds none of them. The checkpoint frame holds the region's inputs and,
+  when the region draws random numbers, the RNG state; the policy's cache holds the outputs of the ops it keeps (MUST_SAVE). Outside tensors
   that region nodes saved stay alive only through the frame (inputs) or their other owners.
 - Backward: the first unpack of *any* of the region's holders, i.e. the first region node that
   saved anything (kept tensors and parameters included), re-runs the region from its first op and
@@ -30,27 +30,34 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from remat.errors import StatefulModuleError
 from remat.estimate import kernel_workspace_bytes
-from remat.graph import Graph
+from remat.graph import Graph, Op
 
 #: `torch.utils.checkpoint` (preserve_rng_state=True) keeps a copy of the CPU generator's state per
 #: region call in its frame, until the frame dies: `torch.get_rng_state().numel()` bytes.
 CPU_RNG_STATE_BYTES = 5056
 
 
+#: A kept op as the real run can find it: (module path, aten target, occurrence of that target in
+#: that module within the region's call). Stable where positions are not: a real run may issue ops
+#: a fake trace did not (`scalar_tensor`, `where`, `expand`) or the other way round.
+OpKey = tuple[str, str, int]
+
+
 @dataclass(frozen=True)
 class Region:
     """A checkpoint region over forward ops `first_op..last_op` (one module call, or consecutive
-    blocks), recomputed in backward except the ops named in `keep` (kept by the policy)."""
+    blocks), recomputed in backward except the ops named in `keep` (kept by the policy), which the
+    real run finds by `keep_keys`. `random` says whether the region draws random numbers, and so
+    whether checkpoint must keep the RNG state to replay it."""
 
     modules: tuple[str, ...]
     first_op: int
     last_op: int
     keep: tuple[str, ...] = ()
-    # For a selective region: the aten targets of its forward ops in order, and the positions in
-    # that stream whose outputs are kept, so a plan read from JSON applies without the trace.
-    targets: tuple[str, ...] = ()
-    keep_at: tuple[int, ...] = ()
+    keep_keys: tuple[OpKey, ...] = ()
+    random: bool = True
 
     def covers(self, op_index: int | None) -> bool:
         return op_index is not None and self.first_op <= op_index <= self.last_op
@@ -71,20 +78,45 @@ def batchnorm_snapshot_bytes(graph: Graph, region: Region) -> int:
     return sum(graph.storages[sid].nbytes for sid in buffers)
 
 
+def op_keys(ops: Sequence[Op]) -> list[OpKey]:
+    """The stable key of each op of a region's forward, in order."""
+    seen: dict[tuple[str, str], int] = defaultdict(int)
+    keys = []
+    for op in ops:
+        keys.append((op.module, op.target, seen[(op.module, op.target)]))
+        seen[(op.module, op.target)] += 1
+    return keys
+
+
 def make_region(
     graph: Graph, modules: tuple[str, ...], first_op: int, last_op: int, keep: set[str] | tuple = ()
 ) -> Region:
-    """A region over forward ops first_op..last_op that keeps the ops named in `keep`."""
-    if not keep:
-        return Region(modules, first_op, last_op)
+    """A region over forward ops first_op..last_op that keeps the ops named in `keep`. Refused for
+    a module call that writes tensors into state outside its outputs: a replay writes them again."""
+    for call in graph.modules:
+        if call.path in modules and first_op <= call.first_op <= last_op and call.escaped:
+            op = graph.ops[call.escaped[0]]
+            raise StatefulModuleError(
+                f"module {call.path!r} keeps {len(call.escaped)} tensor(s) made in its forward "
+                f"alive outside its outputs (first: {op.name}, {op.target}): it writes them into "
+                "state such as a cache or an attribute, which recomputing it would write again. "
+                "Call the model with use_cache=False (remat turns Hugging Face caches off "
+                "itself), stop storing tensors on modules while training, or leave this module "
+                "unplanned (strategy store_all)",
+                module=call.path,
+            )
     ops = graph.ops[first_op : last_op + 1]
+    random = any(op.random for op in ops)
+    if not keep:
+        return Region(modules, first_op, last_op, random=random)
+    keys = op_keys(ops)
     return Region(
         modules,
         first_op,
         last_op,
         keep=tuple(sorted(keep)),
-        targets=tuple(op.target for op in ops),
-        keep_at=tuple(i for i, op in enumerate(ops) if op.name in keep),
+        keep_keys=tuple(k for k, op in zip(keys, ops, strict=True) if op.name in keep),
+        random=random,
     )
 
 
@@ -92,8 +124,10 @@ def make_region(
 class Simulation:
     peak_bytes: int
     peak_position: int
-    saved_bytes: int  # activation bytes held from the forward for backward (the plan's "kept")
-    retained_bytes: int  # everything the forward allocated that is still live when backward starts
+    # Everything the forward allocated that is still live when the backward starts: autograd's
+    # saves, the frames' inputs, RNG states and BatchNorm snapshots, the policies' caches (every
+    # output of a kept op), the output and the loss. `remat.measure` measures the same figure.
+    held_bytes: int
     recompute_ops: tuple[int, ...]  # forward op indices re-run in backward, in replay order
     timeline: tuple[int, ...]  # live bytes at each position of the schedule
     schedule: tuple[tuple[str, int], ...]  # ("op", i) or ("replay", i) per position
@@ -208,7 +242,6 @@ def simulate(
             if graph.storages[sid].allocated_at is not None:
                 held_until[sid] = max(held_until.get(sid, -1), frame_until[r])
 
-    saved_bytes = 0
     deaths: dict[int, int] = {}
     for s in graph.storages.values():
         if s.allocated_at is None:
@@ -225,8 +258,6 @@ def simulate(
             if reached:
                 death = max(death, holder_release[r].get(s.id, -1))
         deaths[s.id] = position_after(death)
-        if s.id in graph.saved_storages and (s.id in held_until or s.allocated_at in keep):
-            saved_bytes += s.nbytes
         live(position_of_op[s.allocated_at], deaths[s.id], s.nbytes)
         if replayed:
             # A replayed tensor that a region node saved stays in the frame until that node has
@@ -242,17 +273,13 @@ def simulate(
                 max(stop, replay_position[s.allocated_at]),
                 s.nbytes,
             )
-    saved_bytes += sum(
-        graph.storages[sid].nbytes
-        for sid in graph.saved_storages
-        if graph.storages[sid].allocated_at is None
-    )
-
-    overhead = [CPU_RNG_STATE_BYTES + batchnorm_snapshot_bytes(graph, reg) for reg in regions]
+    overhead = [
+        CPU_RNG_STATE_BYTES * reg.random + batchnorm_snapshot_bytes(graph, reg) for reg in regions
+    ]
     for r, reg in enumerate(regions):
         live(position_of_op[reg.first_op], position_after(frame_until[r]), overhead[r])
     end_of_forward = position_of_op[len(graph.forward_ops) - 1]
-    retained_bytes = sum(overhead) + sum(
+    held_bytes = sum(overhead) + sum(
         graph.storages[sid].nbytes
         for sid, death in deaths.items()
         if death > end_of_forward and graph.ops[graph.storages[sid].allocated_at].phase == "forward"
@@ -265,8 +292,7 @@ def simulate(
     return Simulation(
         peak_bytes=timeline[peak_position],
         peak_position=peak_position,
-        saved_bytes=saved_bytes,
-        retained_bytes=retained_bytes,
+        held_bytes=held_bytes,
         recompute_ops=tuple(recompute_ops),
         timeline=tuple(timeline),
         schedule=tuple(schedule),

@@ -51,28 +51,8 @@ from remat.cost import is_view
 from remat.graph import Graph, Op
 from remat.units import format_bytes
 
-#: An op is random, and so never recomputed, if its short name contains one of these.
-RANDOM_MARKERS = (
-    "dropout",
-    "rand",
-    "bernoulli",
-    "normal",
-    "uniform",
-    "multinomial",
-    "poisson",
-    "exponential",
-    "geometric",
-    "cauchy",
-    "rrelu",
-)
-
 _INT32_MAX = 2**31 - 1
 _SRC, _SNK = 0, 1
-
-
-def is_random(op: Op) -> bool:
-    short = op.short
-    return any(m in short for m in RANDOM_MARKERS)
 
 
 @dataclass(frozen=True)
@@ -145,7 +125,7 @@ def joint_problem(
         # A random op the caller lets no one save (a user's MUST_RECOMPUTE tag) is recomputed
         # with its RNG state replayed (torch's functionalize_rng_ops): only then is it not pinned.
         tagged_recompute = never_save is not None and never_save(op)
-        pinned = (is_random(op) and not tagged_recompute) or (
+        pinned = (op.random and not tagged_recompute) or (
             never_recompute is not None and never_recompute(op)
         )
         for k, tid in enumerate(op.outputs):
