@@ -88,7 +88,7 @@ def test_article_example_compiled_backward_saves_only_the_last_add():
     torch.testing.assert_close(saved[0], sum(leaves).detach())
     assert [s.bytes for s in plan.saved] == [4096]
     assert plan.details["traffic_bytes"] == 2 * 4096
-    assert plan.saved_bytes == 4096
+    assert plan.held_bytes == 4096
 
 
 # -- gradients and saved bytes of zoo models under inductor -----------------------------------------
@@ -101,7 +101,7 @@ def test_inductor_gradients_match_eager_and_saved_bytes_match_the_plan(name):
     _assert_close(gradients(compiled, inputs, seed=1), reference)
     (plan,) = plans_of(compiled)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
-    assert saved_tensor_bytes(compiled, *inputs) == plan.saved_bytes
+    assert saved_tensor_bytes(compiled, *inputs) == plan.held_bytes
 
 
 # -- the same decisions, op by op (aot_eager): fast, and the peak model is exact there --------------
@@ -116,7 +116,7 @@ def test_saved_and_peak_bytes_equal_the_plans_prediction(name, strategy):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
     (plan,) = plans_of(compiled)
     measured = remat.measure(compiled, *inputs)
-    assert measured.saved_bytes == plan.saved_bytes
+    assert measured.saved_bytes == plan.held_bytes
     assert plan.predicted_peak_bytes == pytest.approx(measured.peak_bytes, rel=0.01)
 
 
@@ -140,7 +140,7 @@ def test_measured_peak_never_grows_as_the_budget_shrinks():
         assert plan.predicted_peak_bytes <= plan.budget_bytes
         peaks.append(measured.peak_bytes)
         predicted.append(plan.predicted_peak_bytes)
-        saved.append(plan.saved_bytes)
+        saved.append(plan.held_bytes)
     assert peaks == sorted(peaks, reverse=True)
     assert peaks[0] > peaks[-1]
     assert predicted == pytest.approx(peaks, rel=0.01)
@@ -276,6 +276,58 @@ def test_compiled_plan_explains_itself_and_round_trips_json():
     graph = compiled.remat_backend.graphs[0]
     rows = plan.explain(graph)
     assert {r["decision"] for r in rows} == {"keep", "recompute"}
-    assert sum(r["bytes"] for r in rows if r["decision"] == "keep") >= plan.saved_bytes
+    assert sum(r["bytes"] for r in rows if r["decision"] == "keep") >= plan.held_bytes
     assert len(rows) == len(plan.saved) + len(plan.recomputed)
     assert remat.Plan.from_json(plan.to_json()) == plan
+
+
+# -- errors: remat.compile raises remat's own error, not dynamo's wrapper --------------------------
+class _ArticleModule(nn.Module):
+    """The article's example with a to-be-learned first input, as a module."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(64))
+
+    def forward(self, b, c, d):
+        return _article(self.a, b, c, d)
+
+
+@pytest.mark.parametrize("strategy", ["mincut", "auto"])
+def test_compile_raises_infeasible_budget_itself(strategy):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(64, requires_grad=True) for _ in range(3)]
+    compiled = remat.compile(_ArticleModule(), budget=1, strategy=strategy, compiler="aot_eager")
+    with pytest.raises(remat.InfeasibleBudget) as e:
+        compiled(*inputs)
+    assert e.value.budget_bytes == 1
+    assert isinstance(e.value.min_feasible_bytes, int) and e.value.min_feasible_bytes > 0
+    assert isinstance(e.value.__cause__, BackendCompilerFailed)  # raised from dynamo's error
+    assert e.value.__cause__.inner_exception is e.value  # the very error remat raised
+
+
+def test_compiled_module_still_behaves_like_torchs():
+    torch.manual_seed(0)
+    model = _ArticleModule()
+    inputs = [torch.randn(64, requires_grad=True) for _ in range(3)]
+    compiled = remat.compile(model, strategy="auto", compiler="aot_eager")
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert list(compiled.state_dict()) == list(torch.compile(model).state_dict())
+    assert [p for p in compiled.parameters()] == [model.a]
+    assert compiled.a is model.a
+    compiled.eval()
+    assert not model.training
+    compiled.train()
+    assert model.training
+    compiled(*inputs).sum().backward()
+    got = [model.a.grad.clone(), *(x.grad.clone() for x in inputs)]
+    model.a.grad = None
+    for x in inputs:
+        x.grad = None
+    model(*inputs).sum().backward()
+    for g, r in zip(got, [model.a.grad, *(x.grad for x in inputs)], strict=True):
+        torch.testing.assert_close(g, r)
+    (plan,) = plans_of(compiled)
+    assert plan.strategy == "compile:auto"

@@ -47,12 +47,19 @@ class BenchRow:
         return asdict(self)
 
 
-def gradients(model: nn.Module, inputs: tuple, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Parameter gradients of one step with remat's default loss (the sum of the outputs), from a
-    fixed RNG seed so that dropout draws the same masks in every run; grads are left cleared."""
+def gradients(
+    model: nn.Module,
+    inputs: tuple,
+    seed: int = 0,
+    loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+    **kwargs: Any,
+) -> dict[str, torch.Tensor]:
+    """Parameter gradients of one step of `loss_fn(model(*inputs, **kwargs))` (default: remat's,
+    the sum of the outputs), from a fixed RNG seed so that dropout draws the same masks in every
+    run; grads are left cleared."""
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
-    default_loss(model(*inputs)).backward()
+    loss_fn(model(*inputs, **kwargs)).backward()
     grads = {
         n.removeprefix("_orig_mod."): p.grad.detach().clone()  # torch.compile's wrapper
         for n, p in model.named_parameters()

@@ -25,10 +25,11 @@ Each compiled graph's decision is kept as a `Plan` (explainable, JSON) on the ba
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import fx, nn
@@ -331,7 +332,7 @@ def _plan(
         budget_bytes=budget_bytes,
         regions=(),
         predicted_peak_bytes=chosen.peak_bytes,
-        saved_bytes=chosen.saved_bytes,
+        held_bytes=chosen.saved_bytes,
         recompute_flops=recompute_flops,
         recompute_seconds=chosen.recompute_seconds,
         forward_flops=sum(op.flops for op in graph.forward_ops),
@@ -339,7 +340,6 @@ def _plan(
         reason=reason,
         saved=tuple(saved),
         recomputed=chosen.recomputed,
-        retained_bytes=chosen.saved_bytes,
         details={
             "path": "compile",
             "traffic_bytes": chosen.traffic_bytes,
@@ -480,7 +480,17 @@ def backend(
     (`"2GiB"`, an int) or as a share (`"50%"`: the parameters, inputs and gradients plus that share
     of the rest of the peak when everything backward needs is saved). `strategy`: `mincut` (the
     article's least-traffic cut; no budget), `milp` (least recompute + traffic time within the
-    budget), `auto` (the min-cut when it fits, else `milp`). `device` names the cost profile."""
+    budget), `auto` (the min-cut when it fits, else `milp`). `device` names the cost profile.
+
+    Errors: the backend runs lazily, on the compiled model's first call, inside dynamo, and dynamo
+    re-raises what a backend raises as `torch._dynamo.exc.BackendCompilerFailed`, so
+    `except remat.InfeasibleBudget` (a budget no save set meets) does not catch it there. The
+    remat error is the wrapper's `inner_exception` and its `__context__` (dynamo raises
+    `from None`: it is not the `__cause__`, and the traceback hides it);
+    `remat.compiled.remat_error_cause(err)` finds it in the chain, with its `budget_bytes` and
+    `min_feasible_bytes`. `remat.compile` does this for you: it re-raises the remat error itself.
+    With `torch._dynamo.config.suppress_errors = True`, dynamo raises nothing: it logs the error
+    and runs that graph eagerly, without remat's plan (and adds no plan for it)."""
     return RematBackend(budget=budget, strategy=strategy, device=device, compiler=compiler)
 
 
@@ -494,12 +504,60 @@ def compile(
 ) -> nn.Module:
     """`torch.compile(model)` with remat's partitioner (see `backend`). The decisions appear, one
     plan per compiled graph, in `plans_of(compiled)` after the first call. Shapes are static
-    (`dynamic=False`) unless `compile_kwargs` says otherwise."""
+    (`dynamic=False`) unless `compile_kwargs` says otherwise.
+
+    Compilation is lazy: a remat error (`InfeasibleBudget` when no save set fits `budget`) comes
+    from the first call. That call raises the remat error itself, attributes intact, `from`
+    dynamo's `BackendCompilerFailed` rather than wrapped in it. The result is still torch's
+    compiled module (an `OptimizedModule`: same parameters, state_dict keys, attributes and
+    train/eval); only its `forward` is wrapped."""
     chosen = backend(budget=budget, strategy=strategy, device=device, compiler=compiler)
     compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
+    if isinstance(compiled, nn.Module):
+        compiled.forward = _raising_remat_errors(compiled.forward)
+    else:  # a function: torch.compile returned a function
+        compiled = _raising_remat_errors(compiled)
     compiled.remat_backend = chosen
     return compiled
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def remat_error_cause(
+    error: BaseException,
+    kind: type[_E] = RematError,  # type: ignore[assignment]
+) -> _E | None:
+    """The `kind` error (any `RematError` unless told) behind `error`, or None. Dynamo re-raises a
+    backend's error as `BackendCompilerFailed` with the original as its `__context__`; other
+    wrappers chain it as `__cause__`: this follows `__cause__`, else `__context__`."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _raising_remat_errors(call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call`, raising a remat error found in a failure's chain as itself, from the failure."""
+
+    @functools.wraps(call)
+    def call_raising_remat_errors(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except RematError:
+            raise
+        except Exception as error:
+            cause = remat_error_cause(error)
+            if cause is None:
+                raise
+            raise cause from error
+
+    return call_raising_remat_errors
 
 
 def plans_of(compiled: nn.Module) -> list[Plan]:

@@ -272,13 +272,15 @@ def remove(model: nn.Module) -> nn.Module:
 class Verification:
     """How far the real run carried out a plan: per region, the kept ops its policy matched in
     the latest forward against the plan's; with example inputs, the bytes a measured step held
-    for the backward at the end of its forward against the plan's prediction."""
+    for the backward at the end of its forward, and its peak, against the plan's predictions."""
 
     regions: tuple[RegionCheck, ...]
     kept_ops_expected: int
     kept_ops_matched: int
     held_bytes_predicted: int
     held_bytes_measured: int | None
+    peak_bytes_predicted: int
+    peak_bytes_measured: int | None
 
     @property
     def held_ratio(self) -> float | None:
@@ -287,11 +289,19 @@ class Verification:
         return self.held_bytes_measured / self.held_bytes_predicted
 
     @property
+    def peak_ratio(self) -> float | None:
+        if self.peak_bytes_measured is None or not self.peak_bytes_predicted:
+            return None
+        return self.peak_bytes_measured / self.peak_bytes_predicted
+
+    @property
     def ok(self) -> bool:
-        """Every kept op matched, and the held bytes (when measured) within 2% of the plan."""
-        ratio = self.held_ratio
-        return self.kept_ops_matched == self.kept_ops_expected and (
-            ratio is None or abs(ratio - 1) <= 0.02
+        """Every kept op matched; when measured, held bytes within 2% and the peak within 5%."""
+        held, peak = self.held_ratio, self.peak_ratio
+        return (
+            self.kept_ops_matched == self.kept_ops_expected
+            and (held is None or abs(held - 1) <= 0.02)
+            and (peak is None or abs(peak - 1) <= 0.05)
         )
 
 
@@ -306,7 +316,7 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
     if example_inputs or kwargs:
         from remat.measure import measure
 
-        measured = measure(model, *example_inputs, **kwargs).held_bytes
+        measured = measure(model, *example_inputs, **kwargs)
     checks = [c for c in state.checks if c.expected]
     if any(c.forwards == 0 for c in checks):
         raise RematError(
@@ -319,7 +329,9 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         kept_ops_expected=sum(len(c.expected) for c in snapshot),
         kept_ops_matched=sum(len(c.matched) for c in snapshot),
         held_bytes_predicted=state.plan.held_bytes,
-        held_bytes_measured=measured,
+        held_bytes_measured=None if measured is None else measured.held_bytes,
+        peak_bytes_predicted=state.plan.predicted_peak_bytes,
+        peak_bytes_measured=None if measured is None else measured.peak_bytes,
     )
 
 

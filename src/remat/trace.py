@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat import hfcompat
+from remat.caches import CachesOff
 from remat.errors import TraceError
 from remat.graph import Graph, ModuleCall, Node, Op, Saved, Storage, Tensor
 
@@ -236,18 +238,32 @@ class _Tracer(TorchDispatchMode):
         self.before_event()
         try:
             out = func(*args, **kwargs)
-        except _DATA_DEPENDENT as e:
-            raise TraceError(
-                f"op {func} in module '{self.scope()[0] or '<root>'}' has an output whose shape or "
-                f"value depends on tensor data, which fake tensors do not have ({type(e).__name__}). "
-                "Trace on real tensors at a smaller size instead: remat.trace(..., device='cpu') "
-                "or `remat estimate --trace-device cpu` with a smaller --batch/--seq."
-            ) from e
-        except (UnsupportedOperatorException, NotImplementedError) as e:
-            raise TraceError(
-                f"op {func} in module '{self.scope()[0] or '<root>'}' cannot run on fake/meta tensors "
-                f"({e}). Trace on real tensors at a smaller size: remat.trace(..., device='cpu')."
-            ) from e
+        except TraceError:
+            raise
+        except Exception as e:
+            if self.real:
+                raise  # the op failed on the real tensors: the user's own error, unchanged
+            module = self.scope()[0] or "<root>"
+            first_line = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+            if isinstance(e, _DATA_DEPENDENT):
+                why = (
+                    "has an output whose shape or value depends on tensor data, which fake tensors "
+                    "do not have"
+                )
+            elif isinstance(e, (UnsupportedOperatorException, NotImplementedError)):
+                why = "has no fake/meta implementation"
+            else:
+                why = "fails on fake/meta tensors: its meta kernel rejects these inputs"
+            error = TraceError(
+                f"op {func} in module '{module}' {why} ({type(e).__name__}: {first_line}). "
+                "Trace on real tensors at a size that fits in memory instead: "
+                "remat.trace(..., device='cpu') or remat.auto(..., trace_device='cpu') "
+                "(CLI: --trace-device cpu, with a smaller --batch/--seq)."
+            )
+            error.fake_tensor_failure = True
+            error.op = str(func)
+            error.module = module
+            raise error from e
         self.record(func, args, kwargs, out)
         return out
 
@@ -378,11 +394,30 @@ class _Tracer(TorchDispatchMode):
         def hook(module, args, kwargs, output):
             self.before_event()
             call = next(m for m in reversed(self.modules) if m["path"] == path and m["open"])
-            call.update(last_op=len(self.ops) - 1, outputs=self._tensor_ids(output), open=False)
+            outputs = self._tensor_ids(output)
+            call.update(last_op=len(self.ops) - 1, outputs=outputs, open=False)
+            call["escaped"] = self.escaped(call["first_op"], call["last_op"], outputs)
             if self.scopes[-1] == path:
                 self.scopes.pop()
 
         return hook
+
+    def escaped(self, first_op: int, last_op: int, outputs: tuple[int, ...]) -> tuple[int, ...]:
+        """The ops of a module call that just returned whose storages are still alive although no
+        output reaches them: something outside the call (a cache, an attribute) holds them. Saves
+        are not holders here: the pack hook keeps a description, not the tensor."""
+        reached = {self.tensors[t].storage for t in outputs}
+        reached |= {self.storage_by_cdata.get(storage_key(t)) for _, t, _ in self.pending_grad_fn}
+        return tuple(
+            sorted(
+                {
+                    self.storages[sid]["allocated_at"]
+                    for sid in self.live
+                    if first_op <= self.storages[sid]["allocated_at"] <= last_op
+                    and sid not in reached
+                }
+            )
+        )
 
     # -- result ----------------------------------------------------------------------------------
     def graph(self, info: dict[str, Any]) -> Graph:
@@ -473,7 +508,20 @@ def trace(
 
     tracer = _Tracer(real=real)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+    # A real trace runs dropout & co. for real: restore the caller's CPU (and CUDA) random streams.
+    rng = contextlib.nullcontext()
+    if real:
+        on_cuda = [
+            t.device
+            for t in [*params.values(), *buffers.values(), *pytree.tree_leaves((args, kwargs))]
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+        ]
+        cuda_devices = sorted(
+            {d.index if d.index is not None else torch.cuda.current_device() for d in on_cuda}
+        )
+        rng = torch.random.fork_rng(devices=cuda_devices)
+    as_real = hfcompat.as_real_run(kwargs) if not real else contextlib.nullcontext()
+    with rng, as_real, fake_mode if fake_mode is not None else contextlib.nullcontext():
         if real:
             leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
             state = {**leaves, **{n: b.clone() for n, b in buffers.items()}}
@@ -491,6 +539,7 @@ def trace(
             if isinstance(t, torch.Tensor):
                 tracer.tensor_id(t, "input")
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
+        caches_off = CachesOff(module) if module is not None else None
         try:
             with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
                 if module is not None:
@@ -512,6 +561,8 @@ def trace(
         finally:
             for h in hook_handles:
                 h.remove()
+            if caches_off is not None:
+                caches_off.remove()
         grad_leaves = list(leaves.values()) + [
             t
             for t in pytree.tree_leaves((call_args, call_kwargs))
@@ -532,3 +583,62 @@ def trace(
         graph = tracer.graph(info)
         del output, loss
     return graph
+
+
+def fits_in_memory_for_real_trace(
+    module: nn.Module | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, str]:
+    """Whether tracing this step on the real CPU tensors (`trace(..., device="cpu")`) is safe: every
+    parameter, buffer and input tensor is real and on the CPU, and a rough bound of the step
+    (4 x parameter and buffer bytes for weights, gradients and saved activations of their size,
+    plus 8 x input bytes) is under half of the memory available now. Returns (verdict, reason);
+    the reason reads after "tracing on real CPU tensors instead: ..." or says why not."""
+    import os
+
+    from torch._subclasses.fake_tensor import is_fake
+
+    named: list[tuple[str, torch.Tensor]] = []
+    if isinstance(module, nn.Module):
+        named += list(module.named_parameters()) + list(module.named_buffers())
+    state_names = len(named)
+    named += [
+        ("input", t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    ]
+    for i, (name, t) in enumerate(named):
+        what = f"parameter/buffer '{name}'" if i < state_names else "an input tensor"
+        if t.device.type == "meta" or is_fake(t):
+            return False, f"{what} is on the meta device (or fake), not real"
+        if t.device.type != "cpu":
+            return False, f"{what} is on {t.device}, not on the CPU"
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    state_bytes = sum(nbytes(t) for _, t in named[:state_names])
+    input_bytes = sum(nbytes(t) for _, t in named[state_names:])
+    need = 4 * state_bytes + 8 * input_bytes
+
+    available, source = None, "MemAvailable"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if available is None:
+        source = "physical memory"
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):
+            return False, "cannot tell how much memory is available"
+
+    mib = 2**20
+    sizes = (
+        f"the step needs about {need / mib:.1f} MiB (4 x {state_bytes / mib:.1f} MiB of parameters "
+        f"and buffers + 8 x {input_bytes / mib:.1f} MiB of inputs), "
+    )
+    if need < available // 2:
+        return True, sizes + f"under half of the {available / mib:.0f} MiB {source}"
+    return False, sizes + f"not under half of the {available / mib:.0f} MiB {source}"

@@ -7,13 +7,13 @@ SDPA where the architecture supports it, else the eager implementation.
 
 The model sits behind `HFLogits` so that `model(input_ids)` returns a tensor, which remat sums for
 a loss, instead of a ModelOutput. On meta tensors transformers' mask code reads a value
-(`.item()`) and fails; trace these models under FakeTensorMode instead.
+(`.item()`) and fails; trace these models under FakeTensorMode instead (`remat.hfcompat` gives its
+data-dependent decisions the real run's answers). `build_for_training` builds a model as users
+train it: default config and call, dropout and caching as they are, labels for the loss.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from difflib import get_close_matches
 from typing import Any
 
@@ -54,33 +54,7 @@ class HFLogits(nn.Module):
         self.output = output
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with _unpacked_sequences():
-            return getattr(self.model(input_ids=input_ids), self.output)
-
-
-@contextlib.contextmanager
-def _unpacked_sequences() -> Iterator[None]:
-    """Tell transformers that the batch holds no packed sequences.
-
-    transformers looks for packed sequences by reading the position ids; on fake tensors it cannot,
-    so it assumes packing and materialises a causal mask that SDPA then keeps for backward, where a
-    real run skips the mask. This wrapper only ever feeds whole unpacked sequences (positions
-    0..seq-1), for which transformers' own answer is `None`: we give that answer on every device.
-    """
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - hf extra missing is reported at build time
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+        return getattr(self.model(input_ids=input_ids), self.output)
 
 
 def _config_kwargs(
@@ -162,3 +136,86 @@ def build(
             model = from_config("eager")
     wrapped = HFLogits(model.to(dtype), "logits" if causal else "last_hidden_state")
     return wrapped, (token_ids(batch, seq, model.config.vocab_size, device),)
+
+
+#: Small sizes for the models users bring, on top of `TINY`: image, audio and mixture-of-experts
+#: fields, under the names their configs use.
+SMALL = {
+    **TINY,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "d_kv": 16,
+    "image_size": 64,
+    "patch_size": 8,
+    "num_mel_bins": 16,
+    "max_source_positions": 32,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
+
+
+def build_for_training(
+    model_type: str, *, batch: int = 2, seq: int = 64, small: bool = True, seed: int = 0
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A Hugging Face model as a user trains it: its task head (causal LM, seq2seq LM, masked LM,
+    image classification, speech seq2seq) built from the architecture's default config, default
+    dropout and caching, in train mode on the CPU, and the keyword inputs of its default call with
+    labels, so that `model(**inputs).loss` is the training loss. `small` shrinks only the sizes
+    (layers, widths, vocabulary, image and audio lengths). Nothing is downloaded."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError as err:
+        raise UnknownModelError(
+            f"hf:{model_type} needs Hugging Face transformers: pip install 'remat[hf]'"
+        ) from err
+    default = AutoConfig.for_model(model_type)
+    fields = default.to_dict()
+    sizes = {k: v for k, v in SMALL.items() if k in fields} if small else {}
+    if small:
+        sizes |= {k: max(seq, 2 * SMALL["max_source_positions"]) for k in _POSITIONS if k in fields}
+        last = SMALL["vocab_size"] - 1
+        sizes |= {
+            k: last
+            for k, v in fields.items()
+            if k.endswith("_token_id") and isinstance(v, int) and v > last
+        }
+    config = AutoConfig.for_model(model_type, **sizes)
+    if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = config.pad_token_id or 0  # as T5's released configs
+    heads = (
+        (auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, "AutoModelForSpeechSeq2Seq"),
+        (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "AutoModelForSeq2SeqLM"),
+        (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, "AutoModelForMaskedLM"),  # BERT: its pretraining
+        (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM"),
+        (auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "AutoModelForImageClassification"),
+    )
+    head = next((cls for names, cls in heads if model_type in names), None)
+    if head is None:
+        raise UnknownModelError(
+            f"hf:{model_type}: no task head remat knows how to feed (causal or seq2seq LM, masked "
+            "LM, image classification, speech seq2seq); build it in a 'pkg.module:factory'"
+        )
+    torch.manual_seed(seed)
+    model = getattr(auto, head).from_config(config).train()
+    vocab = getattr(config, "vocab_size", None)
+    if head == "AutoModelForImageClassification":
+        size = config.image_size
+        inputs = {
+            "pixel_values": torch.randn(batch, config.num_channels, size, size),
+            "labels": torch.randint(config.num_labels, (batch,)),
+        }
+    elif head == "AutoModelForSpeechSeq2Seq":
+        frames = 2 * config.max_source_positions
+        inputs = {
+            "input_features": torch.randn(batch, config.num_mel_bins, frames),
+            "labels": torch.randint(vocab, (batch, seq)),
+        }
+    else:
+        ids = torch.randint(vocab, (batch, seq))
+        inputs = {"input_ids": ids, "labels": ids.clone()}
+    return model, inputs

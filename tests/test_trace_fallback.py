@@ -1,0 +1,218 @@
+"""Ops that cannot run on fake tensors become a `TraceError` that names the op and the module and
+says to trace on real tensors; tracing on real tensors works, leaves the caller's random stream
+alone, and `fits_in_memory_for_real_trace` tells when that is safe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.errors import TraceError
+from remat.trace import fits_in_memory_for_real_trace
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[torch.nonzero(h > 0, as_tuple=True)].sum()  # shape depends on the values
+
+
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Masked()
+
+    def forward(self, x):
+        return self.gate(x)
+
+
+def test_data_dependent_op_names_op_and_module_path_on_meta_and_traces_on_cpu():
+    with pytest.raises(TraceError) as err:
+        remat.trace(Router(), torch.randn(4, 8))
+    msg = str(err.value)
+    assert "nonzero" in msg
+    assert "module 'gate'" in msg
+    assert "device='cpu'" in msg and "trace_device='cpu'" in msg
+    assert err.value.fake_tensor_failure is True
+    assert err.value.__cause__ is not None
+
+    graph = remat.trace(Router(), torch.randn(4, 8), device="cpu")
+    assert any(op.short == "nonzero" for op in graph.ops)
+    assert {op.phase for op in graph.ops} >= {"forward", "backward"}
+
+
+class Experts(nn.Module):
+    """Grouped matmul over 2 experts: torch's meta kernel of `_grouped_mm` wants bf16, the CPU
+    kernel takes fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 16, 4))
+        self.register_buffer("offs", torch.tensor([3, 8], dtype=torch.int32))
+
+    def forward(self, x):
+        # square(): the CPU backward of _grouped_mm rejects the stride-0 gradient of a plain sum()
+        return torch._grouped_mm(x, self.w, offs=self.offs).square()
+
+
+class Moe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = Experts()
+
+    def forward(self, x):
+        return self.experts(x)
+
+
+def test_meta_kernel_rejecting_inputs_is_a_trace_error_naming_op_and_module():
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(x.to("meta"), torch.randn(2, 16, 4, device="meta"),
+                          offs=torch.tensor([3, 8], dtype=torch.int32, device="meta"))  # fmt: skip
+    with pytest.raises(TraceError) as err:
+        remat.trace(Moe(), x)
+    msg = str(err.value)
+    assert "aten._grouped_mm.default" in msg
+    assert "module 'experts'" in msg
+    assert "RuntimeError: Expected inputs of BF16 type" in msg
+    assert "device='cpu'" in msg and "trace_device='cpu'" in msg
+    assert err.value.fake_tensor_failure is True
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+    graph = remat.trace(Moe(), x, device="cpu")
+    ops = {(op.short, op.phase) for op in graph.ops}
+    assert ("_grouped_mm", "forward") in ops
+    assert any(phase == "backward" for _, phase in ops)
+
+
+@torch.library.custom_op("remat_tests::picky_scale", mutates_args=())
+def picky_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@picky_scale.register_fake
+def _(x):
+    raise ValueError("picky_scale has no shape rule for these inputs\nsecond line")
+
+
+picky_scale.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class Picky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return picky_scale(self.fc(x))
+
+
+def test_custom_op_whose_fake_impl_raises_is_a_trace_error():
+    holder = nn.Sequential(Picky())
+    with pytest.raises(TraceError) as err:
+        remat.trace(holder, torch.randn(2, 4))
+    msg = str(err.value)
+    assert "remat_tests.picky_scale" in msg and "module '0'" in msg
+    assert "ValueError: picky_scale has no shape rule for these inputs)" in msg  # first line only
+    assert "second line" not in msg
+    assert err.value.fake_tensor_failure is True
+    graph = remat.trace(holder, torch.randn(2, 4), device="cpu")
+    assert any("picky_scale" in op.target for op in graph.ops)
+
+
+def test_errors_on_real_tensors_propagate_unchanged():
+    class Wrong(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 5))
+
+        def forward(self, x):
+            return x @ self.w  # (2, 4) @ (3, 5): the user's bug
+
+    with pytest.raises(RuntimeError) as err:
+        remat.trace(Wrong(), torch.randn(2, 4), device="cpu")
+    assert not isinstance(err.value, TraceError)
+
+
+def _tiny_moe(model_type: str, **fields):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(
+        model_type,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        **fields,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).train()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "model_type, fields",
+    [
+        ("mixtral", {"num_local_experts": 4}),
+        (
+            "qwen2_moe",
+            {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64},
+        ),
+    ],
+)
+def test_hf_moe_fails_on_fake_tensors_with_trace_error_and_traces_on_cpu(model_type, fields):
+    model = _tiny_moe(model_type, **fields)
+    ids = torch.randint(0, 500, (2, 16))
+    with pytest.raises(TraceError) as err:
+        remat.trace(model, input_ids=ids, labels=ids)
+    msg = str(err.value)
+    assert "_grouped_mm" in msg or "nonzero" in msg
+    assert "experts" in msg or "mlp" in msg
+    assert err.value.fake_tensor_failure is True
+
+    graph = remat.trace(model, input_ids=ids, labels=ids, device="cpu")
+    phases = {op.phase for op in graph.ops}
+    assert phases >= {"forward", "backward"}
+    assert graph.activation_bytes > 0
+
+
+class Dropper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) + torch.rand_like(x)
+
+
+def test_real_trace_leaves_the_callers_random_stream_alone():
+    model, x = Dropper().train(), torch.randn(4, 8)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+
+    torch.manual_seed(0)
+    graph = remat.trace(model, x, device="cpu")
+    assert any(op.random for op in graph.ops)  # the trace did draw random numbers
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_fits_in_memory_for_real_trace():
+    model, x = nn.Linear(8, 8), torch.randn(2, 8)
+    fits, why = fits_in_memory_for_real_trace(model, (x,), {})
+    assert fits and "MiB" in why
+
+    with torch.device("meta"):
+        meta_model = nn.Linear(8, 8)
+    fits, why = fits_in_memory_for_real_trace(meta_model, (x,), {})
+    assert not fits and "'weight'" in why and "meta" in why
+
+    fits, why = fits_in_memory_for_real_trace(model, (), {"x": x.to("meta")})
+    assert not fits and "input" in why
