@@ -4,7 +4,6 @@ Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstim
 apply -> `measure` (the independent ground truth) -> report.
 """
 
-from remat.compiled import backend, compile
 from remat.eager import Verification, apply, auto, remove, verify
 from remat.errors import (
     InfeasibleBudget,
@@ -46,3 +45,12 @@ __all__ = [
     "verify",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`remat.compile` and `remat.backend` import torch's inductor (seconds): only when used."""
+    if name in ("compile", "backend"):
+        from remat import compiled
+
+        return getattr(compiled, name)
+    raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -359,7 +359,7 @@ def auto(
         try:
             graph = trace(model, *example_inputs, device="meta", **kwargs)
         except TraceError as err:
-            if trace_device is not None or not getattr(err, "fake_tensor_failure", False):
+            if trace_device is not None or not err.fake_tensor_failure:
                 raise
             from remat.trace import fits_in_memory_for_real_trace
 

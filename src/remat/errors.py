@@ -15,7 +15,22 @@ class UnknownModelError(RematError):
 
 
 class TraceError(RematError):
-    """The training step could not be traced (an op without a meta kernel, a data-dependent shape, ...)."""
+    """The training step could not be traced (an op without a meta kernel, a data-dependent shape,
+    ...). `fake_tensor_failure` says the op failed on fake tensors only, so that a trace on real
+    tensors may work; `op` and `module` name it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        module: str | None = None,
+        fake_tensor_failure: bool = False,
+    ):
+        super().__init__(message)
+        self.op = op
+        self.module = module
+        self.fake_tensor_failure = fake_tensor_failure
 
 
 class InfeasibleBudget(RematError):

@@ -258,11 +258,11 @@ class _Tracer(TorchDispatchMode):
                 f"op {func} in module '{module}' {why} ({type(e).__name__}: {first_line}). "
                 "Trace on real tensors at a size that fits in memory instead: "
                 "remat.trace(..., device='cpu') or remat.auto(..., trace_device='cpu') "
-                "(CLI: --trace-device cpu, with a smaller --batch/--seq)."
+                "(CLI: --trace-device cpu, with a smaller --batch/--seq).",
+                op=str(func),
+                module=module,
+                fake_tensor_failure=True,
             )
-            error.fake_tensor_failure = True
-            error.op = str(func)
-            error.module = module
             raise error from e
         self.record(func, args, kwargs, out)
         return out
