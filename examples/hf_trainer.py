@@ -27,33 +27,14 @@ import torch
 import remat
 from remat.units import format_bytes
 
-# Small sizes under the names each config uses for them; everything else stays at its default.
-SMALL = {
-    "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 128},
-    "llama": {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    },
-}
-VOCAB = 512
 
+def build_model(model_type: str, seq: int, seed: int) -> torch.nn.Module:
+    """A causal LM from its default config (dropout and caching as they are), small sizes, in
+    training mode: `remat.models.hf.build_for_training`."""
+    from remat.models.hf import build_for_training
 
-def build_model(model_type: str, seed: int) -> torch.nn.Module:
-    """A causal LM from its default config, with small sizes, in training mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    sizes = dict(SMALL.get(model_type, {}), vocab_size=VOCAB)
-    # Special token ids of the full-size vocabulary (GPT-2's 50256) must point inside the small one.
-    for name, value in AutoConfig.for_model(model_type).to_dict().items():
-        if name.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
-            sizes[name] = VOCAB - 1
-    config = AutoConfig.for_model(model_type, **sizes)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).train()
+    model, _ = build_for_training(model_type, seq=seq, seed=seed)
+    return model
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -131,10 +112,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = build_model(args.model_type, args.seed)
+    model = build_model(args.model_type, args.seq, args.seed)
     initial = copy.deepcopy(model.state_dict())
     use_cache = model.config.use_cache
-    dataset = RandomTokens(args.batch * args.steps, args.seq, VOCAB, seed=args.seed + 1)
+    dataset = RandomTokens(
+        args.batch * args.steps, args.seq, model.config.vocab_size, seed=args.seed + 1
+    )
     run = {"steps": args.steps, "batch": args.batch, "seed": args.seed}
 
     baseline = train(model, dataset, **run)

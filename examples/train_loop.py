@@ -29,23 +29,11 @@ import torch.nn.functional as F
 import remat
 from remat.units import format_bytes
 
-# Small sizes under the names each config uses for them; everything else stays at its default.
-SMALL = {
-    "n_layer": 2,
-    "num_hidden_layers": 2,
-    "n_embd": 64,
-    "hidden_size": 64,
-    "n_head": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "n_positions": 128,
-    "max_position_embeddings": 128,
-}
+#: Token ids stay below this: the vocabulary of the small models (transformers' and the zoo's).
 VOCAB = 512
 
 
-def build_model(name: str, seed: int) -> torch.nn.Module:
+def build_model(name: str, seq: int, seed: int) -> torch.nn.Module:
     """A transformers causal LM from its default config with small sizes, or a tiny zoo model."""
     torch.manual_seed(seed)
     if name.startswith("remat:"):
@@ -53,15 +41,12 @@ def build_model(name: str, seed: int) -> torch.nn.Module:
 
         model, _ = models.build(name.removeprefix("remat:"), tiny=True, device="cpu")
         return model.train()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from remat.models.hf import build_for_training
 
-    default = AutoConfig.for_model(name).to_dict()
-    sizes = {k: v for k, v in SMALL.items() if k in default} | {"vocab_size": VOCAB}
-    # Special token ids of the full-size vocabulary (GPT-2's 50256) must point inside the small one.
-    for key, value in default.items():
-        if key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
-            sizes[key] = VOCAB - 1
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **sizes)).train()
+    model, _ = build_for_training(
+        name, seq=seq, seed=seed
+    )  # default config, small sizes, train mode
+    return model
 
 
 def next_token_loss(output: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -145,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = build_model(args.model, args.seed)
+    model = build_model(args.model, args.seq, args.seed)
     initial = copy.deepcopy(model.state_dict())
     batches = random_batches(args.steps * args.accumulation, args.batch, args.seq, args.seed + 1)
     run = {"accumulation": args.accumulation, "lr": args.lr, "warmup": 2, "seed": args.seed}
