@@ -167,6 +167,7 @@ def build_for_training(
     labels, so that `model(**inputs).loss` is the training loss. `small` shrinks only the sizes
     (layers, widths, vocabulary, image and audio lengths). Nothing is downloaded."""
     try:
+        import transformers
         from transformers import AutoConfig
         from transformers.models.auto import modeling_auto as auto
     except ImportError as err:
@@ -175,9 +176,12 @@ def build_for_training(
         ) from err
     default = AutoConfig.for_model(model_type)
     fields = default.to_dict()
-    sizes = {k: v for k, v in SMALL.items() if k in fields} if small else {}
+    # Only where the default is a number too (Swin's `num_heads` is a list per stage).
+    sizes = {k: v for k, v in SMALL.items() if type(fields.get(k)) is int} if small else {}
     if small:
-        sizes |= {k: max(seq, 2 * SMALL["max_source_positions"]) for k in _POSITIONS if k in fields}
+        # Room for position offsets (RoBERTa starts after the padding index).
+        positions = 2 * max(seq, SMALL["max_source_positions"])
+        sizes |= {k: positions for k in _POSITIONS if k in fields}
         last = SMALL["vocab_size"] - 1
         sizes |= {
             k: last
@@ -201,7 +205,10 @@ def build_for_training(
             "LM, image classification, speech seq2seq); build it in a 'pkg.module:factory'"
         )
     torch.manual_seed(seed)
-    model = getattr(auto, head).from_config(config).train()
+    names = next(names for names, cls in heads if cls == head)[model_type]
+    # Some architectures map to several classes (DeiT: with and without a teacher): the first.
+    name = names[0] if isinstance(names, (list, tuple)) else names
+    model = getattr(transformers, name)._from_config(config).train()
     vocab = getattr(config, "vocab_size", None)
     if head == "AutoModelForImageClassification":
         size = config.image_size
