@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,15 @@ def test_articles_example_plans_at_full_budget_saving_one_tensor_without_rng_sta
     measured = remat.measure(model, *inputs)
     assert measured.held_bytes == cut.held_bytes < store_all.held_bytes
     assert measured.peak_bytes <= store_all.predicted_peak_bytes
+
+
+def test_a_plan_naming_kept_ops_by_position_is_refused():
+    graph = remat.trace(
+        _ArticleExample(), *[torch.randn(8, 8, requires_grad=True) for _ in range(4)]
+    )
+    d = json.loads(plan(graph, "100%", "mincut").to_json())
+    for r in d["regions"]:
+        r.pop("keep_keys")
+        r["targets"], r["keep_at"] = ["aten.add.Tensor"], [0]
+    with pytest.raises(remat.RematError, match="by position"):
+        Plan.from_json(json.dumps(d))

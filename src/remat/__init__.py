@@ -44,7 +44,7 @@ __all__ = [
     "trace",
     "verify",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from remat.cost import PROFILES, op_seconds_all
+from remat.errors import RematError
 from remat.graph import Graph
 from remat.schedule import Region, simulate
 from remat.units import format_bytes, parse_bytes
@@ -58,6 +59,12 @@ class Plan:
         if "held_bytes" not in d:  # written before the two byte figures became one
             d["held_bytes"] = d.pop("retained_bytes", 0)
         d.pop("saved_bytes", None)
+        old = next((r for r in d["regions"] if r["keep"] and "keep_keys" not in r), None)
+        if old is not None:
+            raise RematError(
+                f"plan region {old['modules'][0]!r} names its kept ops by position (a plan written "
+                "by remat before 0.2, which real runs did not always honour): make the plan again"
+            )
         d["regions"] = tuple(
             Region(
                 modules=tuple(r["modules"]),
