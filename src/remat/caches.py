@@ -13,14 +13,13 @@ same hooks, so the traced step is the step that runs.
 from __future__ import annotations
 
 import inspect
-import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.errors import RematWarning
+from remat.errors import warn
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
@@ -65,12 +64,10 @@ class CachesOff:
                     changed.append(f"{name}=None")
             if changed and self.model not in _warned:
                 _warned.add(self.model)
-                warnings.warn(
+                warn(
                     "remat: a cache is useless in training and would be written again by "
                     f"recomputation; the step runs with {', '.join(changed)} (first in {path}), "
-                    "as Hugging Face's gradient checkpointing does",
-                    RematWarning,
-                    stacklevel=2,
+                    "as Hugging Face's gradient checkpointing does"
                 )
             return args, kwargs
 

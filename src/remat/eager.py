@@ -14,7 +14,6 @@ key/value caching off (`remat.caches`), as the trace did.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat.caches import CachesOff
-from remat.errors import RematError, RematWarning, TraceError
+from remat.errors import RematError, TraceError, warn
 from remat.plans import Plan
 from remat.schedule import OpKey
 
@@ -196,13 +195,11 @@ def _check_region(state: _Applied, check: RegionCheck) -> Callable[[], None]:
         if check.missing and not state.warned:
             state.warned = True
             name, target, n = check.missing[0]
-            warnings.warn(
+            warn(
                 f"remat: the plan is not fully carried out in {', '.join(check.modules)}: "
                 f"{len(check.matched)} of {len(check.expected)} kept ops matched (first missing: "
                 f"occurrence {n} of {target} in {name or '<root>'}); memory and time differ from "
-                "the plan. remat.verify(model) lists every region",
-                RematWarning,
-                stacklevel=3,
+                "the plan. remat.verify(model) lists every region"
             )
 
     return after_forward
@@ -366,11 +363,7 @@ def auto(
             fits, why = fits_in_memory_for_real_trace(model, example_inputs, kwargs)
             if not fits:
                 raise
-            warnings.warn(
-                f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})",
-                RematWarning,
-                stacklevel=2,
-            )
+            warn(f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})")
             graph = trace(model, *example_inputs, device="cpu", **kwargs)
     else:
         graph = trace(model, *example_inputs, device=trace_device, **kwargs)

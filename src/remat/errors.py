@@ -5,6 +5,9 @@ The CLI maps every `RematError` to exit code 2, and `InfeasibleBudget` to exit c
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 
 class RematError(Exception):
     """Base class: bad input or a model remat cannot analyse, with advice in the message."""
@@ -54,3 +57,15 @@ class StatefulModuleError(RematError):
 class RematWarning(UserWarning):
     """Something remat changed or could not do as planned, said once: caching turned off for
     training, kept ops of a plan that the real run did not issue, a trace retried on real tensors."""
+
+
+def warn(message: str) -> None:
+    """Issue a `RematWarning` at the user's line: the first caller outside remat, torch and
+    transformers (remat warns from inside hooks, where the direct caller is torch's module code)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RematWarning, stacklevel=level)
+
+
+_LIBRARIES = ("remat", "torch", "transformers", "accelerate")
