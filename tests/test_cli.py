@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+import remat
 from remat.cli import main
+from remat.units import format_bytes
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -206,3 +208,26 @@ def test_bench_compile_adds_torch_and_remat_partitioner_rows(tmp_path):
         assert row["grad_max_abs_diff"] <= 1e-5, name
         if name != "store_all":
             assert row["peak_bytes"] == pytest.approx(row["predicted_peak_bytes"], rel=0.01)
+
+
+def test_version_is_printed(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"remat {remat.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (1536, "1.5 KiB"),
+        (999.4 * 2**20, "999 MiB"),
+        (1010 * 2**20, "1010 MiB"),
+        (1023.9 * 2**20, "1024 MiB"),
+        (2**30, "1 GiB"),
+        (12, "12 B"),
+        (-3 * 2**20, "-3 MiB"),
+    ],
+)
+def test_format_bytes_never_prints_exponents(nbytes, text):
+    assert format_bytes(nbytes) == text

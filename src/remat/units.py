@@ -32,11 +32,13 @@ def parse_bytes(text: str | int) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Binary units, 3 significant digits: 1536 -> '1.50 KiB'."""
+    """Binary units, 3 significant digits: 1536 -> '1.5 KiB', 1010 MiB -> '1010 MiB'."""
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.3g} {unit}"
+            # 3 significant digits, but never "1e+03": 999.5 up to 1024 prints as "1000"..."1023".
+            whole = unit == "B" or n >= 999.5
+            return f"{sign}{n:.0f} {unit}" if whole else f"{sign}{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
