@@ -57,6 +57,21 @@ class HFLogits(nn.Module):
         return getattr(self.model(input_ids=input_ids), self.output)
 
 
+def _shrunk(fields: dict[str, Any], table: dict[str, int], positions: int) -> dict[str, Any]:
+    """Config overrides that shrink a model: the sizes of `table` where the default config has
+    that field as a number (Swin's `num_heads` is a list per stage), `positions` for its position
+    fields, and special token ids moved inside the smaller vocabulary."""
+    sizes: dict[str, Any] = {k: v for k, v in table.items() if type(fields.get(k)) is int}
+    sizes |= {k: positions for k in _POSITIONS if k in fields}
+    last = table["vocab_size"] - 1
+    sizes |= {
+        k: last
+        for k, v in fields.items()
+        if k.endswith("_token_id") and isinstance(v, int) and v > last
+    }
+    return sizes
+
+
 def _config_kwargs(
     model_type: str, seq: int, tiny: bool, overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], Any]:
@@ -76,15 +91,7 @@ def _config_kwargs(
     kwargs: dict[str, Any] = {"use_cache": False}
     kwargs |= {k: 0.0 for k, v in fields.items() if "drop" in k and type(v) in (int, float)}
     if tiny:
-        kwargs |= {k: v for k, v in TINY.items() if k in fields}
-        kwargs |= {k: seq for k in _POSITIONS if k in fields}
-        # Special token ids must stay inside the smaller vocabulary.
-        last = TINY["vocab_size"] - 1
-        kwargs |= {
-            k: last
-            for k, v in fields.items()
-            if k.endswith("_token_id") and isinstance(v, int) and v > last
-        }
+        kwargs |= _shrunk(fields, TINY, positions=seq)
     unknown = [k for k in overrides if not hasattr(default, k)]
     if unknown:
         raise UnknownModelError(
@@ -176,18 +183,9 @@ def build_for_training(
         ) from err
     default = AutoConfig.for_model(model_type)
     fields = default.to_dict()
-    # Only where the default is a number too (Swin's `num_heads` is a list per stage).
-    sizes = {k: v for k, v in SMALL.items() if type(fields.get(k)) is int} if small else {}
-    if small:
-        # Room for position offsets (RoBERTa starts after the padding index).
-        positions = 2 * max(seq, SMALL["max_source_positions"])
-        sizes |= {k: positions for k in _POSITIONS if k in fields}
-        last = SMALL["vocab_size"] - 1
-        sizes |= {
-            k: last
-            for k, v in fields.items()
-            if k.endswith("_token_id") and isinstance(v, int) and v > last
-        }
+    # Room for position offsets (RoBERTa starts after the padding index).
+    positions = 2 * max(seq, SMALL["max_source_positions"])
+    sizes = _shrunk(fields, SMALL, positions) if small else {}
     config = AutoConfig.for_model(model_type, **sizes)
     if config.is_encoder_decoder and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = config.pad_token_id or 0  # as T5's released configs
