@@ -202,6 +202,11 @@ class Graph:
         return [m for m in self.modules if m.path == path]
 
     @cached_property
+    def stateful_calls(self) -> list[ModuleCall]:
+        """The module calls that wrote tensors into state outside their outputs (`escaped`)."""
+        return [m for m in self.modules if m.escaped]
+
+    @cached_property
     def blocks(self) -> list[ModuleCall]:
         """The repeated blocks of the model (transformer layers, ResNet bottlenecks, chain layers):
         the calls of numbered submodules (`h.3`, `layer2.1`) at the depth where they cover the most

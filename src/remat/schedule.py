@@ -5,8 +5,9 @@ which is what `remat.apply` installs (torch/utils/checkpoint.py: `_checkpoint_ho
 `_recomputation_hook`, `_CachingTorchDispatchMode`, `_CachedTorchDispatchMode`):
 - Forward: every tensor a node *inside* the region saves, whatever made it, is swapped for an
   empty holder; autograd holds none of them. The checkpoint frame holds the region's inputs and,
-  when the region draws random numbers, the RNG state; the policy's cache holds the outputs of the ops it keeps (MUST_SAVE). Outside tensors
-  that region nodes saved stay alive only through the frame (inputs) or their other owners.
+  when the region draws random numbers, the RNG state; the policy's cache holds the outputs of
+  the ops it keeps (MUST_SAVE). Outside tensors that region nodes saved stay alive only through
+  the frame (inputs) or their other owners.
 - Backward: the first unpack of *any* of the region's holders, i.e. the first region node that
   saved anything (kept tensors and parameters included), re-runs the region from its first op and
   stops right after the last save of the forward has been re-made (early stop): after that op's
@@ -93,8 +94,8 @@ def make_region(
 ) -> Region:
     """A region over forward ops first_op..last_op that keeps the ops named in `keep`. Refused for
     a module call that writes tensors into state outside its outputs: a replay writes them again."""
-    for call in graph.modules:
-        if call.path in modules and first_op <= call.first_op <= last_op and call.escaped:
+    for call in graph.stateful_calls:
+        if call.path in modules and first_op <= call.first_op <= last_op:
             op = graph.ops[call.escaped[0]]
             raise StatefulModuleError(
                 f"module {call.path!r} keeps {len(call.escaped)} tensor(s) made in its forward "
