@@ -45,14 +45,14 @@ def main() -> None:
     rows = []
     for budget in (1.0, 0.5, 0.0):
         torch._dynamo.reset()
-        watcher = remat.backend(strategy="torch", compiler=args.compiler, device=profile)
+        watcher = remat.backend(strategy="torch", compiler=args.compiler, profile=profile)
         with functorch_config.patch(activation_memory_budget=budget):
             gradients(torch.compile(model, backend=watcher, dynamic=False), inputs)
         (theirs,) = watcher.plans
         graph = watcher.graphs[0]
         problem = joint_problem(graph, None)
         op_seconds = compiled_op_seconds(graph, profile)
-        held = theirs.details["held_bytes"]
+        held = theirs.details["held_activation_bytes"]
         chosen = cheapest_save_set(
             graph, problem, op_seconds, profile.bandwidth, held, traffic_weight=0.0
         )

@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import remat
-from remat import models
+from remat import Planner, models
 from remat.errors import InfeasibleBudget
-from remat.planner import Context, plan_in
 from remat.units import format_bytes
 
 TARGET_SECONDS = {"llama-3.1-8b": 10.0, "llama-3.1-70b": 30.0}
@@ -26,9 +25,9 @@ def bench(name: str, budget: str = "50%") -> dict:
     start = time.perf_counter()
     graph = remat.trace(model, *inputs)
     traced = time.perf_counter()
-    ctx = Context.from_graph(graph, "h100")
+    planner = Planner(graph, "h100")
     try:
-        p = plan_in(ctx, budget, "auto")
+        p = planner.plan(budget, "auto")
         result = {
             "strategy": p.strategy,
             "predicted_peak_bytes": p.predicted_peak_bytes,

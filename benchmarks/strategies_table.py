@@ -9,8 +9,7 @@ from pathlib import Path
 
 import remat
 from remat import models
-from remat.planner import STRATEGIES, Context, compare, pareto, plan_in
-from remat.plans import resolve_budget
+from remat.report import plot_frontier
 from remat.units import format_bytes
 
 CASES = [
@@ -25,13 +24,13 @@ CASES = [
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
 
-def table(name: str, kw: dict, device: str) -> str:
+def table(name: str, kw: dict, profile: str) -> str:
     graph = remat.trace(*_build(name, kw))
-    ctx = Context.from_graph(graph, device)
+    planner = remat.Planner(graph, profile)
     step_flops = sum(op.flops for op in graph.ops)
-    est = ctx.estimate
+    est = planner.estimate
     lines = [
-        f"### {name} ({', '.join(f'{k} {v}' for k, v in kw.items())}), costs on {device}",
+        f"### {name} ({', '.join(f'{k} {v}' for k, v in kw.items())}), costs on {profile}",
         "",
         f"store-all peak {format_bytes(est.peak_bytes)}, of which fixed (params, grads) "
         f"{format_bytes(est.fixed_bytes)} and activations {format_bytes(est.activation_bytes)}.",
@@ -39,15 +38,16 @@ def table(name: str, kw: dict, device: str) -> str:
         "| budget | strategy | predicted peak | kept activations | extra FLOPs (% of step) | recompute time (% of step) | |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    step_seconds = sum(ctx.op_seconds)
+    step_seconds = planner.step_seconds
     for share in ("75%", "50%", "25%"):
-        budget = resolve_budget(share, est.fixed_bytes, est.peak_bytes)
+        budget = planner.budget_bytes(share)
         chosen = None
         try:
-            chosen = plan_in(ctx, budget, "auto")
+            chosen = planner.plan(budget, "auto")
         except remat.InfeasibleBudget as e:
             auto_note = f"infeasible: smallest feasible {format_bytes(e.min_feasible_bytes)}"
-        for strategy, p, note in compare(ctx, budget):
+        for row in planner.compare(budget):
+            strategy, p, note = row.strategy, row.plan, row.note
             if p is None:
                 lines.append(
                     f"| {share} ({format_bytes(budget)}) | {strategy} | - | - | - | - | {note} |"
@@ -68,7 +68,7 @@ def table(name: str, kw: dict, device: str) -> str:
                 f"| {share} ({format_bytes(budget)}) | auto | - | - | - | - | {auto_note} |"
             )
     png = IMG / f"pareto-{name}.png"
-    pareto(ctx).plot(str(png), title=f"{name} {kw} on {device}")
+    plot_frontier(planner.pareto(), str(png), title=f"{name} {kw} on {profile}")
     lines += ["", f"![Pareto frontier of {name}](img/{png.name})", ""]
     return "\n".join(lines)
 
@@ -79,6 +79,5 @@ def _build(name, kw):
 
 
 if __name__ == "__main__":
-    assert set(STRATEGIES)
     for case in CASES:
         print(table(*case))

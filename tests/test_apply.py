@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 import remat
-from remat import models
+from remat import Planner, models
 from remat.bench import gradients
-from remat.planner import Context, plan_in
 
 SMALL = {"resnet50": {"batch": 4, "image_size": 64}, "mlp-chain-16": {"batch": 8}}
 ZOO = [n for n in models.preset_names() if not n.startswith("mlp-chain")] + ["mlp-chain-16"]
@@ -41,10 +40,10 @@ def test_every_strategy_gives_store_alls_gradients(name):
     torch.manual_seed(0)
     model, inputs = _build(name)
     graph = remat.trace(model, *inputs)
-    ctx = Context.from_graph(graph)
+    planner = Planner(graph)
     reference = gradients(model, inputs)
     for strategy in STRATEGIES:
-        plan = plan_in(ctx, "1TiB", strategy)
+        plan = planner.plan("1TiB", strategy)
         remat.apply(model, plan)
         _assert_same(gradients(model, inputs), reference)
         remat.remove(model)
@@ -57,7 +56,7 @@ def test_measured_peak_matches_the_plans_prediction(name, strategy):
     torch.manual_seed(0)
     model, inputs = _build(name)
     graph = remat.trace(model, *inputs)
-    plan = plan_in(Context.from_graph(graph), "1TiB", strategy)
+    plan = Planner(graph).plan("1TiB", strategy)
     remat.apply(model, plan)
     measured = remat.measure(model, *inputs)
     remat.remove(model)
@@ -70,7 +69,7 @@ def test_dropout_is_recomputed_with_the_same_random_mask():
     model, inputs = models.build("megatron-gpt", batch=2, seq=32, device="cpu", tiny=True)
     graph = remat.trace(model, *inputs)
     reference = gradients(model, inputs, seed=7)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
+    remat.apply(model, Planner(graph).plan("1TiB", "full"))
     _assert_same(gradients(model, inputs, seed=7), reference)
 
 
@@ -82,7 +81,7 @@ def test_batchnorm_running_statistics_move_once_per_step():
     gradients(model, inputs)
     once = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(plain)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
+    remat.apply(model, Planner(graph).plan("1TiB", "full"))
     gradients(model, inputs)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, once[k], msg=k)
@@ -94,7 +93,7 @@ def test_inference_under_no_grad_runs_the_plain_forward():
     graph = remat.trace(model, *inputs)
     with torch.no_grad():
         expected = model(*inputs)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
+    remat.apply(model, Planner(graph).plan("1TiB", "full"))
     calls = []
     checkpoint = torch.utils.checkpoint.checkpoint
     try:
@@ -111,7 +110,7 @@ def test_a_second_backward_through_a_recomputed_region_raises_clearly():
     torch.manual_seed(0)
     model, inputs = _build("gpt2")
     graph = remat.trace(model, *inputs)
-    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
+    remat.apply(model, Planner(graph).plan("1TiB", "full"))
     loss = model(*inputs).sum()
     loss.backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -128,7 +127,7 @@ def test_autocast_bf16_on_cpu_keeps_gradients_equal():
             return gradients(model, inputs)
 
     reference = grads()
-    remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", "full"))
+    remat.apply(model, Planner(graph).plan("1TiB", "full"))
     _assert_same(grads(), reference)
 
 
@@ -136,7 +135,7 @@ def test_plan_from_json_applies_to_a_fresh_model():
     torch.manual_seed(0)
     model, inputs = _build("gpt2")
     graph = remat.trace(model, *inputs)
-    plan = plan_in(Context.from_graph(graph), "1TiB", "selective:torchtitan")
+    plan = Planner(graph).plan("1TiB", "selective:torchtitan")
     fresh, _ = _build("gpt2")
     fresh.load_state_dict(model.state_dict())
     reference = gradients(model, inputs)
@@ -191,6 +190,6 @@ def test_keyword_inputs_and_several_outputs_keep_store_alls_gradients():
     reference = grads()
     graph = remat.trace(model, x, shift=shift)
     for strategy in ["full", "sqrt", "selective:save-matmuls"]:
-        remat.apply(model, plan_in(Context.from_graph(graph), "1TiB", strategy))
+        remat.apply(model, Planner(graph).plan("1TiB", strategy))
         _assert_same(grads(), reference)
         remat.remove(model)

@@ -1,5 +1,6 @@
-"""The chain checkpointing solvers: the DP against exhaustive search, the textbook schedules
-against the sqrt(n) articles' table, and the budget contract (fits, monotone, exact infeasibility).
+"""The chain checkpointing solvers: the DP against the textbook recursion and exhaustive search
+(tests/oracles.py), the textbook schedules against the sqrt(n) articles' table, and the budget
+contract (fits, monotone, exact infeasibility).
 
 Everything here is pure arithmetic over a model chain; no torch.
 """
@@ -15,13 +16,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import chain_brute_force, textbook_chain_dp
 
 from remat.errors import InfeasibleBudget
 from remat.solvers.chain import (
     Chain,
     ChainBlock,
     ChainSchedule,
-    brute_force,
     chain_dp,
     chain_peak_bytes,
     chain_recompute_seconds,
@@ -113,7 +114,7 @@ def test_chain_peak_bytes_counts_a_hand_worked_schedule() -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_splitting_a_stored_segment_changes_neither_peak_nor_recompute(data: st.DataObject) -> None:
-    """What lets the DP and brute_force treat a run of stored segments as one segment."""
+    """What lets the DP and chain_brute_force treat a run of stored segments as one segment."""
     chain = data.draw(chains())
     n = len(chain.blocks)
     schedule = random_schedule(data.draw, n)
@@ -132,10 +133,10 @@ def test_splitting_a_stored_segment_changes_neither_peak_nor_recompute(data: st.
 
 @settings(max_examples=250, deadline=None)
 @given(st.data())
-def test_chain_dp_matches_brute_force(data: st.DataObject) -> None:
+def test_chain_dp_matches_exhaustive_search(data: st.DataObject) -> None:
     chain = data.draw(chains())
     budget = data.draw(st.integers(min_feasible_bytes(chain), store_all(chain).peak_bytes))
-    dp, exhaustive = chain_dp(chain, budget), brute_force(chain, budget)
+    dp, exhaustive = chain_dp(chain, budget), chain_brute_force(chain, budget)
     assert same_seconds(dp.recompute_seconds, exhaustive.recompute_seconds)
     assert dp.peak_bytes == chain_peak_bytes(chain, dp.schedule) <= budget
     assert exhaustive.peak_bytes == chain_peak_bytes(chain, exhaustive.schedule) <= budget
@@ -148,14 +149,14 @@ def test_chain_dp_breaks_recompute_ties_by_lower_peak(data: st.DataObject) -> No
     # Round times: exact in both solvers, so the optimal (recompute, peak) pair is unique.
     chain = data.draw(chains(max_blocks=9, round_seconds=True))
     budget = data.draw(st.integers(min_feasible_bytes(chain), store_all(chain).peak_bytes))
-    dp, exhaustive = chain_dp(chain, budget), brute_force(chain, budget)
+    dp, exhaustive = chain_dp(chain, budget), chain_brute_force(chain, budget)
     assert (dp.recompute_seconds, dp.peak_bytes) == (
         exhaustive.recompute_seconds,
         exhaustive.peak_bytes,
     )
 
 
-def test_chain_dp_matches_brute_force_when_times_span_many_magnitudes() -> None:
+def test_chain_dp_matches_exhaustive_search_when_times_span_many_magnitudes() -> None:
     # 2**-80 next to 1.0: the exact integer sum needs more than 62 bits, so the DP adds float64.
     rng = random.Random(7)
     for _ in range(20):
@@ -171,8 +172,45 @@ def test_chain_dp_matches_brute_force_when_times_span_many_magnitudes() -> None:
         chain = Chain(blocks, 10, 5, 5)
         budget = rng.randint(min_feasible_bytes(chain), store_all(chain).peak_bytes)
         assert same_seconds(
-            chain_dp(chain, budget).recompute_seconds, brute_force(chain, budget).recompute_seconds
+            chain_dp(chain, budget).recompute_seconds,
+            chain_brute_force(chain, budget).recompute_seconds,
         )
+
+
+def _assert_matches_the_textbook_recursion(chain: Chain, budget: int) -> None:
+    """Same least recompute as `textbook_chain_dp`, both plans within the budget, and the same
+    verdict when nothing fits."""
+    reference = textbook_chain_dp(chain, budget)
+    if reference is None:
+        with pytest.raises(InfeasibleBudget):
+            chain_dp(chain, budget)
+        return
+    dp = chain_dp(chain, budget)
+    assert same_seconds(dp.recompute_seconds, chain_recompute_seconds(chain, reference))
+    assert dp.peak_bytes == chain_peak_bytes(chain, dp.schedule) <= budget
+    assert chain_peak_bytes(chain, reference) <= budget
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_chain_dp_matches_the_textbook_recursion(data: st.DataObject) -> None:
+    chain = data.draw(chains())
+    low, high = min_feasible_bytes(chain), store_all(chain).peak_bytes
+    _assert_matches_the_textbook_recursion(chain, data.draw(st.integers(low - 100, high)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chain_dp_matches_the_textbook_recursion_past_exhaustive_sizes(seed: int) -> None:
+    # 24 blocks (2 * 3^23 schedules): bytes kept small so the recursion's memo stays small.
+    rng = random.Random(seed)
+    blocks = tuple(
+        ChainBlock(f"b{i}", rng.uniform(0.0, 1.0), rng.randint(0, 8), rng.randint(0, 40))
+        for i in range(24)
+    )
+    chain = Chain(blocks, 100, rng.randint(0, 20), rng.randint(0, 20))
+    low, high = min_feasible_bytes(chain), store_all(chain).peak_bytes
+    for budget in np.linspace(low, high, 6).round().astype(int).tolist():
+        _assert_matches_the_textbook_recursion(chain, budget)
 
 
 def test_uniform_chains_reproduce_the_sqrt_articles_table() -> None:
@@ -239,15 +277,16 @@ def test_every_plan_fits_its_budget_and_dp_recompute_grows_as_budget_shrinks(see
         assert plan.peak_bytes == chain_peak_bytes(chain, plan.schedule) <= budget
         assert plan.recompute_seconds >= previous
         previous = plan.recompute_seconds
+    assert previous > at_top.recompute_seconds  # and it did grow: the bottom budget recomputes
     assert chain_dp(chain, bottom).peak_bytes == bottom
 
 
 @settings(max_examples=40, deadline=None)
 @given(chains(max_blocks=8))
 def test_infeasible_budget_raises_with_the_exact_min_feasible_bytes(chain: Chain) -> None:
-    # At a budget nothing meets, brute_force has computed every schedule's peak.
+    # At a budget nothing meets, chain_brute_force has computed every schedule's peak.
     with pytest.raises(InfeasibleBudget) as raised:
-        brute_force(chain, -1)
+        chain_brute_force(chain, -1)
     lowest = raised.value.min_feasible_bytes
     assert lowest == min_feasible_bytes(chain)
     with pytest.raises(InfeasibleBudget) as raised:

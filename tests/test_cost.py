@@ -12,13 +12,14 @@ import remat
 from remat.cost import (
     PROFILES,
     DeviceProfile,
-    calibrate,
     get_profile,
     is_matmul,
     op_bytes_moved,
     op_seconds,
     op_seconds_all,
 )
+from remat.errors import UnknownProfileError
+from remat.measure import calibrate_profile
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,12 @@ def test_get_profile():
     assert get_profile("h200") is PROFILES["h200"]
     custom = DeviceProfile("mine", 1.0, 1.0, 1.0)
     assert get_profile(custom) is custom
-    with pytest.raises(ValueError, match="a100, cpu, h100, h200"):
+    with pytest.raises(UnknownProfileError, match="a100, cpu, h100, h200"):
         get_profile("tpu")
 
 
-def test_calibrate_measures_plausible_rates():
-    p = calibrate()
+def test_calibrate_profile_measures_plausible_rates():
+    p = calibrate_profile()
     rates = (p.peak_flops, p.vector_flops, p.bandwidth)
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert p.peak_flops > p.vector_flops

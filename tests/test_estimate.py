@@ -1,11 +1,16 @@
-"""Properties of the liveness simulation, on hand-made graphs where the answer is known."""
+"""Properties of the liveness simulation, on hand-made graphs where the answer is known, and the
+estimate as the no-regions case of the planner's judge on model-zoo graphs."""
 
 from __future__ import annotations
 
 import pytest
+from oracles import store_all_timeline
 
+import remat
+from remat import models
 from remat.estimate import estimate, live_bytes_timeline, storage_deaths
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
+from remat.schedule import simulate
 
 
 def _graph() -> Graph:
@@ -67,3 +72,21 @@ def test_adamw_keeps_two_states_per_parameter_byte_and_a_step_temporary():
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="adamw"):
         estimate(_graph(), optimizer="lion")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet50"])
+def test_the_estimate_is_the_judge_without_regions(name):
+    """The estimate's timeline is `simulate` with no regions, and both agree with the store-all
+    liveness written out directly (tests/oracles.py), op for op."""
+    model, inputs = models.build(name, batch=2, seq=32, tiny=True)
+    graph = remat.trace(model, *inputs)
+    est = estimate(graph, optimizer="adamw")
+    base = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    base += est.optimizer_state_bytes
+    sim = simulate(graph, (), base_bytes=base)
+    assert sim.schedule == tuple(("op", i) for i in range(len(graph.ops)))
+    assert sim.recompute_ops == ()
+    assert [bytes_ for _, bytes_ in est.timeline] == list(sim.timeline)
+    assert live_bytes_timeline(graph, base) == store_all_timeline(graph, base)
+    assert storage_deaths(graph) == sim.deaths
+    assert est.peak_bytes >= sim.peak_bytes  # the optimizer step may be the peak

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import blocks_brute_force
 
 from remat.errors import InfeasibleBudget
 from remat.solvers.milp import (
@@ -17,7 +18,6 @@ from remat.solvers.milp import (
     BlockProblem,
     block_peak_bytes,
     block_recompute_seconds,
-    brute_force,
     milp,
     min_peak,
 )
@@ -50,7 +50,7 @@ def problems(draw, seconds=SECONDS) -> BlockProblem:
 def lowest_peak(problem: BlockProblem) -> int:
     """The least peak over all choices, by enumeration."""
     with pytest.raises(InfeasibleBudget) as info:
-        brute_force(problem, -1)
+        blocks_brute_force(problem, -1)
     return info.value.min_feasible_bytes
 
 
@@ -144,13 +144,13 @@ def test_invalid_inputs_are_refused_with_the_reason():
         block_peak_bytes(problem, (0, 1))
     two = (BlockOption("store", 0, 0, 0.0), BlockOption("full", 0, 0, 0.0))
     with pytest.raises(ValueError, match="at most"):
-        brute_force(BlockProblem((two,) * 21), 0)
+        blocks_brute_force(BlockProblem((two,) * 21), 0)
 
 
 # -- optimality -----------------------------------------------------------------------------------
 @settings(max_examples=250, deadline=None)
 @given(problem=problems(), data=st.data())
-def test_milp_matches_brute_force(problem, data):
+def test_milp_matches_enumeration(problem, data):
     low, high = lowest_peak(problem), highest_peak(problem)
     budget = data.draw(st.integers(low - (high - low) // 10 - 1, high), label="budget")
     if budget < low:
@@ -160,7 +160,7 @@ def test_milp_matches_brute_force(problem, data):
         assert info.value.budget_bytes == budget
         assert f"({budget} bytes)" in str(info.value) and f"({low} bytes)" in str(info.value)
         return
-    expected = brute_force(problem, budget)
+    expected = blocks_brute_force(problem, budget)
     result = milp(problem, budget)
     assert same_seconds(result.recompute_seconds, expected.recompute_seconds, problem)
     assert result.peak_bytes == block_peak_bytes(problem, result.choice) <= budget
@@ -178,7 +178,7 @@ def test_milp_matches_brute_force(problem, data):
 def test_equal_recompute_ties_go_to_the_lower_peak(problem, data):
     """Quarter seconds add exactly, so ties are real and the peak must match enumeration's."""
     budget = data.draw(st.integers(lowest_peak(problem), highest_peak(problem)), label="budget")
-    expected, result = brute_force(problem, budget), milp(problem, budget)
+    expected, result = blocks_brute_force(problem, budget), milp(problem, budget)
     assert (result.recompute_seconds, result.peak_bytes) == (
         expected.recompute_seconds,
         expected.peak_bytes,

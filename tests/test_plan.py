@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import remat
-from remat import models
+from remat import Planner, models, plan
 from remat.errors import InfeasibleBudget
-from remat.planner import Context, plan, plan_in
 from remat.plans import Plan
 from remat.solvers.mincut import cut_cost, mincut
 
@@ -48,13 +47,13 @@ def test_sqrt_articles_table_on_mlp_chains():
     forward = []
     for n in ns:
         model, inputs = models.build(f"mlp-chain-{n}", batch=2048, d_model=32)
-        ctx = Context.from_graph(remat.trace(model, *inputs))
-        fixed = ctx.estimate.fixed_bytes
+        planner = Planner(remat.trace(model, *inputs))
+        fixed = planner.estimate.fixed_bytes
         for name in memory:
-            memory[name].append(plan_in(ctx, "1TiB", name).predicted_peak_bytes - fixed)
+            memory[name].append(planner.plan("1TiB", name).predicted_peak_bytes - fixed)
         for name in recompute:
-            recompute[name].append(plan_in(ctx, "1TiB", name).recompute_flops)
-        forward.append(sum(op.flops for op in ctx.graph.forward_ops))
+            recompute[name].append(planner.plan("1TiB", name).recompute_flops)
+        forward.append(sum(op.flops for op in planner.graph.forward_ops))
     assert _fit_exponent(ns, memory["store_all"]) == pytest.approx(1.0, abs=0.1)
     assert _fit_exponent(ns, memory["sqrt"]) == pytest.approx(0.5, abs=0.1)
     assert _fit_exponent(ns, recompute["store_none"]) == pytest.approx(2.0, abs=0.1)
@@ -63,17 +62,17 @@ def test_sqrt_articles_table_on_mlp_chains():
 
 
 @pytest.fixture(scope="module")
-def gpt2_ctx():
+def gpt2_planner():
     model, inputs = models.build("gpt2", batch=8, seq=1024, n_layer=6)
-    return Context.from_graph(remat.trace(model, *inputs))
+    return Planner(remat.trace(model, *inputs))
 
 
 @pytest.mark.parametrize("strategy", ["chain_dp", "milp", "auto"])
-def test_budgeted_plans_fit_and_never_grow_as_the_budget_shrinks(gpt2_ctx, strategy):
+def test_budgeted_plans_fit_and_never_grow_as_the_budget_shrinks(gpt2_planner, strategy):
     peaks = []
     for share in range(95, 0, -10):
         try:
-            p = plan_in(gpt2_ctx, f"{share}%", strategy)
+            p = gpt2_planner.plan(f"{share}%", strategy)
         except InfeasibleBudget as e:
             assert e.min_feasible_bytes is None or e.min_feasible_bytes > e.budget_bytes
             break
@@ -83,42 +82,42 @@ def test_budgeted_plans_fit_and_never_grow_as_the_budget_shrinks(gpt2_ctx, strat
     assert all(a >= b for a, b in zip(peaks, peaks[1:], strict=False)), peaks
 
 
-def test_fixed_strategies_refuse_a_budget_they_exceed_and_name_their_peak(gpt2_ctx):
-    full = plan_in(gpt2_ctx, "1TiB", "full")
+def test_fixed_strategies_refuse_a_budget_they_exceed_and_name_their_peak(gpt2_planner):
+    full = gpt2_planner.plan("1TiB", "full")
     with pytest.raises(InfeasibleBudget) as err:
-        plan_in(gpt2_ctx, full.predicted_peak_bytes - 1, "full")
+        gpt2_planner.plan(full.predicted_peak_bytes - 1, "full")
     assert err.value.min_feasible_bytes == full.predicted_peak_bytes
     assert (
-        plan_in(gpt2_ctx, full.predicted_peak_bytes, "full").predicted_peak_bytes
+        gpt2_planner.plan(full.predicted_peak_bytes, "full").predicted_peak_bytes
         == full.predicted_peak_bytes
     )
 
 
-def test_infeasible_budget_states_the_smallest_feasible_one(gpt2_ctx):
+def test_infeasible_budget_states_the_smallest_feasible_one(gpt2_planner):
     with pytest.raises(InfeasibleBudget) as err:
-        plan_in(gpt2_ctx, "1%", "auto")
+        gpt2_planner.plan("1%", "auto")
     smallest = err.value.min_feasible_bytes
     assert smallest is not None and smallest > err.value.budget_bytes
     assert "smallest" in str(err.value)
-    assert plan_in(gpt2_ctx, smallest, "auto").predicted_peak_bytes <= smallest
+    assert gpt2_planner.plan(smallest, "auto").predicted_peak_bytes <= smallest
 
 
-def test_auto_is_no_slower_than_any_strategy_that_fits(gpt2_ctx):
-    best = plan_in(gpt2_ctx, "60%", "auto")
+def test_auto_is_no_slower_than_any_strategy_that_fits(gpt2_planner):
+    best = gpt2_planner.plan("60%", "auto")
     for name in ["full", "sqrt", "chain_dp", "milp", "selective:torchtitan"]:
         try:
-            other = plan_in(gpt2_ctx, "60%", name)
+            other = gpt2_planner.plan("60%", name)
         except InfeasibleBudget:
             continue
         assert best.recompute_seconds <= other.recompute_seconds + 1e-12
 
 
-def test_plan_round_trips_through_json_and_explains_every_saved_tensor(gpt2_ctx):
-    p = plan_in(gpt2_ctx, "60%", "auto")
+def test_plan_round_trips_through_json_and_explains_every_saved_tensor(gpt2_planner):
+    p = gpt2_planner.plan("60%", "auto")
     again = Plan.from_json(p.to_json())
     assert again == p
-    rows = p.explain(gpt2_ctx.graph)
-    assert len(rows) == len(gpt2_ctx.graph.saved_storages)
+    rows = p.explain(gpt2_planner.graph)
+    assert len(rows) == len(gpt2_planner.graph.saved_storages)
     assert {r["decision"] for r in rows} == {"keep", "recompute"}
     assert all(r["why"] for r in rows)
     assert sum(r["bytes"] for r in rows if r["decision"] == "recompute") > 0
@@ -127,8 +126,9 @@ def test_plan_round_trips_through_json_and_explains_every_saved_tensor(gpt2_ctx)
 
 def test_unknown_strategy_names_the_choices():
     graph = remat.trace(cos_cos, *[torch.randn(8, requires_grad=True) for _ in range(4)])
-    with pytest.raises(ValueError, match="chain_dp"):
+    with pytest.raises(remat.UnknownStrategyError, match="chain_dp") as err:
         plan(graph, strategy="magic")
+    assert err.value.name == "magic" and "auto" in err.value.choices
 
 
 class _ArticleExample(torch.nn.Module):
@@ -163,3 +163,41 @@ def test_a_plan_naming_kept_ops_by_position_is_refused():
         r["targets"], r["keep_at"] = ["aten.add.Tensor"], [0]
     with pytest.raises(remat.RematError, match="by position"):
         Plan.from_json(json.dumps(d))
+
+
+def test_plan_json_carries_its_format_and_reads_plans_written_before_it(gpt2_planner):
+    p = gpt2_planner.plan("1TiB", "full")
+    d = json.loads(p.to_json())
+    assert d["format"] == 2 and d["path"] == "eager" and d["appliable"] and d["status"] == "fixed"
+    old = {k: v for k, v in d.items() if k not in ("format", "path", "appliable", "status")}
+    old["device"] = old.pop("profile")
+    old["retained_bytes"] = old.pop("held_bytes")
+    old["details"] = {"appliable": False}  # how 0.2 marked store_none's plans
+    again = Plan.from_json(json.dumps(old))
+    assert again.profile == p.profile and again.held_bytes == p.held_bytes
+    assert again.regions == p.regions and not again.appliable and again.status == "feasible"
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d.pop("strategy"), "strategy"),
+        (lambda d: d.update(predicted_peak_bytes="lots"), "predicted_peak_bytes"),
+        (lambda d: d.update(regions=[{"modules": ["h.0"]}]), "regions"),
+        (lambda d: d.update(status="great"), "status"),
+        (lambda d: d.update(colour="red"), "colour"),
+        (lambda d: d.update(format=99), "format"),
+    ],
+)
+def test_a_bad_plan_json_names_the_field(gpt2_planner, edit, field):
+    d = json.loads(gpt2_planner.plan("1TiB", "full").to_json())
+    edit(d)
+    with pytest.raises(remat.PlanFormatError, match=field) as err:
+        Plan.from_json(json.dumps(d))
+    assert err.value.field == field
+
+
+def test_text_that_is_not_a_plan_is_a_plan_format_error():
+    for text in ("{not json", "[1, 2]"):
+        with pytest.raises(remat.PlanFormatError, match="not a plan"):
+            Plan.from_json(text)

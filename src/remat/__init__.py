@@ -6,31 +6,45 @@ apply -> `measure` (the independent ground truth) -> report.
 
 from remat.eager import Verification, apply, auto, remove, verify
 from remat.errors import (
+    BudgetError,
     InfeasibleBudget,
+    NoBlocksError,
+    PlanFormatError,
     RematError,
     RematWarning,
     StatefulModuleError,
     TraceError,
     UnknownModelError,
+    UnknownProfileError,
+    UnknownStrategyError,
 )
 from remat.estimate import MemoryEstimate, estimate
 from remat.graph import Graph
 from remat.measure import Measurement, measure
-from remat.planner import pareto, plan
+from remat.planner import Frontier, Planner, pareto, plan
 from remat.plans import Plan
+from remat.strategies import Strategy
 from remat.trace import trace
 
 __all__ = [
+    "Frontier",
     "Graph",
+    "BudgetError",
     "InfeasibleBudget",
+    "NoBlocksError",
+    "PlanFormatError",
     "Measurement",
     "MemoryEstimate",
     "Plan",
+    "Planner",
     "RematError",
     "RematWarning",
     "StatefulModuleError",
+    "Strategy",
     "TraceError",
     "UnknownModelError",
+    "UnknownProfileError",
+    "UnknownStrategyError",
     "Verification",
     "apply",
     "auto",

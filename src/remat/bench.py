@@ -19,10 +19,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from remat import strategies
 from remat.eager import apply, remove
 from remat.errors import InfeasibleBudget
 from remat.measure import measure
-from remat.planner import Context, plan_in
+from remat.planner import Planner
 from remat.trace import default_loss
 
 BASELINES = (
@@ -103,14 +104,15 @@ def _blocks_checkpointed(model: nn.Module, paths: list[str], sequential: bool) -
 def bench(
     model: nn.Module,
     inputs: tuple,
-    ctx: Context,
-    strategies: list[str],
+    planner: Planner,
+    names: list[str],
     budget: int | str = "50%",
     steps: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
-    """Measure store_all, each strategy's plan and the baselines on `model` (real tensors)."""
-    paths = [b.path for b in ctx.blocks]
+    """Measure store_all, each named strategy's plan (made by `planner`, on the same model's
+    trace) and the baselines on `model` (real tensors)."""
+    paths = [b.path for b in planner.blocks]
     reference = gradients(model, inputs)
     rows: list[BenchRow] = []
     base_seconds: float | None = None
@@ -136,16 +138,16 @@ def bench(
             )
         )
 
-    for name in ["store_all", *[s for s in strategies if s != "store_all"]]:
+    for name in ["store_all", *[s for s in names if s != "store_all"]]:
         if name in BASELINES:
             run_baseline(model, name, paths, run, rows)
             continue
         try:
-            p = plan_in(ctx, "1TiB" if name == "store_all" else budget, name)
+            p = planner.plan("1TiB" if name == "store_all" else budget, name)
         except InfeasibleBudget as e:
             rows.append(BenchRow(name, None, None, e.min_feasible_bytes, None, None, None, str(e)))
             continue
-        if p.details.get("appliable") is False:
+        if not p.appliable:
             rows.append(
                 BenchRow(
                     name, None, None, p.predicted_peak_bytes, None, None, None, "reference only"
@@ -183,7 +185,6 @@ def run_baseline(model: nn.Module, name: str, paths: list[str], run, rows: list[
 
 #: Torch's own partitioner at these `activation_memory_budget` values (1.0 is its default).
 TORCH_COMPILE_BUDGETS = (1.0, 0.5, 0.0)
-COMPILED_STRATEGIES = ("mincut", "milp", "auto")
 
 
 def bench_compiled(
@@ -192,12 +193,13 @@ def bench_compiled(
     budget: int | str | None = "50%",
     steps: int = 3,
     compiler: str = "inductor",
-    device: str = "cpu",
+    profile: str = "cpu",
     base_seconds: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
     """Rows for torch.compile: torch's partitioner at each of `TORCH_COMPILE_BUDGETS` (its save set
-    priced by remat's model), then remat's partitioner with each compiled strategy, all measured
+    priced by remat's model), then remat's partitioner with each strategy that has a compiled
+    path (`remat.strategies.available("compile")`), all measured
     like the eager rows. Every row compiles from scratch (`torch._dynamo.reset()`)."""
     from torch._functorch import config as functorch_config
 
@@ -208,23 +210,23 @@ def bench_compiled(
     runs: list[tuple[str, RematBackend, float | None]] = [
         (
             f"torch.compile@{b:g}",
-            RematBackend(strategy="torch", device=device, compiler=compiler),
+            RematBackend(strategy="torch", profile=profile, compiler=compiler),
             b,
         )
         for b in TORCH_COMPILE_BUDGETS
     ]
     runs += [
         (
-            f"compile:{s}",
+            f"compile:{s.name}",
             RematBackend(
-                budget=None if s == "mincut" else budget,
-                strategy=s,
-                device=device,
+                budget=budget if s.budgeted else None,
+                strategy=s.name,
+                profile=profile,
                 compiler=compiler,
             ),
             None,
         )
-        for s in COMPILED_STRATEGIES
+        for s in strategies.available("compile")
     ]
     for name, backend, torch_budget in runs:
         if progress:

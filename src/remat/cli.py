@@ -8,12 +8,17 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from remat import __version__
-from remat.errors import InfeasibleBudget, RematError
+from remat.errors import InfeasibleBudget, RematError, exit_code
+
+if TYPE_CHECKING:
+    from remat.estimate import MemoryEstimate
+    from remat.graph import Graph
+    from remat.planner import Planner
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_MODEL = {"model": "gpt2", "batch": 4, "seq": 256, "dtype": "fp32"}
@@ -39,17 +44,43 @@ examples:
 """
 
 
-EPILOG_PLAN = """\
-strategies: store_all keeps everything; store_none recomputes from the input (the O(n^2) reference,
-not appliable); full checkpoints every block; sqrt checkpoints sqrt(n) segments; chain_dp is the
-optimal segmentation (dynamic programming); selective:* keep some ops' outputs in each block;
-mincut is the memory-traffic min-cut; milp picks an option per block by integer programming;
-auto is the fastest of them that fits. Exit code 3 when nothing fits: the message gives the
-smallest feasible budget.
+PLAN_EXAMPLES = """\
+Exit code 3 when nothing fits: the message gives the smallest feasible budget.
 examples:
   remat plan --model gpt2 --batch 8 --seq 1024 --budget 50%
-  remat plan --model llama-3.1-8b --batch 1 --seq 8192 --dtype bf16 --budget 60GiB --device h100 --plot pareto.png
+  remat plan --model llama-3.1-8b --batch 1 --seq 8192 --dtype bf16 --budget 60GiB --profile h100 --plot pareto.png
 """
+
+
+def _strategies_help() -> str:
+    """The strategies as the registry lists them, one per line, for `remat plan --help`."""
+    from remat import strategies
+
+    lines = ["strategies (--strategy):"]
+    for s in strategies.available():
+        paths = " + ".join(s.paths)
+        lines.append(f"  {s.name:<24} {s.summary} [{paths}]")
+    return "\n".join(lines) + "\n"
+
+
+def _add_optimizer_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default=None,
+        help="count optimizer state and step in the peak",
+    )
+
+
+def _add_profile_arg(p: argparse.ArgumentParser) -> None:
+    from remat.cost import PROFILES
+
+    p.add_argument(
+        "--profile",
+        default="cpu",
+        help=f"cost profile recompute time is predicted on: {', '.join(PROFILES)} "
+        "(default: %(default)s)",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -134,17 +165,27 @@ def _trace_model(args: argparse.Namespace, console: Console):
 
 def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     from remat.estimate import estimate
-    from remat.report import estimate_dict, estimate_tables
 
     graph, seconds = _trace_model(args, console)
-    est = estimate(graph, optimizer=args.optimizer)
+    return _show_estimate(graph, estimate(graph, optimizer=args.optimizer), args, console, seconds)
+
+
+def _show_estimate(
+    graph: Graph,
+    est: MemoryEstimate,
+    args: argparse.Namespace,
+    console: Console,
+    trace_seconds: float,
+) -> int:
+    from remat.report import estimate_dict, estimate_tables
+
     context = {
         "model": args.model,
         "batch": args.batch,
         "seq": args.seq,
         "dtype": args.dtype,
         "optimizer": args.optimizer,
-        "trace_seconds": round(seconds, 3),
+        "trace_seconds": round(trace_seconds, 3),
     }
     if args.json:
         print(json.dumps(estimate_dict(graph, est, **context), indent=2))
@@ -155,69 +196,77 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     for table in estimate_tables(graph, est, title, top=args.top):
         console.print(table)
     console.print(
-        f"[dim]{len(graph.forward_ops)} forward + {len(graph.backward_ops)} backward ops traced in {seconds:.1f} s[/dim]"
+        f"[dim]{len(graph.forward_ops)} forward + {len(graph.backward_ops)} backward ops traced "
+        f"in {trace_seconds:.1f} s[/dim]"
     )
     return 0
 
 
+def _planner(args: argparse.Namespace, console: Console) -> Planner:
+    """Trace the model the arguments name and prepare it for planning on `--profile`."""
+    from remat.planner import Planner
+
+    graph, seconds = _trace_model(args, console)
+    planner = Planner(graph, args.profile, args.optimizer)
+    planner.graph.info["trace_seconds"] = seconds
+    return planner
+
+
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    from remat.planner import STRATEGIES, Context, compare, pareto, plan_in
-    from remat.plans import resolve_budget
-    from remat.report import explain_table, plan_dict, plan_table
+    from remat import strategies
+
+    strategies.get(args.strategy, "eager")  # a misspelt name fails before the trace
+    return _show_plan(_planner(args, console), args, console)
+
+
+def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> int:
+    from remat.report import explain_table, plan_dict, plan_table, plot_frontier
     from remat.units import format_bytes
 
-    if args.strategy not in STRATEGIES:
-        raise RematError(f"--strategy {args.strategy!r}: choose from {', '.join(STRATEGIES)}")
-    graph, seconds = _trace_model(args, console)
-    try:
-        ctx = Context.from_graph(graph, args.device, args.optimizer)
-        budget_bytes = resolve_budget(
-            args.budget, ctx.estimate.fixed_bytes, ctx.estimate.peak_bytes
-        )
-    except ValueError as e:
-        raise RematError(str(e)) from e
+    budget_bytes = planner.budget_bytes(args.budget)
     with console.status(f"planning {args.strategy} under {format_bytes(budget_bytes)} ..."):
-        rows = compare(ctx, budget_bytes)
-        chosen = plan_in(ctx, budget_bytes, args.strategy)
-    step_seconds = sum(ctx.op_seconds)
+        rows = planner.compare(budget_bytes)
+        chosen = planner.plan(budget_bytes, args.strategy)
+    step_seconds = planner.step_seconds
     context = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype}
     if args.out:
         with open(args.out, "w") as f:
             f.write(chosen.to_json())
     if args.plot:
         with console.status("sweeping budgets for the Pareto frontier ..."):
-            pareto(ctx).plot(
+            plot_frontier(
+                planner.pareto(),
                 args.plot,
-                title=f"{args.model} b{args.batch} s{args.seq} {args.dtype} on {ctx.profile.name}",
+                title=f"{args.model} b{args.batch} s{args.seq} {args.dtype} on {planner.profile.name}",
             )
     if args.json:
         d = plan_dict(chosen, **context)
         d["comparison"] = [
             {
-                "strategy": name,
-                "note": note,
+                "strategy": row.strategy,
+                "note": row.note,
                 **(
                     {}
-                    if p is None
+                    if row.plan is None
                     else {
-                        "predicted_peak_bytes": p.predicted_peak_bytes,
-                        "held_bytes": p.held_bytes,
-                        "recompute_flops": p.recompute_flops,
-                        "recompute_seconds": p.recompute_seconds,
+                        "predicted_peak_bytes": row.plan.predicted_peak_bytes,
+                        "held_bytes": row.plan.held_bytes,
+                        "recompute_flops": row.plan.recompute_flops,
+                        "recompute_seconds": row.plan.recompute_seconds,
                     }
                 ),
             }
-            for name, p, note in rows
+            for row in rows
         ]
         print(json.dumps(d, indent=2))
         return 0
     console.print(plan_table(rows, chosen, step_seconds, budget_bytes))
     if args.explain:
-        console.print(explain_table(chosen.explain(graph)))
+        console.print(explain_table(chosen.explain(planner.graph)))
     console.print(
         f"[bold]chosen: {chosen.strategy}[/bold]: predicted peak {format_bytes(chosen.predicted_peak_bytes)}, "
         f"recompute {chosen.recompute_flops_share:.1%} of forward FLOPs "
-        f"({chosen.recompute_seconds / step_seconds:+.1%} step time on {ctx.profile.name})\n{chosen.reason}"
+        f"({chosen.recompute_seconds / step_seconds:+.1%} step time on {planner.profile.name})\n{chosen.reason}"
     )
     regions = ", ".join(
         r.modules[0]
@@ -234,15 +283,16 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    return _show_bench(_planner(args, console), args, console)
+
+
+def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
-    from remat import models
-    from remat.bench import COMPILED_STRATEGIES, TORCH_COMPILE_BUDGETS, bench, bench_compiled
-    from remat.planner import Context
+    from remat import models, strategies
+    from remat.bench import TORCH_COMPILE_BUDGETS, bench, bench_compiled
     from remat.report import bench_table, plot_bench
 
-    graph, _ = _trace_model(args, console)
-    ctx = Context.from_graph(graph, args.device_profile)
     model, inputs = models.build(
         args.model,
         batch=args.batch,
@@ -252,10 +302,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         tiny=args.tiny,
         **_parse_overrides(args.set),
     )
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    total = len(set(strategies) | {"store_all"})
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    total = len(set(names) | {"store_all"})
     if args.compile:
-        total += len(TORCH_COMPILE_BUDGETS) + len(COMPILED_STRATEGIES)
+        total += len(TORCH_COMPILE_BUDGETS) + len(strategies.available("compile"))
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("measuring", total=total)
 
@@ -263,7 +313,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             bar.update(task, advance=1, description=f"measuring {name}")
 
         rows = bench(
-            model, inputs, ctx, strategies, budget=args.budget, steps=args.steps, progress=advance
+            model, inputs, planner, names, budget=args.budget, steps=args.steps, progress=advance
         )
         if args.compile:
             base = next((r.step_seconds for r in rows if r.strategy == "store_all"), None)
@@ -273,7 +323,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
                 budget=args.budget,
                 steps=args.steps,
                 compiler=args.compiler,
-                device=args.device_profile,
+                profile=args.profile,
                 base_seconds=base,
                 progress=advance,
             )
@@ -299,7 +349,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         )
     )
     if args.plot:
-        plot_bench(rows, ctx, args.plot)
+        plot_bench(rows, planner.pareto(), planner.step_seconds, args.plot)
         console.print(f"plot written to {args.plot}")
     return 0
 
@@ -309,39 +359,35 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = {**DEMO, "tiny": False, "trace_device": "meta", "optimizer": None}
+    demo = argparse.Namespace(
+        **DEMO,
+        tiny=False,
+        trace_device="meta",
+        optimizer=None,
+        profile="cpu",
+        json=False,
+        top=6,
+        budget="50%",
+        strategy="auto",
+        explain=False,
+        out=str(out / "plan.json"),
+        plot=str(out / "pareto.png"),
+        strategies=DEMO_STRATEGIES,
+        device="cpu",
+        steps=2,
+        compile=False,
+        compiler="inductor",
+    )
     console.rule("1. estimate: activation memory and the peak of a training step (fake tensors)")
-    cmd_estimate(argparse.Namespace(**common, json=False, top=6), console)
+    planner = _planner(demo, console)  # one trace and one frontier for the three steps
+    _show_estimate(
+        planner.graph, planner.estimate, demo, console, planner.graph.info["trace_seconds"]
+    )
     console.rule("2. plan: every strategy at a 50% budget, and the Pareto frontier")
-    cmd_plan(
-        argparse.Namespace(
-            **common,
-            budget="50%",
-            strategy="auto",
-            device="cpu",
-            json=False,
-            explain=False,
-            out=str(out / "plan.json"),
-            plot=str(out / "pareto.png"),
-        ),
-        console,
-    )
+    _show_plan(planner, demo, console)
     console.rule("3. apply and measure: real CPU steps, side by side with the baselines")
-    cmd_bench(
-        argparse.Namespace(
-            **common,
-            budget="50%",
-            strategies=DEMO_STRATEGIES,
-            device="cpu",
-            device_profile="cpu",
-            steps=2,
-            compile=False,
-            compiler="inductor",
-            json=str(out / "bench.json"),
-            plot=str(out / "bench.png"),
-        ),
-        console,
-    )
+    demo.json, demo.plot = str(out / "bench.json"), str(out / "bench.png")
+    _show_bench(planner, demo, console)
     console.print(f"[bold]results in {out}/[/bold]: plan.json, pareto.png, bench.json, bench.png")
     return 0
 
@@ -372,19 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(est)
-    est.add_argument(
-        "--optimizer",
-        choices=["sgd", "adamw"],
-        default=None,
-        help="count optimizer state and step in the peak",
-    )
+    _add_optimizer_arg(est)
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     est.add_argument("--top", type=int, default=12, help="rows in the by-module and by-op tables")
     est.set_defaults(func=cmd_estimate)
     pl = sub.add_parser(
         "plan",
         help="choose what to keep and what to recompute under a memory budget",
-        epilog=EPILOG_PLAN,
+        epilog=_strategies_help() + PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(pl)
@@ -396,17 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--strategy",
         default="auto",
-        help="auto (default), store_all, store_none, full, sqrt, chain_dp, selective:megatron, selective:save-matmuls, selective:torchtitan, mincut, milp",
+        help="one of the strategies listed below (default: %(default)s)",
     )
-    pl.add_argument(
-        "--device", default="cpu", help="cost profile: cpu, a100, h100, h200 (default: %(default)s)"
-    )
-    pl.add_argument(
-        "--optimizer",
-        choices=["sgd", "adamw"],
-        default=None,
-        help="count optimizer state and step in the peak",
-    )
+    _add_profile_arg(pl)
+    _add_optimizer_arg(pl)
     pl.add_argument(
         "--json", action="store_true", help="print the chosen plan and the comparison as JSON"
     )
@@ -441,9 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="where the real model runs: cpu or cuda (default: %(default)s)",
     )
-    be.add_argument(
-        "--device-profile", default="cpu", help="cost profile for planning (cpu, a100, h100, h200)"
-    )
+    _add_profile_arg(be)
     be.add_argument(
         "--steps", type=int, default=3, help="timed steps per strategy (default: %(default)s)"
     )
@@ -463,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     be.add_argument("--json", metavar="OUT.json", help="write the rows as JSON")
     be.add_argument("--plot", metavar="OUT.png", help="measured points on the predicted frontier")
-    be.set_defaults(func=cmd_bench)
+    be.set_defaults(func=cmd_bench, optimizer=None)
     return parser
 
 
@@ -475,12 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True)
     try:
         return args.func(args, console)
-    except InfeasibleBudget as e:
-        err.print(f"[red]infeasible budget:[/red] {e}")
-        return 3
     except RematError as e:
-        err.print(f"[red]error:[/red] {e}")
-        return 2
+        kind = "infeasible budget" if isinstance(e, InfeasibleBudget) else "error"
+        err.print(f"[red]{kind}:[/red] {e}")
+        return exit_code(e)
 
 
 if __name__ == "__main__":

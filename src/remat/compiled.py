@@ -29,6 +29,7 @@ import functools
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
@@ -37,16 +38,16 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
+from remat import strategies
 from remat.cost import DeviceProfile, get_profile, is_matmul, is_view, op_seconds_all
-from remat.errors import InfeasibleBudget, RematError
+from remat.errors import RematError
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
-from remat.plans import Plan, SavedTensor, resolve_budget
+from remat.plans import Plan, PlanStatus, SavedTensor, resolve_budget
 from remat.solvers.mincut import JointProblem, joint_problem, mincut
 from remat.solvers.saveset import SaveSet, describe_save_set, save_set_within
 from remat.trace import dtype_name, storage_key, storage_nbytes
 from remat.units import format_bytes
 
-STRATEGIES = ("mincut", "milp", "auto")
 COMPILERS = ("inductor", "aot_eager")
 
 _RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
@@ -239,24 +240,69 @@ def compiled_op_seconds(graph: Graph, profile: DeviceProfile) -> list[float]:
     ]
 
 
-def _rules(jg: JointGraph, strategy: str) -> tuple[Callable[[Op], bool], Callable[[Op], bool]]:
-    """Which ops may not be recomputed and which may not be saved: the user's tags, and for the
-    min-cut AOTAutograd's ban on recomputing compute-intensive ops (the pure traffic model would
-    re-run every matmul)."""
-    must_save, must_recompute = jg.must_save, jg.must_recompute
-    ban_matmuls = strategy == "mincut"
+@dataclass
+class JointContext:
+    """One joint graph prepared for a compiled strategy's `solve_compiled`: its `Graph`, the user's
+    selective-checkpoint tags, and the recompute costs on `profile`. Torch-free, like the
+    strategies that read it."""
 
-    def never_recompute(op: Op) -> bool:
-        return op.name in must_save or (ban_matmuls and is_matmul(op))
+    graph: Graph
+    must_save: frozenset[str]  # op names tagged MUST_SAVE
+    must_recompute: frozenset[str]  # op names tagged MUST_RECOMPUTE or PREFER_RECOMPUTE
+    profile: DeviceProfile
 
-    def never_save(op: Op) -> bool:
-        return op.name in must_recompute
+    @cached_property
+    def op_seconds(self) -> list[float]:
+        return compiled_op_seconds(self.graph, self.profile)
 
-    return never_recompute, never_save
+    def rules(self, ban_matmuls: bool) -> tuple[Callable[[Op], bool], Callable[[Op], bool]]:
+        """Which ops may not be recomputed and which may not be saved: the user's tags, and with
+        `ban_matmuls` AOTAutograd's ban on recomputing compute-intensive ops (the pure traffic
+        model would re-run every matmul)."""
 
+        def never_recompute(op: Op) -> bool:
+            return op.name in self.must_save or (ban_matmuls and is_matmul(op))
 
-def _problem(jg: JointGraph, strategy: str) -> JointProblem:
-    return joint_problem(jg.graph, *_rules(jg, strategy))
+        def never_save(op: Op) -> bool:
+            return op.name in self.must_recompute
+
+        return never_recompute, never_save
+
+    def problem(self, ban_matmuls: bool = False) -> JointProblem:
+        return joint_problem(self.graph, *self.rules(ban_matmuls))
+
+    @cached_property
+    def store_all(self) -> SaveSet:
+        """Everything backward reads saved: the reference for budgets given as a share."""
+        problem = self.problem()
+        return describe_save_set(self.graph, problem, set(problem.needed), self.op_seconds)
+
+    @cached_property
+    def min_cut(self) -> SaveSet:
+        """The article's least-traffic cut, compute-intensive ops never recomputed."""
+        problem = self.problem(ban_matmuls=True)
+        never_recompute, never_save = self.rules(ban_matmuls=True)
+        try:
+            cut = mincut(self.graph, never_recompute=never_recompute, never_save=never_save)
+        except ValueError as err:
+            raise RematError(f"compiled graph: {err}") from None
+        return describe_save_set(
+            self.graph, problem, _indices(problem, list(cut.saved)), self.op_seconds
+        )
+
+    def cheapest_within(self, budget_bytes: int | None) -> SaveSet:
+        """The cheapest save set (recompute + traffic) whose predicted peak fits the budget."""
+        return save_set_within(
+            self.graph, self.problem(), self.op_seconds, self.profile.bandwidth, budget_bytes
+        )
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Parameters, buffers, inputs and gradients: there whatever is saved."""
+        graph = self.graph
+        return sum(
+            s.nbytes for s in graph.storages.values() if s.kind in ("param", "buffer", "input")
+        ) + sum(graph.tensors[t].nbytes for t in graph.info["backward_outputs"])
 
 
 def _indices(problem: JointProblem, names: list[str]) -> set[int]:
@@ -267,39 +313,17 @@ def _indices(problem: JointProblem, names: list[str]) -> set[int]:
 def decide(
     jg: JointGraph, strategy: str, budget: int | str | None, profile: DeviceProfile
 ) -> tuple[SaveSet, Plan]:
-    """remat's save set for one joint graph, and the plan that describes it."""
-    graph = jg.graph
-    op_seconds = compiled_op_seconds(graph, profile)
-    problem = _problem(jg, "milp")
-    store_all = describe_save_set(graph, problem, set(problem.needed), op_seconds)
-    fixed = sum(
-        s.nbytes for s in graph.storages.values() if s.kind in ("param", "buffer", "input")
-    ) + sum(graph.tensors[t].nbytes for t in graph.info["backward_outputs"])
-    budget_bytes = None if budget is None else resolve_budget(budget, fixed, store_all.peak_bytes)
-    chosen: SaveSet | None = None
-    if strategy in ("mincut", "auto"):
-        cut_problem = _problem(jg, "mincut")
-        never_recompute, never_save = _rules(jg, "mincut")
-        try:
-            cut = mincut(graph, never_recompute=never_recompute, never_save=never_save)
-        except ValueError as err:
-            raise RematError(f"compiled graph: {err}") from None
-        chosen = describe_save_set(
-            graph, cut_problem, _indices(cut_problem, list(cut.saved)), op_seconds
-        )
-        if budget_bytes is not None and chosen.peak_bytes > budget_bytes:
-            if strategy == "mincut":
-                raise InfeasibleBudget(
-                    f"the min-cut save set peaks at {format_bytes(chosen.peak_bytes)}, above the "
-                    f"budget {format_bytes(budget_bytes)}: the min-cut has no byte budget; use "
-                    "strategy='milp' or 'auto', which bound the predicted peak",
-                    budget_bytes=budget_bytes,
-                    min_feasible_bytes=chosen.peak_bytes,
-                )
-            chosen = None
-    if chosen is None:
-        chosen = save_set_within(graph, problem, op_seconds, profile.bandwidth, budget_bytes)
-    return chosen, _plan(jg, chosen, strategy, budget_bytes, profile, store_all)
+    """remat's save set for one joint graph by the registered `strategy`, and its plan."""
+    joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile)
+    budget_bytes = (
+        None
+        if budget is None
+        else resolve_budget(budget, joint.fixed_bytes, joint.store_all.peak_bytes)
+    )
+    solve = strategies.get(strategy, "compile").solve_compiled
+    chosen = solve(joint, budget_bytes)
+    status = "optimal" if chosen is joint.__dict__.get("min_cut") else "feasible"
+    return chosen, _plan(jg, chosen, strategy, budget_bytes, profile, joint.store_all, status)
 
 
 def _plan(
@@ -309,6 +333,7 @@ def _plan(
     budget_bytes: int | None,
     profile: DeviceProfile,
     store_all: SaveSet,
+    status: PlanStatus,
 ) -> Plan:
     graph = jg.graph
     by_name = graph.op_by_name
@@ -336,14 +361,16 @@ def _plan(
         recompute_flops=recompute_flops,
         recompute_seconds=chosen.recompute_seconds,
         forward_flops=sum(op.flops for op in graph.forward_ops),
-        device=profile.name,
+        profile=profile.name,
         reason=reason,
+        path="compile",
+        appliable=False,
+        status=status,
         saved=tuple(saved),
         recomputed=chosen.recomputed,
         details={
-            "path": "compile",
+            "held_activation_bytes": chosen.held_bytes,  # held_bytes less the graph's inputs
             "traffic_bytes": chosen.traffic_bytes,
-            "held_bytes": chosen.held_bytes,
             "store_all_peak_bytes": store_all.peak_bytes,
             "store_all_saved_bytes": store_all.saved_bytes,
         },
@@ -404,14 +431,14 @@ def _priced(
     jg: JointGraph, nodes: list[fx.Node], profile: DeviceProfile, memory_budget: float
 ) -> tuple[SaveSet, Plan]:
     """Torch's own save set, priced and described by remat's model (for side-by-side rows)."""
-    graph = jg.graph
-    problem = _problem(jg, "milp")
+    joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile)
+    problem = joint.problem()
     name_of = {node: name for name, node in jg.node_of_value.items()}
     chosen = _indices(problem, [name_of[n] for n in nodes if n in name_of])
-    op_seconds = compiled_op_seconds(graph, profile)
-    save_set = describe_save_set(graph, problem, chosen, op_seconds)
-    store_all = describe_save_set(graph, problem, set(problem.needed), op_seconds)
-    plan = _plan(jg, save_set, f"torch@{memory_budget:g}", None, profile, store_all)
+    save_set = describe_save_set(jg.graph, problem, chosen, joint.op_seconds)
+    plan = _plan(
+        jg, save_set, f"torch@{memory_budget:g}", None, profile, joint.store_all, "feasible"
+    )
     return save_set, plan
 
 
@@ -422,23 +449,20 @@ class RematBackend:
 
     budget: int | str | None = None
     strategy: str = "auto"
-    device: str | DeviceProfile = "cpu"
+    profile: str | DeviceProfile = "cpu"
     compiler: str = "inductor"
     plans: list[Plan] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.strategy not in (*STRATEGIES, "torch"):
-            raise RematError(
-                f"compiled strategy {self.strategy!r} is unknown: choose one of "
-                f"{', '.join(STRATEGIES)} (or 'torch' to record torch's own partitioner)"
-            )
+        if self.strategy != "torch":  # 'torch' records torch's own partitioner's choice
+            strategies.get(self.strategy, "compile")
         if self.compiler not in COMPILERS:
             raise RematError(
                 f"compiler {self.compiler!r} is unknown: choose 'inductor' (fused kernels) or "
                 "'aot_eager' (the same graphs run op by op, for debugging)"
             )
-        self.profile = get_profile(self.device)
+        self.profile = get_profile(self.profile)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         partitioner = _Partitioner(self)
@@ -471,7 +495,7 @@ class RematBackend:
 def backend(
     budget: int | str | None = None,
     strategy: str = "auto",
-    device: str | DeviceProfile = "cpu",
+    profile: str | DeviceProfile = "cpu",
     compiler: str = "inductor",
 ) -> RematBackend:
     """A torch.compile backend with remat's partitioner: `torch.compile(model, backend=...)`.
@@ -480,7 +504,8 @@ def backend(
     (`"2GiB"`, an int) or as a share (`"50%"`: the parameters, inputs and gradients plus that share
     of the rest of the peak when everything backward needs is saved). `strategy`: `mincut` (the
     article's least-traffic cut; no budget), `milp` (least recompute + traffic time within the
-    budget), `auto` (the min-cut when it fits, else `milp`). `device` names the cost profile.
+    budget), `auto` (the min-cut when it fits, else `milp`): `remat.strategies.available("compile")`.
+    `profile` names the cost profile (cpu, a100, h100, h200) or is a `DeviceProfile`.
 
     Errors: the backend runs lazily, on the compiled model's first call, inside dynamo, and dynamo
     re-raises what a backend raises as `torch._dynamo.exc.BackendCompilerFailed`, so
@@ -491,14 +516,14 @@ def backend(
     `min_feasible_bytes`. `remat.compile` does this for you: it re-raises the remat error itself.
     With `torch._dynamo.config.suppress_errors = True`, dynamo raises nothing: it logs the error
     and runs that graph eagerly, without remat's plan (and adds no plan for it)."""
-    return RematBackend(budget=budget, strategy=strategy, device=device, compiler=compiler)
+    return RematBackend(budget=budget, strategy=strategy, profile=profile, compiler=compiler)
 
 
 def compile(
     model: nn.Module,
     budget: int | str | None = None,
     strategy: str = "auto",
-    device: str | DeviceProfile = "cpu",
+    profile: str | DeviceProfile = "cpu",
     compiler: str = "inductor",
     **compile_kwargs: Any,
 ) -> nn.Module:
@@ -511,7 +536,7 @@ def compile(
     dynamo's `BackendCompilerFailed` rather than wrapped in it. The result is still torch's
     compiled module (an `OptimizedModule`: same parameters, state_dict keys, attributes and
     train/eval); only its `forward` is wrapped."""
-    chosen = backend(budget=budget, strategy=strategy, device=device, compiler=compiler)
+    chosen = backend(budget=budget, strategy=strategy, profile=profile, compiler=compiler)
     compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     if isinstance(compiled, nn.Module):

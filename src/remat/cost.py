@@ -6,16 +6,15 @@ matmul-class ops and the (much lower) vector rate for everything else. This is t
 planners price recomputation with; it ignores launch overhead, caches and fusion, which is why it is
 only a ranking device and `measure` stays the ground truth.
 
-Nothing here imports torch at module level: only `calibrate()` needs it, to time the real machine.
+Nothing here imports torch, so the planners can price a saved graph on a machine without it: to
+measure the machine at hand instead of trusting `PROFILES`, use `remat.measure.calibrate_profile`.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from remat.errors import UnknownProfileError
 from remat.graph import Graph, Op
 
 
@@ -32,8 +31,8 @@ class DeviceProfile:
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run `calibrate()`
-    # to measure the machine at hand.
+    # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run
+    # `remat.measure.calibrate_profile()` to measure the machine at hand.
     "cpu": DeviceProfile("cpu", peak_flops=1e11, vector_flops=2e10, bandwidth=2e10),
     # Dense (no sparsity) BF16 tensor-core peak, FP32 CUDA-core rate as the vector rate, and HBM
     # bandwidth, from NVIDIA's datasheets: "NVIDIA A100 Tensor Core GPU" (A100 80GB SXM),
@@ -95,15 +94,17 @@ ATTENTION_PREFIXES = (
 
 
 def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
-    """A profile from `PROFILES` by name, or the given profile unchanged."""
+    """A profile from `PROFILES` by name, or the given profile unchanged. Raises
+    `UnknownProfileError`, listing the known names, for any other name."""
     if isinstance(name_or_profile, DeviceProfile):
         return name_or_profile
     try:
         return PROFILES[name_or_profile]
-    except KeyError:
-        raise ValueError(
+    except (KeyError, TypeError):
+        raise UnknownProfileError(
             f"unknown device profile {name_or_profile!r}: choose one of "
-            f"{', '.join(sorted(PROFILES))}, or pass a DeviceProfile (see remat.cost.calibrate)"
+            f"{', '.join(sorted(PROFILES))}, or pass a DeviceProfile "
+            "(remat.measure.calibrate_profile() measures one)"
         ) from None
 
 
@@ -151,54 +152,3 @@ def op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
         rate = p.peak_flops if matmul else p.vector_flops
         out[op.index] = max(op.flops / rate, moved / p.bandwidth)
     return out
-
-
-def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: first-call dispatch, allocator, thread pool
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def calibrate(device: str = "cpu") -> DeviceProfile:
-    """Measure `device` instead of trusting a table: the median of a few runs of a square matmul
-    (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul` (2 FLOPs an element)
-    for the vector rate, and of a 64 MiB copy (bytes read + written) for the bandwidth. Takes well
-    under 3 s on a 2-core CPU."""
-    import torch
-
-    dev = torch.device(device)
-    on_cuda = dev.type == "cuda"
-
-    def sync() -> None:
-        if on_cuda:
-            torch.cuda.synchronize(dev)
-
-    n, dtype = (4096, torch.bfloat16) if on_cuda else (1024, torch.float32)
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    c = torch.empty(n, n, device=dev, dtype=dtype)
-    peak = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=c), sync, reps=5)
-
-    m = 1 << 16  # 3 x 256 KiB: stays in cache, so arithmetic rather than memory bounds it
-    x, y, z, w = (torch.rand(m, device=dev) for _ in range(4))
-    loops = 50
-
-    def pointwise() -> None:
-        for _ in range(loops):
-            torch.addcmul(x, y, z, out=w)
-
-    vector = 2 * m * loops / _median_seconds(pointwise, sync, reps=5)
-
-    src = torch.rand(1 << 24, device=dev)
-    dst = torch.empty_like(src)
-    moved = 2 * src.numel() * src.element_size()
-    bandwidth = moved / _median_seconds(lambda: dst.copy_(src), sync, reps=5)
-    return DeviceProfile(
-        f"{device} (calibrated)", peak_flops=peak, vector_flops=vector, bandwidth=bandwidth
-    )

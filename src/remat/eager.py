@@ -337,7 +337,7 @@ def auto(
     *example_inputs: Any,
     budget: int | str = "50%",
     strategy: str = "auto",
-    device: str = "cpu",
+    profile: str = "cpu",
     optimizer: str | None = None,
     trace_device: str | None = None,
     **kwargs: Any,
@@ -348,7 +348,8 @@ def auto(
     The step is traced on fake tensors (`trace_device=None` or "meta"); when an op cannot run on
     them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
     experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
-    tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start."""
+    tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start.
+    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200)."""
     from remat.planner import plan
     from remat.trace import trace
 
@@ -367,6 +368,6 @@ def auto(
             graph = trace(model, *example_inputs, device="cpu", **kwargs)
     else:
         graph = trace(model, *example_inputs, device=trace_device, **kwargs)
-    chosen = plan(graph, budget=budget, strategy=strategy, device=device, optimizer=optimizer)
+    chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
     apply(model, chosen)
     return chosen

@@ -1,26 +1,42 @@
 """Errors a user can act on. Each message names the op, module or argument at fault and what to do.
 
-The CLI maps every `RematError` to exit code 2, and `InfeasibleBudget` to exit code 3.
+Every error remat raises on purpose is a `RematError`, which is a `ValueError`, so that code
+written against the older `except ValueError` still catches them:
+
+    RematError (ValueError)
+    ├── UnknownModelError     a model spec that cannot be built
+    ├── TraceError            a training step that cannot be traced
+    ├── InfeasibleBudget      no plan fits the budget
+    ├── StatefulModuleError   a module to recompute writes state
+    ├── PlanFormatError       a plan JSON that cannot be read
+    ├── NoBlocksError         a per-block strategy on a model without repeated blocks
+    ├── UnknownStrategyError  a strategy name that does not exist
+    ├── BudgetError           a budget or byte size that cannot be parsed
+    └── UnknownProfileError   a device cost profile name that does not exist
+
+`exit_code` is the one mapping from an error to the CLI's exit status: 3 for `InfeasibleBudget`,
+2 for every other `RematError`, 1 for anything else.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Iterable
 
 
-class RematError(Exception):
+class RematError(ValueError):
     """Base class: bad input or a model remat cannot analyse, with advice in the message."""
 
 
 class UnknownModelError(RematError):
-    """A preset name, `pkg.module:factory` spec or `hf:` model type that cannot be built."""
+    """Raised for a preset name, `pkg.module:factory` spec or `hf:` model type that cannot be built."""
 
 
 class TraceError(RematError):
-    """The training step could not be traced (an op without a meta kernel, a data-dependent shape,
-    ...). `fake_tensor_failure` says the op failed on fake tensors only, so that a trace on real
-    tensors may work; `op` and `module` name it."""
+    """Raised when the training step could not be traced (an op without a meta kernel, a
+    data-dependent shape, ...). `fake_tensor_failure` says the op failed on fake tensors only, so
+    that a trace on real tensors may work; `op` and `module` name it."""
 
     def __init__(
         self,
@@ -37,7 +53,8 @@ class TraceError(RematError):
 
 
 class InfeasibleBudget(RematError):
-    """No plan of the asked strategy fits the budget; `min_feasible_bytes` is the smallest that does."""
+    """Raised when no plan of the asked strategy fits the budget; `min_feasible_bytes` is the
+    smallest budget that does (None when unknown)."""
 
     def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int | None):
         super().__init__(message)
@@ -46,12 +63,62 @@ class InfeasibleBudget(RematError):
 
 
 class StatefulModuleError(RematError):
-    """A module to be recomputed writes tensors into state outside its outputs (a KV cache, an
-    attribute): recomputation would write them again. `module` is its path."""
+    """Raised when a module to be recomputed writes tensors into state outside its outputs (a KV
+    cache, an attribute): recomputation would write them again. `module` is its path."""
 
     def __init__(self, message: str, *, module: str):
         super().__init__(message)
         self.module = module
+
+
+class PlanFormatError(RematError):
+    """Raised when a plan JSON cannot be read; `field` names the bad or missing field, if one is."""
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class NoBlocksError(RematError):
+    """Raised when a strategy that checkpoints repeated blocks meets a model without any;
+    `strategy` is its name."""
+
+    def __init__(self, message: str, *, strategy: str):
+        super().__init__(message)
+        self.strategy = strategy
+
+
+class UnknownStrategyError(RematError):
+    """Raised for a strategy name that does not exist; `name` is it, `choices` the known names."""
+
+    def __init__(self, message: str, *, name: str, choices: Iterable[str]):
+        super().__init__(message)
+        self.name = name
+        self.choices = tuple(choices)
+
+
+class BudgetError(RematError):
+    """Raised when a budget or byte size cannot be parsed ("40 GB?", "12 parsecs")."""
+
+
+class UnknownProfileError(RematError):
+    """Raised for a device cost profile name that is not in `remat.cost.PROFILES`."""
+
+
+#: CLI exit status of a `RematError` that is not listed in `_EXIT_CODES`.
+_INPUT_ERROR_EXIT = 2
+_EXIT_CODES: dict[type[RematError], int] = {InfeasibleBudget: 3}
+
+
+def exit_code(error: BaseException) -> int:
+    """The CLI's exit status for `error`: 3 for `InfeasibleBudget`, 2 for any other `RematError`
+    (bad input or a model remat cannot analyse), 1 for anything else (a bug, an interrupt)."""
+    if not isinstance(error, RematError):
+        return 1
+    for cls in type(error).__mro__:
+        if cls in _EXIT_CODES:
+            return _EXIT_CODES[cls]
+    return _INPUT_ERROR_EXIT
 
 
 class RematWarning(UserWarning):

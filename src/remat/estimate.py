@@ -4,6 +4,10 @@ A storage allocated by op `a` is live from `a` until both the program has droppe
 (`Storage.released_after`) and every autograd node that saved it has run (`Node.released_after`).
 What exists before the step (parameters, buffers, inputs, optimizer state) is live throughout.
 The peak of the step is the largest live total over all ops, forward, backward and optimizer step.
+
+The step's liveness is `remat.schedule.simulate` with no checkpoint regions, the same judge that
+checks every plan; this module adds what is not a plan's business: the optimizer step after the
+backward, and the breakdown of saved bytes by module and by op type.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from remat.graph import Graph, Op
+from remat.graph import Graph
+from remat.schedule import simulate
 
 Optimizer = Literal["sgd", "adamw"] | None
 
@@ -64,60 +69,21 @@ class MemoryEstimate:
         )
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["by_module"] = [asdict(m) for m in self.by_module]
-        d["by_op"] = [asdict(o) for o in self.by_op]
-        d["timeline"] = [list(t) for t in self.timeline]
-        return d
+        """The fields as plain data (`by_module`, `by_op` and `timeline` as tuples of dicts and
+        pairs, which `json.dumps` writes as lists)."""
+        return asdict(self)
 
 
 def storage_deaths(graph: Graph) -> dict[int, int]:
-    """Op index after which each storage allocated during the step is freed (len(ops) = at the end)."""
-    end = len(graph.ops)
-    death: dict[int, int] = {}
-    for s in graph.storages.values():
-        if s.allocated_at is not None:
-            death[s.id] = end if s.released_after is None else s.released_after
-    for sv in graph.saved:
-        if sv.storage not in death:
-            continue
-        node = graph.nodes.get(sv.node) if sv.node is not None else None
-        held = end if node is None or node.released_after is None else node.released_after
-        death[sv.storage] = max(death[sv.storage], held)
-    return death
+    """Op index after which each storage allocated during the step is freed (len(ops) = at the end).
 
-
-#: Matmul kernels copy a broadcast (expanded) operand to dense memory inside the kernel.
-_DENSE_OPERAND_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-
-
-def kernel_workspace_bytes(graph: Graph, op: Op) -> int:
-    """Scratch a CPU kernel allocates and frees inside one op, which no traced tensor shows.
-
-    Measured on the CPU allocator (docs/memory-model.md): oneDNN's `convolution_backward` reorders
-    the input and its gradient into blocked layouts (2 x input bytes); `mm`-class kernels make a
-    dense copy of a broadcast operand (the expanded gradient of a `sum` loss, for one).
-    """
-    if op.short == "convolution_backward":
-        return 2 * graph.tensors[op.inputs[1]].nbytes
-    if op.short in _DENSE_OPERAND_OPS:
-        return sum(graph.tensors[t].nbytes for t in op.inputs if graph.tensors[t].expanded)
-    return 0
+    With no regions the simulation's positions are the op indices."""
+    return simulate(graph, (), base_bytes=0).deaths
 
 
 def live_bytes_timeline(graph: Graph, base_bytes: int = 0) -> list[int]:
     """Live bytes while each op runs: its inputs, its new outputs and its kernel's scratch."""
-    n = len(graph.ops)
-    delta = [0] * (n + 2)
-    for sid, death in storage_deaths(graph).items():
-        s = graph.storages[sid]
-        delta[s.allocated_at] += s.nbytes
-        delta[min(death, n) + 1] -= s.nbytes
-    live, out = base_bytes, []
-    for i, op in enumerate(graph.ops):
-        live += delta[i]
-        out.append(live + kernel_workspace_bytes(graph, op))
-    return out
+    return list(simulate(graph, (), base_bytes=base_bytes).timeline)
 
 
 def estimate(graph: Graph, optimizer: Optimizer = None) -> MemoryEstimate:
@@ -131,21 +97,18 @@ def estimate(graph: Graph, optimizer: Optimizer = None) -> MemoryEstimate:
     )
     state = OPTIMIZER_STATE_PER_PARAM_BYTE[optimizer] * trainable
     persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
-    timeline = live_bytes_timeline(graph, persistent + state)
-    peak_index = max(range(len(timeline)), key=timeline.__getitem__)
+    step = simulate(graph, (), base_bytes=persistent + state)
     peak, peak_op, peak_phase = (
-        timeline[peak_index],
-        graph.ops[peak_index].name,
-        graph.ops[peak_index].phase,
+        step.peak_bytes,
+        graph.ops[step.peak_position].name,
+        graph.ops[step.peak_position].phase,
     )
     if optimizer is not None:
         at_end = (
             persistent
             + state
             + sum(
-                graph.storages[sid].nbytes
-                for sid, d in storage_deaths(graph).items()
-                if d >= len(graph.ops)
+                graph.storages[sid].nbytes for sid, d in step.deaths.items() if d >= len(graph.ops)
             )
         )
         step_peak = at_end + OPTIMIZER_STEP_TEMP_PER_PARAM_BYTE[optimizer] * trainable
@@ -163,7 +126,7 @@ def estimate(graph: Graph, optimizer: Optimizer = None) -> MemoryEstimate:
         peak_phase=peak_phase,
         by_module=saved_bytes_by_module(graph),
         by_op=saved_bytes_by_op(graph),
-        timeline=tuple(enumerate(timeline)),
+        timeline=tuple(enumerate(step.timeline)),
     )
 
 

@@ -198,9 +198,6 @@ class Graph:
         at = self.storages[storage_id].allocated_at
         return None if at is None else self.ops[at]
 
-    def module_calls(self, path: str) -> list[ModuleCall]:
-        return [m for m in self.modules if m.path == path]
-
     @cached_property
     def stateful_calls(self) -> list[ModuleCall]:
         """The module calls that wrote tensors into state outside their outputs (`escaped`)."""

@@ -11,6 +11,9 @@ storages on a real device, with three instruments that do not depend on each oth
 * live bytes on CUDA: the caching allocator's own counters (`memory_allocated`,
   `max_memory_allocated`).
 
+`calibrate_profile` times real kernels the same way, to give the roofline cost model
+(`remat.cost`, which imports no torch) a `DeviceProfile` of the machine at hand.
+
 One training step is `out = model(*inputs, **kwargs)`, `loss = loss_fn(out)` (default: the sum of
 every floating tensor in `out`, each summed in its own dtype), `loss.backward()`, then
 `optimizer.step()` if there is an optimizer, then every gradient is set to None. The outputs and
@@ -26,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,7 +38,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from remat.errors import RematError
 from remat.quiet import quiet_fd
 
-__all__ = ["Measurement", "measure", "saved_tensor_bytes"]
+if TYPE_CHECKING:
+    from remat.cost import DeviceProfile
+
+__all__ = ["Measurement", "calibrate_profile", "measure", "saved_tensor_bytes"]
 
 _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
@@ -80,11 +86,6 @@ class Measurement:
     baseline_bytes: int
     step_seconds: tuple[float, ...]
     device: str
-
-    @property
-    def median_step_seconds(self) -> float:
-        """Median of `step_seconds`: robust to one slow step (a cold cache, a page fault)."""
-        return statistics.median(self.step_seconds)
 
 
 def measure(
@@ -199,6 +200,53 @@ def saved_tensor_bytes(
     with torch.enable_grad(), saved.hooks():
         _forward(model, inputs, kwargs, loss_fn)
     return saved.nbytes
+
+
+def calibrate_profile(device: str = "cpu") -> DeviceProfile:
+    """Measure `device` instead of trusting `remat.cost.PROFILES`: the median of a few runs of a
+    square matmul (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul`
+    (2 FLOPs an element) for the vector rate, and of a 64 MiB copy (bytes read + written) for the
+    bandwidth. Takes well under 3 s on a 2-core CPU."""
+    # Imported here, not at the top: the measurement of a training step shares no code with the
+    # graph side of remat, and only this function needs the profile type.
+    from remat.cost import DeviceProfile
+
+    dev = torch.device(device)
+    n, dtype = (4096, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    peak = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=c), dev, reps=5)
+
+    m = 1 << 16  # 3 x 256 KiB: stays in cache, so arithmetic rather than memory bounds it
+    x, y, z, w = (torch.rand(m, device=dev) for _ in range(4))
+    loops = 50
+
+    def pointwise() -> None:
+        for _ in range(loops):
+            torch.addcmul(x, y, z, out=w)
+
+    vector = 2 * m * loops / _median_seconds(pointwise, dev, reps=5)
+
+    src = torch.rand(1 << 24, device=dev)
+    dst = torch.empty_like(src)
+    moved = 2 * src.numel() * src.element_size()
+    bandwidth = moved / _median_seconds(lambda: dst.copy_(src), dev, reps=5)
+    return DeviceProfile(
+        f"{device} (calibrated)", peak_flops=peak, vector_flops=vector, bandwidth=bandwidth
+    )
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()  # warm-up: first-call dispatch, allocator, thread pool
+    _synchronize(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @dataclass

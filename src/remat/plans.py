@@ -5,14 +5,23 @@ it names regions by module path and ops by their stable names."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, get_args
 
 from remat.cost import PROFILES, op_seconds_all
-from remat.errors import RematError
+from remat.errors import BudgetError, PlanFormatError
 from remat.graph import Graph
 from remat.schedule import Region, simulate
-from remat.units import format_bytes, parse_bytes
+from remat.units import parse_bytes
+
+#: How sure a plan is: a rule applied as written (`fixed`), a solver's proven optimum for its model
+#: (`optimal`), or a solver's answer that fits but is not proven best (`feasible`: a time limit, a
+#: tightened target after the simulation disagreed with the solver's model).
+PlanStatus = Literal["fixed", "optimal", "feasible"]
+#: Where a plan runs: `remat.apply` on the eager step, or remat's partitioner inside torch.compile.
+PlanPath = Literal["eager", "compile"]
+#: Plan JSON's `format`; 1 is every plan written before the field existed.
+PLAN_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,12 @@ class SavedTensor:
 
 @dataclass(frozen=True)
 class Plan:
+    """A strategy's answer, in the manner of scipy's `OptimizeResult`: the decision (`regions`
+    for the eager path, `saved`/`recomputed` for both), what it predicts, how sure it is
+    (`status`), and why (`reason`). `profile` names the cost profile the seconds are on.
+    `details` holds solver-specific figures for reading (MILP gap, cut cost, traffic); nothing
+    in remat branches on them."""
+
     strategy: str
     budget_bytes: int | None
     regions: tuple[Region, ...]
@@ -32,8 +47,11 @@ class Plan:
     recompute_flops: int
     recompute_seconds: float
     forward_flops: int
-    device: str
+    profile: str
     reason: str
+    path: PlanPath = "eager"
+    appliable: bool = True  # `remat.apply` can run it (eager plans but store_none's)
+    status: PlanStatus = "fixed"
     saved: tuple[SavedTensor, ...] = ()
     recomputed: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
@@ -45,47 +63,86 @@ class Plan:
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["regions"] = [asdict(r) for r in self.regions]
-        d["saved"] = [asdict(s) for s in self.saved]
-        return d
+        return {"format": PLAN_FORMAT, **asdict(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        d = json.loads(text)
-        if "held_bytes" not in d:  # written before the two byte figures became one
-            d["held_bytes"] = d.pop("retained_bytes", 0)
-        d.pop("saved_bytes", None)
-        old = next((r for r in d["regions"] if r["keep"] and "keep_keys" not in r), None)
-        if old is not None:
-            raise RematError(
-                f"plan region {old['modules'][0]!r} names its kept ops by position (a plan written "
-                "by remat before 0.2, which real runs did not always honour): make the plan again"
+        """Read a plan `to_json` wrote (this format or format 1). `PlanFormatError` names the field
+        that is missing or of the wrong kind."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"not a plan: invalid JSON ({e})", field=None) from None
+        if not isinstance(d, dict):
+            raise PlanFormatError("not a plan: the JSON is not an object", field=None)
+        version = d.pop("format", 1)
+        if version not in (1, PLAN_FORMAT):
+            raise PlanFormatError(
+                f"plan format {version!r} is not one this remat reads ({PLAN_FORMAT} or 1): "
+                "upgrade remat or make the plan again",
+                field="format",
             )
-        d["regions"] = tuple(
-            Region(
-                modules=tuple(r["modules"]),
-                first_op=r["first_op"],
-                last_op=r["last_op"],
-                keep=tuple(r["keep"]),
-                keep_keys=tuple(tuple(k) for k in r.get("keep_keys", ())),
-                random=r.get("random", True),
+        if version == 1:  # written by remat 0.2 and before
+            if "held_bytes" not in d:
+                d["held_bytes"] = d.pop("retained_bytes", 0)
+            d.pop("saved_bytes", None)
+            d["profile"] = d.pop("device", "cpu")
+            extra = d.get("details") or {}
+            d.setdefault("path", extra.get("path", "eager"))
+            d.setdefault("appliable", extra.get("appliable", d["path"] == "eager"))
+            d.setdefault("status", "feasible")  # not recorded: it fitted, nothing more is known
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise PlanFormatError(
+                f"plan field {unknown[0]!r} is not a Plan field", field=unknown[0]
             )
-            for r in d["regions"]
-        )
-        d["saved"] = tuple(SavedTensor(**s) for s in d["saved"])
-        d["recomputed"] = tuple(d["recomputed"])
+        regions = _field(d, "regions", list)
+        for r in regions:
+            if r.get("keep") and "keep_keys" not in r:
+                raise PlanFormatError(
+                    f"plan region {r.get('modules', ['?'])[0]!r} names its kept ops by position (a "
+                    "plan written by remat before 0.2, which real runs did not always honour): "
+                    "make the plan again",
+                    field="regions",
+                )
+        try:
+            d["regions"] = tuple(
+                Region(
+                    modules=tuple(r["modules"]),
+                    first_op=int(r["first_op"]),
+                    last_op=int(r["last_op"]),
+                    keep=tuple(r["keep"]),
+                    keep_keys=tuple(tuple(k) for k in r.get("keep_keys", ())),
+                    random=bool(r.get("random", True)),
+                )
+                for r in regions
+            )
+            d["saved"] = tuple(SavedTensor(**s) for s in _field(d, "saved", list, []))
+        except (KeyError, TypeError, ValueError) as e:
+            which = "saved" if "regions" in d and isinstance(d["regions"], tuple) else "regions"
+            raise PlanFormatError(f"plan field {which!r}: {e}", field=which) from None
+        d["recomputed"] = tuple(_field(d, "recomputed", list, []))
+        d.setdefault("details", {})
+        for name, kind in _SCALARS.items():
+            _field(d, name, kind)
+        for name, allowed in (("status", PlanStatus), ("path", PlanPath)):
+            if d[name] not in get_args(allowed):
+                raise PlanFormatError(
+                    f"plan field {name!r} is {d[name]!r}, not one of {', '.join(get_args(allowed))}",
+                    field=name,
+                )
         return cls(**d)
 
     def explain(self, graph: Graph) -> list[dict[str, Any]]:
         """Every activation autograd saves in store-all, with what this plan does with it, what
         recomputing it costs on the plan's device profile, and why."""
-        profile = PROFILES.get(self.device, PROFILES["cpu"])
+        profile = PROFILES.get(self.profile, PROFILES["cpu"])
         op_seconds = op_seconds_all(graph, profile)
-        if self.details.get("path") == "compile":
+        if self.path == "compile":
             return self._explain_compiled(graph, op_seconds)
         kept = {s.name for s in self.saved}
         recomputed = set(self.recomputed)
@@ -152,6 +209,39 @@ class Plan:
         return rows
 
 
+_SCALARS: dict[str, type | tuple[type, ...]] = {
+    "strategy": str,
+    "budget_bytes": (int, type(None)),
+    "predicted_peak_bytes": int,
+    "held_bytes": int,
+    "recompute_flops": int,
+    "recompute_seconds": (float, int),
+    "forward_flops": int,
+    "profile": str,
+    "reason": str,
+    "path": str,
+    "appliable": bool,
+    "status": str,
+    "details": dict,
+}
+_MISSING = object()
+
+
+def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = _MISSING):
+    """`d[name]`, checked to be of `kind`; `PlanFormatError` naming the field otherwise."""
+    if name not in d:
+        if default is _MISSING:
+            raise PlanFormatError(f"plan field {name!r} is missing", field=name)
+        d[name] = default
+    if not isinstance(d[name], kind):
+        raise PlanFormatError(
+            f"plan field {name!r} is {type(d[name]).__name__} {d[name]!r:.40}, not "
+            f"{getattr(kind, '__name__', None) or ' or '.join(k.__name__ for k in kind)}",
+            field=name,
+        )
+    return d[name]
+
+
 def resolve_budget(budget: int | str, fixed_bytes: int, store_all_peak: int) -> int:
     """Bytes from `40GiB`, `123` or `50%`; a share means the fixed memory (parameters, gradients,
     optimizer state, inputs) plus that share of the rest of store-all's peak."""
@@ -159,9 +249,9 @@ def resolve_budget(budget: int | str, fixed_bytes: int, store_all_peak: int) -> 
         try:
             share = float(budget.strip()[:-1]) / 100
         except ValueError:
-            raise ValueError(f"budget {budget!r}: write a share as e.g. 50%") from None
+            raise BudgetError(f"budget {budget!r}: write a share as e.g. 50%") from None
         if not 0 <= share <= 10:
-            raise ValueError(f"budget {budget!r}: a share must be between 0% and 1000%")
+            raise BudgetError(f"budget {budget!r}: a share must be between 0% and 1000%")
         return fixed_bytes + int(share * (store_all_peak - fixed_bytes))
     return parse_bytes(budget)
 
@@ -174,8 +264,10 @@ def build_plan(
     budget_bytes: int | None,
     op_seconds: list[float],
     base_bytes: int,
-    device: str,
+    profile: str,
     reason: str,
+    status: PlanStatus = "fixed",
+    appliable: bool = True,
     details: dict[str, Any] | None = None,
 ) -> Plan:
     """Simulate `regions` and describe the plan: what stays, what is recomputed, at what cost."""
@@ -203,18 +295,11 @@ def build_plan(
         recompute_flops=sum(graph.ops[i].flops for i in sim.recompute_ops),
         recompute_seconds=sum(op_seconds[i] for i in sim.recompute_ops),
         forward_flops=sum(op.flops for op in graph.forward_ops),
-        device=device,
+        profile=profile,
         reason=reason,
+        status=status,
+        appliable=appliable,
         saved=tuple(saved),
         recomputed=tuple(recomputed),
         details=details or {},
-    )
-
-
-def describe(plan: Plan) -> str:
-    budget = format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"
-    return (
-        f"{plan.strategy}: peak {format_bytes(plan.predicted_peak_bytes)} (budget {budget}), "
-        f"held {format_bytes(plan.held_bytes)}, recompute {plan.recompute_flops_share:.0%} of "
-        f"forward FLOPs, +{plan.recompute_seconds * 1e3:.2f} ms"
     )

@@ -8,6 +8,8 @@ from rich.table import Table
 
 from remat.estimate import MemoryEstimate
 from remat.graph import Graph
+from remat.planner import Comparison, Frontier
+from remat.plans import Plan
 from remat.units import format_bytes
 
 
@@ -100,7 +102,9 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
     return [totals, modules, ops]
 
 
-def plan_table(rows, chosen, step_seconds: float, budget_bytes: int) -> Table:
+def plan_table(
+    rows: list[Comparison], chosen: Plan | None, step_seconds: float, budget_bytes: int
+) -> Table:
     """Strategies side by side at one budget: predicted peak, kept bytes, extra FLOPs, time."""
     t = Table(title=f"Strategies at a budget of {format_bytes(budget_bytes)}", title_justify="left")
     for col, just in [
@@ -112,7 +116,8 @@ def plan_table(rows, chosen, step_seconds: float, budget_bytes: int) -> Table:
         ("", "left"),
     ]:
         t.add_column(col, justify=just)
-    for name, p, note in rows:
+    for row in rows:
+        name, p, note = row.strategy, row.plan, row.note
         if p is None:
             t.add_row(name, "-", "-", "-", "-", f"[dim]{note}[/dim]")
             continue
@@ -162,22 +167,54 @@ def bench_table(rows, title: str) -> Table:
     return t
 
 
-def plot_bench(rows, ctx, path: str) -> str:
-    """Measured (peak, step-time ratio) of each row over remat's predicted frontier."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from remat.planner import pareto
+    return plt
 
-    frontier = pareto(ctx)
-    step = sum(ctx.op_seconds)
+
+def plot_frontier(frontier: Frontier, path: str, title: str = "") -> str:
+    """A PNG of the predicted frontier (peak vs recompute time) with the fixed strategies marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gib = 2**30
+    xs = [p.predicted_peak_bytes / gib for p in frontier.points]
+    ys = [p.recompute_seconds * 1e3 for p in frontier.points]
+    ax.step(xs, ys, where="post", color="black", label="remat auto (frontier)")
+    ax.scatter(xs, ys, color="black", s=12)
+    for p in frontier.named:
+        ax.scatter(p.predicted_peak_bytes / gib, p.recompute_seconds * 1e3, s=40, marker="D")
+        ax.annotate(
+            p.strategy,
+            (p.predicted_peak_bytes / gib, p.recompute_seconds * 1e3),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("predicted peak of the step (GiB)")
+    profile = frontier.points[0].profile if frontier.points else ""
+    ax.set_ylabel(f"predicted recompute time (ms, {profile})")
+    ax.set_title(title or "memory / recompute frontier")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_bench(rows, frontier: Frontier, step_seconds: float, path: str) -> str:
+    """Measured (peak, step-time ratio) of each row over remat's predicted frontier (recompute
+    time as a share of the predicted `step_seconds`)."""
+    plt = _pyplot()
     mib = 2**20
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.step(
         [p.predicted_peak_bytes / mib for p in frontier.points],
-        [1 + p.recompute_seconds / step for p in frontier.points],
+        [1 + p.recompute_seconds / step_seconds for p in frontier.points],
         where="post",
         color="black",
         label="predicted frontier (remat auto)",

@@ -21,19 +21,27 @@ which is what `remat.apply` installs (torch/utils/checkpoint.py: `_checkpoint_ho
   holder is released: after the last region node that saved anything has run.
 
 The result is the live-bytes timeline of the whole step under the plan, so the peak a plan predicts
-and the one `remat.measure` sees are the same quantity.
+and the one `remat.measure` sees are the same quantity. With no regions it is the store-all step
+that `remat.estimate` reports: one judge of a step's memory, not two.
+
+`simulate` works in three steps:
+1. regions (`analyse_regions`): which forward ops each region's replay re-runs, before which
+   backward op, and what its frame holds until when (`RegionReplay`);
+2. the schedule (`build_schedule`): forward ops, then backward ops with each replay inserted
+   right before its trigger (`Schedule`);
+3. liveness (`storage_lives`, `live_bytes`): when each storage is born and dies on that schedule,
+   and the live bytes at each of its positions.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from remat.errors import StatefulModuleError
-from remat.estimate import kernel_workspace_bytes
-from remat.graph import Graph, Op
+from remat.graph import Graph, ModuleCall, Op, Saved, Storage
 
 #: `torch.utils.checkpoint` (preserve_rng_state=True) keeps a copy of the CPU generator's state per
 #: region call in its frame, until the frame dies: `torch.get_rng_state().numel()` bytes.
@@ -121,6 +129,24 @@ def make_region(
     )
 
 
+#: Matmul kernels copy a broadcast (expanded) operand to dense memory inside the kernel.
+_DENSE_OPERAND_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+def kernel_workspace_bytes(graph: Graph, op: Op) -> int:
+    """Scratch a CPU kernel allocates and frees inside one op, which no traced tensor shows.
+
+    Measured on the CPU allocator (docs/memory-model.md): oneDNN's `convolution_backward` reorders
+    the input and its gradient into blocked layouts (2 x input bytes); `mm`-class kernels make a
+    dense copy of a broadcast operand (the expanded gradient of a `sum` loss, for one).
+    """
+    if op.short == "convolution_backward":
+        return 2 * graph.tensors[op.inputs[1]].nbytes
+    if op.short in _DENSE_OPERAND_OPS:
+        return sum(graph.tensors[t].nbytes for t in op.inputs if graph.tensors[t].expanded)
+    return 0
+
+
 @dataclass(frozen=True)
 class Simulation:
     peak_bytes: int
@@ -135,167 +161,273 @@ class Simulation:
     deaths: dict[int, int]  # storage -> position after which its first life ends
 
 
-def simulate(
-    graph: Graph, regions: Sequence[Region] = (), base_bytes: int | None = None
-) -> Simulation:
-    """The live-bytes timeline of one step with `regions` checkpointed (none: store-all, which then
-    equals `estimate.live_bytes_timeline`). `base_bytes` defaults to the storages that exist before
-    the step; pass it to add optimizer state."""
+# -- 1. regions: what each one replays, when, and what its frame holds ----------------------------
+@dataclass(frozen=True)
+class RegionReplay:
+    """What checkpoint does with one region in backward. Times are op indices, `len(graph.ops)`
+    meaning the end of the step.
+
+    `holders`: each storage the region's nodes saved -> the op after which the last of those nodes
+    has run (the frame refills the holder in the replay and keeps the value until then).
+    `frame_until`: the op after which the frame dies with its last holder, and with it the region's
+    inputs (`frame_inputs`, storages) and `overhead_bytes` (RNG state, BatchNorm snapshot).
+    `trigger`: the backward op the replay runs just before (the first unpack of a holder); None
+    when no holder is ever unpacked. `stop_at`: the forward op the replay stops after (early stop;
+    None when the region saves nothing). `ops`: the forward ops the replay re-runs, in order: the
+    region's from its first up to `stop_at`, less the kept ones (empty when never triggered).
+    `first_pack`: the position in `graph.saved` of the region's first save, which orders replays
+    that share a trigger.
+    """
+
+    region: Region
+    holders: dict[int, int]
+    frame_until: int
+    frame_inputs: tuple[int, ...]
+    overhead_bytes: int
+    trigger: int | None
+    stop_at: int | None
+    ops: tuple[int, ...]
+    first_pack: int
+
+
+@dataclass(frozen=True)
+class RegionAnalysis:
+    """The regions of a step, analysed: `region_of_op` (index into `replays`, -1 outside every
+    region, one entry per op), the indices of the kept ops, one `RegionReplay` per region, and
+    `autograd_holds`: storage -> the op after which autograd lets go of a save made by a node
+    outside every region (when that node has run)."""
+
+    region_of_op: tuple[int, ...]
+    kept_ops: frozenset[int]
+    replays: tuple[RegionReplay, ...]
+    autograd_holds: dict[int, int]
+
+
+def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
+    """Which ops each region replays, before which backward op, and what its frame holds until
+    when (see the module docstring for the checkpoint semantics). Raises if regions overlap."""
     ops = graph.ops
-    n = len(ops)
-    end = n
-    if base_bytes is None:
-        base_bytes = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
-    region_of_op = [-1] * n
+    end = len(ops)
+    region_of_op = [-1] * end
     for r, reg in enumerate(regions):
         for i in range(reg.first_op, reg.last_op + 1):
             if region_of_op[i] != -1:
                 raise ValueError(f"regions overlap at op {ops[i].name}")
             region_of_op[i] = r
-    keep = {graph.op_by_name[name].index for reg in regions for name in reg.keep}
+    kept_ops = frozenset(graph.op_by_name[name].index for reg in regions for name in reg.keep)
 
-    def node_release(node_id: int | None) -> int:
+    def release(node_id: int | None) -> int:
         node = graph.nodes.get(node_id) if node_id is not None else None
         return end if node is None or node.released_after is None else node.released_after
 
-    def node_region(node_id: int | None) -> int:
+    def region_of_node(node_id: int | None) -> int:
         node = graph.nodes.get(node_id) if node_id is not None else None
-        if node is None or node.forward_op is None or node.forward_op >= n:
+        if node is None or node.forward_op is None or node.forward_op >= end:
             return -1
         return region_of_op[node.forward_op]
 
     # Saves made by nodes outside every region are held by autograd until their node has run.
     # Inside a region, checkpoint's pack hook swaps every save for a holder: the frame refills the
     # holders in backward, by replaying the region, and hands each value over at its node.
-    held_until: dict[int, int] = {}
-    region_saves: dict[int, list] = defaultdict(list)  # region -> its saves, in pack order
-    for sv in graph.saved:
-        s = graph.storages[sv.storage]
-        r = node_region(sv.node)
+    autograd_holds: dict[int, int] = {}
+    region_saves: dict[int, list[tuple[int, Saved]]] = defaultdict(list)  # in pack order
+    for pack, sv in enumerate(graph.saved):
+        r = region_of_node(sv.node)
         if r != -1:
-            region_saves[r].append(sv)
-        elif s.allocated_at is not None:
-            held_until[s.id] = max(held_until.get(s.id, -1), node_release(sv.node))
+            region_saves[r].append((pack, sv))
+        elif graph.storages[sv.storage].allocated_at is not None:
+            autograd_holds[sv.storage] = max(autograd_holds.get(sv.storage, -1), release(sv.node))
 
-    # Replay: at the first unpack of any of the region's holders, i.e. before the first backward
-    # op of a region node that saved something, from the region's first op up to the last pack
-    # (early stop), which comes after its op's kernel when it saves an output, before otherwise.
-    trigger: dict[int, int] = {}
-    stop_at: dict[int, int] = {}
-    frame_until: dict[int, int] = {}
-    # region -> storage -> the last release among the region's nodes that saved it
-    holder_release: dict[int, dict[int, int]] = defaultdict(dict)
     first_backward_op: dict[int, int] = {}
     for op in graph.backward_ops:
         if op.node is not None:
             first_backward_op.setdefault(op.node, op.index)
-    for r, saves in region_saves.items():
-        frame_until[r] = max(node_release(sv.node) for sv in saves)
-        for sv in saves:
-            release = node_release(sv.node)
-            held = holder_release[r]
-            held[sv.storage] = max(held.get(sv.storage, -1), release)
-            # A node that ran without issuing an op unpacked right after the op before its end.
-            start = first_backward_op.get(sv.node, release + 1)
-            if start < end:
-                trigger[r] = min(trigger.get(r, end), start)
-        last = saves[-1]
-        last_op = ops[graph.nodes[last.node].forward_op]
-        stop_at[r] = last_op.index if last.tensor in last_op.outputs else last_op.index - 1
-    for r in range(len(regions)):
-        frame_until.setdefault(r, end)
-    replays: dict[int, list[int]] = {}  # region -> its replayed forward ops, in order
-    replay_before: dict[int, int] = {}  # backward op index -> the region replayed before it
-    recompute_ops: list[int] = []
-    for r, at in sorted(trigger.items(), key=lambda item: item[1]):
-        reg = regions[r]
-        replays[r] = [i for i in range(reg.first_op, stop_at[r] + 1) if i not in keep]
-        replay_before[at] = r
-        recompute_ops.extend(replays[r])
-
-    # Positions: forward ops, then backward ops with replays inserted before their trigger.
-    schedule: list[tuple[str, int]] = []
-    position_of_op = [0] * n
-    replay_position: dict[int, int] = {}
-    for op in ops:
-        for i in replays[replay_before[op.index]] if op.index in replay_before else ():
-            replay_position[i] = len(schedule)
-            schedule.append(("replay", i))
-        position_of_op[op.index] = len(schedule)
-        schedule.append(("op", op.index))
-    total = len(schedule)
-
-    def position_after(op_index: int) -> int:
-        return total if op_index >= end else position_of_op[op_index]
-
-    delta = [0] * (total + 2)
-
-    def live(start: int, stop: int, nbytes: int) -> None:
-        delta[start] += nbytes
-        delta[min(stop, total) + 1] -= nbytes
-
-    # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
     calls = {(m.path, m.first_op): m for m in graph.modules}
+    replays = []
     for r, reg in enumerate(regions):
-        call = calls.get((reg.modules[0], reg.first_op))
-        for t in call.inputs if call is not None else ():
-            sid = graph.tensors[t].storage
-            if graph.storages[sid].allocated_at is not None:
-                held_until[sid] = max(held_until.get(sid, -1), frame_until[r])
+        saves = [sv for _, sv in region_saves.get(r, ())]
+        holders: dict[int, int] = {}
+        trigger = None
+        for sv in saves:
+            holders[sv.storage] = max(holders.get(sv.storage, -1), release(sv.node))
+            # A node that ran without issuing an op unpacked right after the op before its end.
+            start = first_backward_op.get(sv.node, release(sv.node) + 1)
+            if start < end:
+                trigger = start if trigger is None else min(trigger, start)
+        stop_at = _early_stop(graph, saves[-1]) if saves else None
+        replayed = () if trigger is None else range(reg.first_op, stop_at + 1)
+        replays.append(
+            RegionReplay(
+                region=reg,
+                holders=holders,
+                frame_until=max((release(sv.node) for sv in saves), default=end),
+                frame_inputs=_frame_inputs(graph, calls.get((reg.modules[0], reg.first_op))),
+                overhead_bytes=(
+                    CPU_RNG_STATE_BYTES * reg.random + batchnorm_snapshot_bytes(graph, reg)
+                ),
+                trigger=trigger,
+                stop_at=stop_at,
+                ops=tuple(i for i in replayed if i not in kept_ops),
+                first_pack=region_saves[r][0][0] if saves else len(graph.saved),
+            )
+        )
+    return RegionAnalysis(tuple(region_of_op), kept_ops, tuple(replays), autograd_holds)
+
+
+def _early_stop(graph: Graph, last_save: Saved) -> int:
+    """The forward op a replay stops after: the one whose node made the region's last save,
+    after its kernel when the save is one of its outputs, before it when it is an input."""
+    op = graph.ops[graph.nodes[last_save.node].forward_op]
+    return op.index if last_save.tensor in op.outputs else op.index - 1
+
+
+def _frame_inputs(graph: Graph, call: ModuleCall | None) -> tuple[int, ...]:
+    """The storages allocated during the step that a region's frame holds as its inputs."""
+    storages = (graph.tensors[t].storage for t in call.inputs) if call is not None else ()
+    return tuple(sid for sid in storages if graph.storages[sid].allocated_at is not None)
+
+
+# -- 2. the schedule: forward ops, then backward ops with the replays inserted --------------------
+@dataclass(frozen=True)
+class Schedule:
+    """The positions of a step: `order` holds ("op", i) or ("replay", i) per position;
+    `position_of_op[i]` is op i's position, `replay_position[i]` forward op i's re-run's."""
+
+    order: tuple[tuple[str, int], ...]
+    position_of_op: tuple[int, ...]
+    replay_position: dict[int, int]
+
+    def after(self, op_index: int) -> int:
+        """The position of op `op_index`; for the end of the step (`len(graph.ops)`), past the last."""
+        if op_index >= len(self.position_of_op):
+            return len(self.order)
+        return self.position_of_op[op_index]
+
+
+def replay_order(analysis: RegionAnalysis) -> list[RegionReplay]:
+    """The regions that replay, in the order they do: by trigger, then by pack order."""
+    triggered = (rep for rep in analysis.replays if rep.trigger is not None)
+    return sorted(triggered, key=lambda rep: (rep.trigger, rep.first_pack))
+
+
+def build_schedule(graph: Graph, analysis: RegionAnalysis) -> Schedule:
+    """Forward ops, then backward ops, each region's replay inserted right before its trigger.
+
+    Two regions sharing a trigger (not seen on any model we trace) are not modelled: only the
+    last in `replay_order` is inserted, though both count in `Simulation.recompute_ops`."""
+    replay_before = {rep.trigger: rep.ops for rep in replay_order(analysis)}
+    order: list[tuple[str, int]] = []
+    position_of_op = []
+    replay_position: dict[int, int] = {}
+    for op in graph.ops:
+        for i in replay_before.get(op.index, ()):
+            replay_position[i] = len(order)
+            order.append(("replay", i))
+        position_of_op.append(len(order))
+        order.append(("op", op.index))
+    return Schedule(tuple(order), tuple(position_of_op), replay_position)
+
+
+# -- 3. liveness: when each storage is born and dies, and the live bytes at each position ---------
+#: A span of memory on a schedule: (first position, last position, bytes), both ends inclusive.
+Life = tuple[int, int, int]
+
+
+def storage_lives(
+    graph: Graph, analysis: RegionAnalysis, schedule: Schedule
+) -> tuple[dict[int, int], list[Life]]:
+    """Each storage allocated during the step -> the position after which its first life ends,
+    and every life on `schedule`: each storage's first life (from its op until both the program
+    and its holders let go), a second life for a storage a replay makes again, and each region's
+    frame overhead (RNG state, BatchNorm snapshot) from its region's first op until it dies."""
+    end = len(graph.ops)
+    held_until = dict(analysis.autograd_holds)
+    # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
+    for rep in analysis.replays:
+        for sid in rep.frame_inputs:
+            held_until[sid] = max(held_until.get(sid, -1), rep.frame_until)
 
     deaths: dict[int, int] = {}
+    lives: list[Life] = []
     for s in graph.storages.values():
         if s.allocated_at is None:
             continue
         program = end if s.released_after is None else s.released_after
         death = max(program, held_until.get(s.id, -1))
-        r = region_of_op[s.allocated_at]
-        replayed = s.allocated_at in replay_position
-        if s.allocated_at in keep:
+        region = analysis.region_of_op[s.allocated_at]
+        if s.allocated_at in analysis.kept_ops:
+            rep = analysis.replays[region]
             # The policy's cache holds a kept op's outputs until the replay reaches the op; from
             # there the holders of the region's nodes that saved it do, until those nodes ran.
-            reached = r in trigger and s.allocated_at <= stop_at[r]
-            death = max(death, trigger[r] if reached else frame_until[r])
+            reached = rep.trigger is not None and s.allocated_at <= rep.stop_at
+            death = max(death, rep.trigger if reached else rep.frame_until)
             if reached:
-                death = max(death, holder_release[r].get(s.id, -1))
-        deaths[s.id] = position_after(death)
-        live(position_of_op[s.allocated_at], deaths[s.id], s.nbytes)
-        if replayed:
-            # A replayed tensor that a region node saved stays in the frame until that node has
-            # unpacked it and run; the others die in the replay when the program dropped them,
-            # or when the replay stops.
-            replay = replays[r]
-            if s.id in holder_release[r]:
-                stop = position_after(holder_release[r][s.id])
-            else:  # the last replayed op up to the program's release, or the replay's last op
-                stop = replay_position[replay[bisect_right(replay, program) - 1]]
-            live(
-                replay_position[s.allocated_at],
-                max(stop, replay_position[s.allocated_at]),
-                s.nbytes,
-            )
-    overhead = [
-        CPU_RNG_STATE_BYTES * reg.random + batchnorm_snapshot_bytes(graph, reg) for reg in regions
-    ]
-    for r, reg in enumerate(regions):
-        live(position_of_op[reg.first_op], position_after(frame_until[r]), overhead[r])
-    end_of_forward = position_of_op[len(graph.forward_ops) - 1]
-    held_bytes = sum(overhead) + sum(
+                death = max(death, rep.holders.get(s.id, -1))
+        deaths[s.id] = schedule.after(death)
+        lives.append((schedule.position_of_op[s.allocated_at], deaths[s.id], s.nbytes))
+        if s.allocated_at in schedule.replay_position:
+            lives.append(_replayed_life(s, program, analysis.replays[region], schedule))
+    for rep in analysis.replays:
+        first = schedule.position_of_op[rep.region.first_op]
+        lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))
+    return deaths, lives
+
+
+def _replayed_life(s: Storage, program: int, rep: RegionReplay, schedule: Schedule) -> Life:
+    """The second life of a storage the replay makes again. A value a region node saved stays in
+    the frame until that node has unpacked it and run; the others die in the replay when the
+    program dropped them (the last replayed op up to `program`), or when the replay stops."""
+    born = schedule.replay_position[s.allocated_at]
+    if s.id in rep.holders:
+        stop = schedule.after(rep.holders[s.id])
+    else:
+        stop = schedule.replay_position[rep.ops[bisect_right(rep.ops, program) - 1]]
+    return (born, max(stop, born), s.nbytes)
+
+
+def live_bytes(
+    graph: Graph, order: Sequence[tuple[str, int]], lives: Iterable[Life], base_bytes: int
+) -> list[int]:
+    """Live bytes while each position of `order` runs: `base_bytes`, every life that spans the
+    position, and the scratch of the op's kernel (`kernel_workspace_bytes`)."""
+    total = len(order)
+    delta = [0] * (total + 2)
+    for first, last, nbytes in lives:
+        delta[first] += nbytes
+        delta[min(last, total) + 1] -= nbytes
+    timeline, current = [], base_bytes
+    for position, (_, i) in enumerate(order):
+        current += delta[position]
+        timeline.append(current + kernel_workspace_bytes(graph, graph.ops[i]))
+    return timeline
+
+
+# -- the judge ------------------------------------------------------------------------------------
+def simulate(
+    graph: Graph, regions: Sequence[Region] = (), base_bytes: int | None = None
+) -> Simulation:
+    """The live-bytes timeline of one step with `regions` checkpointed (none: store-all, which is
+    what `remat.estimate` reports). `base_bytes` defaults to the storages that exist before the
+    step; pass it to add optimizer state."""
+    if base_bytes is None:
+        base_bytes = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    analysis = analyse_regions(graph, regions)
+    schedule = build_schedule(graph, analysis)
+    deaths, lives = storage_lives(graph, analysis, schedule)
+    timeline = live_bytes(graph, schedule.order, lives, base_bytes)
+    end_of_forward = schedule.position_of_op[len(graph.forward_ops) - 1]
+    held_bytes = sum(rep.overhead_bytes for rep in analysis.replays) + sum(
         graph.storages[sid].nbytes
         for sid, death in deaths.items()
         if death > end_of_forward and graph.ops[graph.storages[sid].allocated_at].phase == "forward"
     )
-    timeline, current = [], base_bytes
-    for pos, (_, i) in enumerate(schedule):
-        current += delta[pos]
-        timeline.append(current + kernel_workspace_bytes(graph, ops[i]))
-    peak_position = max(range(total), key=timeline.__getitem__)
+    peak_position = max(range(len(timeline)), key=timeline.__getitem__)
     return Simulation(
         peak_bytes=timeline[peak_position],
         peak_position=peak_position,
         held_bytes=held_bytes,
-        recompute_ops=tuple(recompute_ops),
+        recompute_ops=tuple(i for rep in replay_order(analysis) for i in rep.ops),
         timeline=tuple(timeline),
-        schedule=tuple(schedule),
+        schedule=schedule.order,
         deaths=deaths,
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from remat.errors import BudgetError
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -20,12 +22,13 @@ _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNO
 
 
 def parse_bytes(text: str | int) -> int:
-    """`"40GiB"`, `"512 MB"`, `"1e9"` or an int -> bytes. Raises ValueError naming the input."""
+    """`"40GiB"`, `"512 MB"`, `"1e9"` or an int -> bytes. Raises `BudgetError` naming the input
+    and showing sizes that parse."""
     if isinstance(text, int):
         return text
     m = _BYTES.match(str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
+        raise BudgetError(
             f"cannot read {text!r} as a size: write e.g. 40GiB, 512MiB, 2.5GB or a number of bytes"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

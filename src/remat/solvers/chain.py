@@ -12,11 +12,16 @@ keeps every block's saved tensors until that block's backward) or CHECKPOINTED (
 `torch.utils.checkpoint` region: the forward keeps only the region's input; the backward re-runs
 the region's forward once, after which all its blocks' saved tensors are live until the region's
 backward ends). Regions are not nested. Backward runs the last segment first.
+
+The formula is a model of the step, not its judge: it sees each block as an input and its saved
+bytes, and the rest of the step as two transients. The planner (`remat.planner`, its fit loop)
+turns every schedule it takes from here into checkpoint regions and re-simulates the step with
+`remat.schedule.simulate`; that simulated peak decides whether the plan fits the budget, and when
+it does not, the planner shrinks the budget it gives this module by the overshoot and asks again.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -30,7 +35,6 @@ __all__ = [
     "ChainBlock",
     "ChainPlan",
     "ChainSchedule",
-    "brute_force",
     "chain_dp",
     "chain_peak_bytes",
     "chain_recompute_seconds",
@@ -128,7 +132,9 @@ class ChainPlan:
 
 
 def chain_peak_bytes(chain: Chain, schedule: ChainSchedule) -> int:
-    """The peak live bytes of one training step under `schedule`: the definition all solvers use.
+    """The peak live bytes of one training step under `schedule` in the chain model: the definition
+    all solvers here use. A model of eager checkpointing, which the planner's judge,
+    `remat.schedule.simulate`, checks on the real step's graph before a plan is accepted.
 
     With kept(seg) = the sum of its blocks' saved_bytes if stored, else its first block's
     input_bytes, and K(s) = the kept bytes of the segments before s, the peak is the largest of
@@ -490,55 +496,4 @@ def chain_dp(chain: Chain, budget_bytes: int) -> ChainPlan:
         "chain_dp",
         f"least recompute of any schedule of the {len(chain.blocks)} blocks within "
         f"{format_bytes(budget_bytes)} (exact DP over segment boundaries)",
-    )
-
-
-def brute_force(chain: Chain, budget_bytes: int) -> ChainPlan:
-    """`chain_dp` by exhaustion, the reference the tests hold it to (n <= 12 or so).
-
-    Same objective (least recompute, then lower peak) and same `InfeasibleBudget`. It considers
-    every cut into segments and every stored/checkpointed choice, with two shortcuts that change
-    no answer: adjacent stored segments are considered merged (splitting a stored run changes
-    neither its kept bytes nor any peak, a fact the tests check on `chain_peak_bytes` directly),
-    and, as recompute depends only on which blocks are checkpointed, those sets are visited in
-    order of recompute and the search stops past the first recompute with a schedule that fits.
-    When none fits, every peak has been computed and the smallest is reported.
-    """
-    n = len(chain.blocks)
-    by_recompute = sorted(
-        (
-            math.fsum(
-                b.forward_seconds for b, ckpt in zip(chain.blocks, mask, strict=True) if ckpt
-            ),
-            mask,
-        )
-        for mask in itertools.product((False, True), repeat=n)
-    )
-    best: tuple[float, int, ChainSchedule] | None = None
-    min_bytes = None
-    for seconds, mask in by_recompute:
-        if best is not None and seconds > best[0]:
-            break
-        # Per gap between blocks: a cut where the choice changes, none inside a stored run,
-        # either inside a checkpointed run.
-        options = [
-            (mask[gap - 1] != mask[gap],) if not (mask[gap - 1] and mask[gap]) else (False, True)
-            for gap in range(1, n)
-        ]
-        for cuts in itertools.product(*options):
-            bounds = [0, *(gap for gap, cut in enumerate(cuts, start=1) if cut), n]
-            schedule = ChainSchedule(
-                tuple((start, stop, mask[start]) for start, stop in itertools.pairwise(bounds))
-            )
-            peak = chain_peak_bytes(chain, schedule)
-            min_bytes = peak if min_bytes is None else min(min_bytes, peak)
-            if peak <= budget_bytes and (best is None or (seconds, peak) < best[:2]):
-                best = (seconds, peak, schedule)
-    if best is None:
-        raise _infeasible(chain, budget_bytes, min_bytes)
-    return _plan(
-        chain,
-        best[2],
-        "brute_force",
-        f"least recompute of all {2 * 3 ** (n - 1)} schedules, searched exhaustively",
     )

@@ -16,6 +16,12 @@ the kept bytes of the blocks before it (the blocks after it have been freed). So
     backward peak(b) = fixed + sum_{b' < b} kept(b') + backward(b)
     peak             = max(forward peak, max_b backward peak(b))
 
+This is a model of the step, not its judge (each block reduced to two byte counts per option, the
+rest of the step to `fixed` and `forward_extra`). The planner (`remat.planner`, its fit loop) turns
+every answer into checkpoint regions and re-simulates the step with `remat.schedule.simulate`;
+that simulated peak decides whether the plan fits, and when it does not, the planner shrinks the
+budget it gives this module by the overshoot and solves again.
+
 Formulation. Binary y[b, k] = block b takes option k, with sum_k y[b, k] = 1 per block. The
 cheapest plan minimises sum recompute_seconds * y subject to one row per peak expression: the
 forward row sum_{b, k} kept * y <= budget - fixed - forward_extra, and for every block b the row
@@ -82,15 +88,12 @@ __all__ = [
     "MilpResult",
     "block_peak_bytes",
     "block_recompute_seconds",
-    "brute_force",
     "milp",
     "min_peak",
 ]
 
 #: What the largest cost becomes (see the module docstring: HiGHS's absolute gap of 1e-6).
 _COST_SCALE = 1e6
-#: `brute_force` refuses more choices than this: it is a test oracle, not a solver.
-_MAX_ENUMERATED = 2**20
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,9 @@ def block_peak_bytes(problem: BlockProblem, choice: Sequence[int]) -> int:
 
     The one definition every solver here is checked against: the larger of the forward peak
     (fixed + all kept bytes + forward extra) and, for every block, its backward peak (fixed + the
-    kept bytes of the blocks before it + its backward bytes). Exact integer arithmetic.
+    kept bytes of the blocks before it + its backward bytes). Exact integer arithmetic over the
+    model; a model of the step nonetheless, which the planner's judge,
+    `remat.schedule.simulate`, checks on the real step's graph before a plan is accepted.
     """
     chosen = _chosen(problem, choice)
     kept_before = 0
@@ -441,51 +446,6 @@ def _lowest_peak_choice(model: _Model) -> tuple[int, ...]:
     run = _lowest_peak(model)
     assert run is not None, "without a time limit and with Q unbounded, HiGHS always has a plan"
     return run.choice
-
-
-def brute_force(problem: BlockProblem, budget_bytes: int) -> MilpResult:
-    """Every choice enumerated (a test oracle): least recompute within the budget, then lowest
-    peak. Refuses more than 2**20 choices. Raises `InfeasibleBudget` like `milp`.
-
-    Vectorised over all choices; recompute is summed in float64 to find the candidates within
-    1e-12 of the least, then re-added with `math.fsum` among them so ties are judged as `milp`
-    judges them.
-    """
-    counts = [len(block) for block in problem.options]
-    total = math.prod(counts)
-    if total > _MAX_ENUMERATED:
-        raise ValueError(f"{total} choices: brute_force enumerates at most {_MAX_ENUMERATED}")
-    choices = np.indices(counts).reshape(len(counts), -1).T
-    blocks = np.arange(len(counts))
-
-    def table(field: str, dtype: type) -> np.ndarray:
-        """`field` of the option each choice gives each block: one row per choice."""
-        values = np.zeros((len(counts), max(counts)), dtype=dtype)
-        for b, block in enumerate(problem.options):
-            values[b, : len(block)] = [getattr(option, field) for option in block]
-        return values[blocks, choices]
-
-    kept = table("kept_bytes", np.int64)
-    backward = table("backward_bytes", np.int64)
-    kept_before = np.cumsum(kept, axis=1) - kept
-    peaks = problem.fixed_bytes + np.maximum(
-        kept.sum(axis=1) + problem.forward_extra_bytes, (kept_before + backward).max(axis=1)
-    )
-    fits = np.flatnonzero(peaks <= budget_bytes)
-    if not fits.size:
-        lowest = int(peaks.min())
-        raise InfeasibleBudget(
-            f"no choice of options fits {budget_bytes} bytes: the smallest peak is {lowest} bytes",
-            budget_bytes=budget_bytes,
-            min_feasible_bytes=lowest,
-        )
-    seconds = table("recompute_seconds", np.float64).sum(axis=1)[fits]
-    near = fits[seconds <= seconds.min() * (1 + 1e-12)]
-    best = min(
-        (tuple(int(k) for k in choices[i]) for i in near),
-        key=lambda c: (block_recompute_seconds(problem, c), block_peak_bytes(problem, c)),
-    )
-    return _result(problem, best, "optimal", 0.0, f"enumerated all {total} choices")
 
 
 def _result(

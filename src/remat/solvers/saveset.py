@@ -21,6 +21,11 @@ first use, as AOTAutograd's partitioner orders them) over storages. Holding fewe
 always lower that peak, so `save_set_within` solves a fixed ladder of caps and takes the cheapest
 save set whose predicted peak fits.
 
+`joint_peak` is the compiled path's judge, as `remat.schedule.simulate` is the eager path's: it
+runs over the joint graph AOTAutograd partitions (a different graph from the eager trace that
+`simulate` replays checkpoint regions on; no regions, frames or replays here), and its peak is
+the one a compiled plan reports.
+
 Nothing here imports torch.
 """
 
@@ -66,7 +71,10 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     backward's (`graph.info["backward_outputs"]`: the gradients). Persistent storages (parameters,
     buffers, inputs) count throughout. Exact when the graphs run op by op (aot_eager); under
     inductor, fusion drops intermediates and its kernels allocate buffers of their own, so it is
-    an estimate there (within 2% where measured), not a bound."""
+    an estimate there (within 2% where measured), not a bound.
+
+    The compiled path's judge: every save set `save_set_within` returns is priced by it. It runs
+    over the joint graph, not the eager trace `remat.schedule.simulate` judges eager plans on."""
     values = problem.values
     tensors = graph.tensors
     storages = graph.storages

@@ -1,0 +1,36 @@
+"""Selective checkpointing: every block is a region that keeps the outputs a named policy picks
+(Megatron's attention-core recompute, save-matmuls, torchtitan's op list) and recomputes the rest.
+One strategy per policy in `remat.solvers.selective.POLICIES`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from remat.solvers.selective import POLICIES
+from remat.strategies import Strategy, register
+
+if TYPE_CHECKING:
+    from remat.planner import Planner
+    from remat.plans import Plan
+
+
+def _solver(option: str, reason: str) -> Callable[[Planner, int], Plan]:
+    def solve(planner: Planner, budget_bytes: int) -> Plan:
+        return planner.make_plan(planner.every_block(option), option, budget_bytes, reason)
+
+    return solve
+
+
+STRATEGIES = tuple(
+    register(
+        Strategy(
+            name=f"selective:{policy}",
+            summary=POLICIES[policy].__doc__.strip().splitlines()[0],
+            solve=_solver(f"selective:{policy}", POLICIES[policy].__doc__.strip().splitlines()[0]),
+            needs_blocks=True,
+            rank=50,
+        )
+    )
+    for policy in POLICIES
+)

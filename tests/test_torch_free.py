@@ -1,0 +1,157 @@
+"""The graph side of remat (IR, cost model, estimator, schedules, plans, solvers, strategies) imports
+no torch: a saved graph can be estimated and planned on a machine without it.
+
+`import remat` itself imports torch (the tracer and `apply` live in `remat/__init__.py`), so the
+child process registers a bare `remat` package, with `__path__` pointing at the source directory,
+before it imports any submodule: `remat/__init__.py` never runs there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+REMAT_DIR = Path(remat.__file__).parent
+
+CORE_MODULES = [
+    "remat.graph",
+    "remat.cost",
+    "remat.estimate",
+    "remat.schedule",
+    "remat.plans",
+    "remat.units",
+    "remat.errors",
+    "remat.solvers.chain",
+    "remat.solvers.milp",
+    "remat.solvers.mincut",
+    "remat.solvers.saveset",
+    "remat.solvers.selective",
+]
+
+# Runs in the child. Torch is made unimportable twice over: `sys.modules["torch"] = None` makes
+# `import torch` (and `import torch.x`) raise, and the finder refuses any `torch*` name that a
+# module might import after deleting that entry. Prints one JSON object on its last line.
+_PRELUDE = textwrap.dedent(
+    """
+    import importlib, importlib.abc, json, pkgutil, sys, traceback, types
+
+    class _NoTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "functorch", "torchvision", "torchaudio"):
+                raise ImportError(f"torch is not importable in this test ({name})")
+            return None
+
+    sys.meta_path.insert(0, _NoTorch())
+    sys.modules["torch"] = None
+
+    remat = types.ModuleType("remat")
+    remat.__path__ = [REMAT_DIR]
+    remat.__file__ = None
+    sys.modules["remat"] = remat
+
+    def try_import(name):
+        try:
+            importlib.import_module(name)
+            return None
+        except BaseException:
+            return traceback.format_exc()
+    """
+)
+
+
+def _run_torch_free(body: str, **values: object) -> dict:
+    """Run `body` after the prelude in a fresh interpreter without torch; `values` are bound as
+    globals (by repr). Returns the JSON object the child prints last."""
+    assigns = "".join(f"{k} = {v!r}\n" for k, v in {"REMAT_DIR": str(REMAT_DIR), **values}.items())
+    code = assigns + _PRELUDE + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _strategy_modules() -> list[str]:
+    """`remat.strategies` and every module in it, if the package exists."""
+    if not (REMAT_DIR / "strategies" / "__init__.py").exists():
+        return []
+    import pkgutil
+
+    names = sorted(m.name for m in pkgutil.iter_modules([str(REMAT_DIR / "strategies")]))
+    return ["remat.strategies", *(f"remat.strategies.{n}" for n in names)]
+
+
+def test_core_modules_import_without_torch():
+    modules = CORE_MODULES + _strategy_modules()
+    result = _run_torch_free(
+        """
+        failures = {name: try_import(name) for name in MODULES}
+        failures = {k: v for k, v in failures.items() if v is not None}
+        print(json.dumps({
+            "failures": failures,
+            "torch_loaded": sys.modules.get("torch") is not None,
+            "init_ran": hasattr(sys.modules["remat"], "trace"),
+        }))
+        """,
+        MODULES=modules,
+    )
+    assert not result["failures"], "\n\n".join(
+        f"{name} needs torch:\n{tb}" for name, tb in result["failures"].items()
+    )
+    assert not result["torch_loaded"]
+    assert not result["init_ran"]
+
+
+def test_strategies_package_is_checked_when_present():
+    """Guards the test above: if `remat/strategies/` exists, its modules are in the list."""
+    found = _strategy_modules()
+    if not (REMAT_DIR / "strategies").is_dir():
+        pytest.skip("remat.strategies does not exist yet")
+    assert "remat.strategies" in found
+    assert len(found) > 1
+
+
+def test_saved_graph_estimates_and_prices_the_same_without_torch(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)
+    )
+    graph = remat.trace(model, torch.randn(16, 32))
+    path = tmp_path / "graph.json"
+    path.write_text(graph.to_json())
+    est = remat.estimate(graph, "adamw")
+    from remat.cost import op_seconds_all
+
+    seconds = op_seconds_all(graph, "h100")
+
+    result = _run_torch_free(
+        """
+        from remat.cost import op_seconds_all
+        from remat.estimate import estimate
+        from remat.graph import Graph
+
+        with open(GRAPH_PATH) as f:
+            graph = Graph.from_json(f.read())
+        est = estimate(graph, "adamw")
+        print(json.dumps({
+            "ops": len(graph.ops),
+            "peak_bytes": est.peak_bytes,
+            "activation_bytes": est.activation_bytes,
+            "seconds": op_seconds_all(graph, "h100"),
+            "torch_loaded": sys.modules.get("torch") is not None,
+        }))
+        """,
+        GRAPH_PATH=str(path),
+    )
+    assert not result["torch_loaded"]
+    assert result["ops"] == len(graph.ops)
+    assert result["peak_bytes"] == est.peak_bytes > 0
+    assert result["activation_bytes"] == est.activation_bytes > 0
+    assert result["seconds"] == pytest.approx(seconds)
