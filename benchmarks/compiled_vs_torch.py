@@ -63,7 +63,7 @@ def main() -> None:
                 "held_bytes": held,
                 "torch_recompute_seconds": theirs.recompute_seconds,
                 "torch_peak_bytes": theirs.predicted_peak_bytes,
-                "remat_held_bytes": ours.held_bytes,
+                "remat_held_bytes": ours.held_activation_bytes,
                 "remat_recompute_seconds": ours.recompute_seconds,
                 "remat_peak_bytes": ours.peak_bytes,
             }
@@ -71,7 +71,7 @@ def main() -> None:
         print(
             f"torch@{budget:g}: holds {format_bytes(held)}, recompute "
             f"{theirs.recompute_seconds * 1e6:.1f} us, peak {format_bytes(theirs.predicted_peak_bytes)}"
-            f" | remat at <= that: holds {format_bytes(ours.held_bytes)}, recompute "
+            f" | remat at <= that: holds {format_bytes(ours.held_activation_bytes)}, recompute "
             f"{ours.recompute_seconds * 1e6:.1f} us, peak {format_bytes(ours.peak_bytes)}"
         )
     out = Path(__file__).parent / "results" / f"compiled-vs-torch-{args.model}.json"

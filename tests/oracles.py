@@ -51,7 +51,7 @@ def textbook_chain_dp(chain: Chain, budget_bytes: int) -> ChainSchedule | None:
             return (0.0, ()) if kept <= forward_room else None
         options = []
         for j in range(i + 1, n + 1):
-            saved = sum(block.saved_bytes for block in blocks[i:j])
+            saved = sum(block.kept_bytes for block in blocks[i:j])
             rerun = sum(block.forward_seconds for block in blocks[i:j])
             first_input = blocks[i].input_bytes
             # (checkpointed, bytes kept through the forward, bytes live in its backward, seconds)

@@ -27,12 +27,12 @@ def test_estimate_json_has_the_documented_fields(capsys):
         "peak_bytes",
         "param_bytes",
         "by_module",
-        "per_block_saved_bytes",
+        "per_block_activation_bytes",
     ):
         assert key in out
     assert out["param_bytes"] == 124_439_808 * 4
-    assert {"module", "saved_bytes"} <= set(out["by_module"][0])
-    blocks = [b["saved_bytes"] for b in out["per_block_saved_bytes"]]
+    assert {"module", "activation_bytes"} <= set(out["by_module"][0])
+    blocks = [b["activation_bytes"] for b in out["per_block_activation_bytes"]]
     assert len(blocks) == 12 and len(set(blocks[1:-1])) == 1
     assert out["peak_bytes"] > out["activation_bytes"] + out["param_bytes"]
 

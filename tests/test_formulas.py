@@ -7,12 +7,12 @@ import pytest
 
 import remat
 from remat import models
-from remat.report import block_saved_bytes
+from remat.report import block_activation_bytes
 
 
 def per_layer_bytes(name: str, **kw) -> int:
     graph = remat.trace(*_build(name, **kw))
-    blocks = block_saved_bytes(graph, remat.estimate(graph))
+    blocks = block_activation_bytes(graph, remat.estimate(graph))
     return blocks[1][1]  # a middle layer: saved bytes are charged to the op that made them, so the
     # first layer also holds the model input and the last one lacks its output (nothing saves it)
 

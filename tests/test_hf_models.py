@@ -46,7 +46,7 @@ def _check(model: nn.Module, plan: remat.Plan, inputs: dict, reference: dict) ->
 def test_auto_on_hugging_face_models_with_default_config(model_type):
     model, inputs = build_for_training(model_type, batch=2, seq=64)
     reference = gradients(model, (), loss_fn=_loss, **inputs)
-    store_all_saved = remat.measure(model, loss_fn=_loss, **inputs).saved_bytes
+    store_all_saved = remat.measure(model, loss_fn=_loss, **inputs).activation_bytes
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -69,7 +69,7 @@ def test_auto_on_hugging_face_models_with_default_config(model_type):
         remat.remove(model)
     assert plan.regions, "the lowest feasible budget needs recomputation"
     assert not [m for m in model.modules() if "forward" in vars(m)]
-    assert remat.measure(model, loss_fn=_loss, **inputs).saved_bytes == store_all_saved
+    assert remat.measure(model, loss_fn=_loss, **inputs).activation_bytes == store_all_saved
 
 
 def test_caching_is_turned_off_for_training_and_said_once():

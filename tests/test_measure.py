@@ -43,12 +43,12 @@ class LinearRelu(nn.Module):
         return self.lin(x).relu()
 
 
-def test_saved_bytes_count_linear_input_and_relu_output_exactly() -> None:
+def test_activation_bytes_count_linear_input_and_relu_output_exactly() -> None:
     x = torch.randn(32, 64)
     # Linear saves its input x (its weight is a parameter), ReLU saves its output.
     expected = 32 * 64 * F32 + 32 * 128 * F32
     assert saved_tensor_bytes(LinearRelu(), x) == expected
-    assert measure(LinearRelu(), x).saved_bytes == expected
+    assert measure(LinearRelu(), x).activation_bytes == expected
 
 
 class Aliasing(nn.Module):
@@ -79,7 +79,7 @@ class ScaledByBuffer(nn.Module):
         return (self.lin(x) * self.scale).relu()
 
 
-def test_parameters_and_buffers_are_not_saved_bytes() -> None:
+def test_parameters_and_buffers_are_not_activation_bytes() -> None:
     # With x requiring grad, mm saves the weight and mul saves the buffer; neither counts.
     x = torch.randn(32, 64, requires_grad=True)
     assert saved_tensor_bytes(ScaledByBuffer(), x) == 32 * 64 * F32 + 32 * 128 * F32
@@ -119,9 +119,9 @@ def test_mlp_baseline_saved_and_retained_match_shapes() -> None:
     m = measure(model, torch.randn(batch, 64))
     x, act, out, loss = batch * 64 * F32, batch * 128 * F32, batch * 16 * F32, F32
     assert m.baseline_bytes == param_bytes(model) + x
-    assert m.saved_bytes == x + 2 * act  # the input and both ReLU outputs
+    assert m.activation_bytes == x + 2 * act  # the input and both ReLU outputs
     assert m.held_bytes == 2 * act + out + loss  # the input existed before the step
-    assert m.held_bytes >= m.saved_bytes - x
+    assert m.held_bytes >= m.activation_bytes - x
 
 
 def test_mlp_peak_is_activations_plus_backward_transient() -> None:
@@ -261,8 +261,8 @@ def test_checkpoint_lowers_held_bytes() -> None:
     # snapshot of the CPU generator state, to replay dropout the same way when it recomputes.
     rng_state = torch.get_rng_state().nbytes
     assert ckpt.held_bytes == plain.held_bytes - 2 * act + rng_state
-    # Inner saves go through checkpoint's own hooks: saved_bytes does not see them at all.
-    assert ckpt.saved_bytes == plain.saved_bytes - 2 * act
+    # Inner saves go through checkpoint's own hooks: activation_bytes does not see them at all.
+    assert ckpt.activation_bytes == plain.activation_bytes - 2 * act
 
 
 def test_default_loss_reaches_every_floating_output() -> None:
@@ -333,6 +333,6 @@ def test_cuda_agrees_with_cpu_up_to_allocator_rounding() -> None:
     cpu = measure(mlp(), x)
     gpu = measure(mlp().cuda(), x.cuda())
     assert gpu.device.startswith("cuda:")
-    assert (gpu.saved_bytes, gpu.baseline_bytes) == (cpu.saved_bytes, cpu.baseline_bytes)
+    assert (gpu.activation_bytes, gpu.baseline_bytes) == (cpu.activation_bytes, cpu.baseline_bytes)
     # The caching allocator rounds each block up to 512 bytes: only the 4-byte loss grows here.
     assert gpu.held_bytes == cpu.held_bytes - F32 + 512

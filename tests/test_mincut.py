@@ -37,7 +37,7 @@ def test_article_example_saves_only_z(article_graph):
     assert result.cut_cost_bytes == 2 * B
     assert result.recomputed == ("cos_0",)  # cos_1 feeds only the loss: backward never needs it
     assert len(result.saved_storages) == 1
-    assert result.saved_bytes == B
+    assert result.held_bytes == B
     assert "8 KiB" in result.reason and "16 KiB" in result.reason
 
 
@@ -282,7 +282,7 @@ def test_traced_mlp_beats_autograd_and_keeps_dropout():
     assert cut_cost(graph, result.saved) == result.cut_cost_bytes
     random = {op.name for op in graph.forward_ops if "bernoulli" in op.short}
     assert random and not random & set(result.recomputed)
-    assert result.saved_bytes <= graph.activation_bytes
+    assert result.held_bytes <= graph.activation_bytes
     # the pure traffic model recomputes the matmuls too; banning that costs more traffic
     assert "3.addmm_0" in result.recomputed
     banned = mincut(graph, never_recompute=is_matmul)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,18 @@ def test_every_strategy_says_where_it_runs_and_is_listed_in_the_help():
         assert s.paths and s.summary and s.name in help_text
     compiled = {s.name for s in strategies.available("compile")}
     assert compiled == {"mincut", "milp", "auto"}  # the same names as eager, same ideas
+
+
+def test_the_strategies_page_describes_every_registered_strategy_and_its_paths():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "strategies.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `"): line.split("|")[2]
+        for line in page.splitlines()
+        if line.startswith("| `")
+    }
+    for s in strategies.available():
+        assert s.name in rows, f"docs/strategies.md has no row for {s.name}"
+        assert all(path in rows[s.name] for path in s.paths), (s.name, rows[s.name])
 
 
 def test_an_unknown_or_eager_only_strategy_is_refused_by_the_compiled_backend():

@@ -347,17 +347,17 @@ def _plan(
         )
     recompute_flops = sum(by_name[o].flops for o in chosen.recomputed)
     reason = (
-        f"{strategy}: saves {len(chosen.saved)} values ({format_bytes(chosen.saved_bytes)}, "
+        f"{strategy}: saves {len(chosen.saved)} values ({format_bytes(chosen.held_bytes)}, "
         f"{format_bytes(chosen.traffic_bytes)} of traffic) and recomputes "
         f"{len(chosen.recomputed)} forward ops in backward; store-all saves "
-        f"{format_bytes(store_all.saved_bytes)}"
+        f"{format_bytes(store_all.held_bytes)}"
     )
     return Plan(
         strategy=f"compile:{strategy}",
         budget_bytes=budget_bytes,
         regions=(),
         predicted_peak_bytes=chosen.peak_bytes,
-        held_bytes=chosen.saved_bytes,
+        held_bytes=chosen.held_bytes,
         recompute_flops=recompute_flops,
         recompute_seconds=chosen.recompute_seconds,
         forward_flops=sum(op.flops for op in graph.forward_ops),
@@ -369,10 +369,10 @@ def _plan(
         saved=tuple(saved),
         recomputed=chosen.recomputed,
         details={
-            "held_activation_bytes": chosen.held_bytes,  # held_bytes less the graph's inputs
+            "held_activation_bytes": chosen.held_activation_bytes,  # held_bytes less the graph's inputs
             "traffic_bytes": chosen.traffic_bytes,
             "store_all_peak_bytes": store_all.peak_bytes,
-            "store_all_saved_bytes": store_all.saved_bytes,
+            "store_all_held_bytes": store_all.held_bytes,
         },
     )
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from remat.errors import RematError
 from remat.graph import Graph
 from remat.schedule import simulate
 
@@ -32,13 +33,13 @@ OPTIMIZER_STEP_TEMP_PER_PARAM_BYTE = {None: 0, "sgd": 0, "adamw": 1}
 @dataclass(frozen=True)
 class ModuleBytes:
     module: str
-    saved_bytes: int
+    activation_bytes: int
 
 
 @dataclass(frozen=True)
 class OpBytes:
     op: str
-    saved_bytes: int
+    activation_bytes: int
     count: int
 
 
@@ -89,7 +90,7 @@ def live_bytes_timeline(graph: Graph, base_bytes: int = 0) -> list[int]:
 def estimate(graph: Graph, optimizer: Optimizer = None) -> MemoryEstimate:
     """Activation bytes and the peak of the whole step (store-all: no recomputation)."""
     if optimizer not in OPTIMIZER_STATE_PER_PARAM_BYTE:
-        raise ValueError(f"optimizer must be one of None, 'sgd', 'adamw', got {optimizer!r}")
+        raise RematError(f"optimizer must be one of None, 'sgd', 'adamw', got {optimizer!r}")
     trainable = (
         graph.bytes_of("param")
         if graph.info.get("trainable_param_bytes") is None
@@ -124,8 +125,8 @@ def estimate(graph: Graph, optimizer: Optimizer = None) -> MemoryEstimate:
         optimizer_state_bytes=state,
         peak_op=peak_op,
         peak_phase=peak_phase,
-        by_module=saved_bytes_by_module(graph),
-        by_op=saved_bytes_by_op(graph),
+        by_module=activation_bytes_by_module(graph),
+        by_op=activation_bytes_by_op(graph),
         timeline=tuple(enumerate(step.timeline)),
     )
 
@@ -143,7 +144,7 @@ def _saved_owner(graph: Graph, storage_id: int) -> str | None:
     return None
 
 
-def saved_bytes_by_module(graph: Graph) -> tuple[ModuleBytes, ...]:
+def activation_bytes_by_module(graph: Graph) -> tuple[ModuleBytes, ...]:
     """Saved bytes per module path, inclusive of submodules, in forward order."""
     totals: dict[str, int] = defaultdict(int)
     for sid in graph.saved_storages:
@@ -155,12 +156,12 @@ def saved_bytes_by_module(graph: Graph) -> tuple[ModuleBytes, ...]:
             totals[".".join(parts[:depth])] += graph.storages[sid].nbytes
     order = {m.path: i for i, m in reversed(list(enumerate(graph.modules)))}
     return tuple(
-        ModuleBytes(module=p, saved_bytes=b)
+        ModuleBytes(module=p, activation_bytes=b)
         for p, b in sorted(totals.items(), key=lambda kv: order.get(kv[0], len(order)))
     )
 
 
-def saved_bytes_by_op(graph: Graph) -> tuple[OpBytes, ...]:
+def activation_bytes_by_op(graph: Graph) -> tuple[OpBytes, ...]:
     """Saved bytes per op type (`mm`, `native_dropout`, ...), largest first."""
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for sid in graph.saved_storages:
@@ -169,6 +170,6 @@ def saved_bytes_by_op(graph: Graph) -> tuple[OpBytes, ...]:
         totals[key][0] += graph.storages[sid].nbytes
         totals[key][1] += 1
     return tuple(
-        OpBytes(op=k, saved_bytes=v[0], count=v[1])
+        OpBytes(op=k, activation_bytes=v[0], count=v[1])
         for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])
     )

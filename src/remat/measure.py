@@ -59,7 +59,7 @@ class Measurement:
     """What one real training step cost, in bytes of storage, and how long steps took.
 
     Attributes:
-        saved_bytes: bytes of the distinct storages that autograd saved for backward during the
+        activation_bytes: bytes of the distinct storages that autograd saved for backward during the
             forward and the loss, parameters and buffers excluded (inputs included). A storage
             counts once however many tensors, views or ops saved it; each storage is counted at
             its full `nbytes()`, even if only a view of it was saved. Saves made inside a
@@ -80,7 +80,7 @@ class Measurement:
         device: "cpu" or "cuda:<index> (<device name>)".
     """
 
-    saved_bytes: int
+    activation_bytes: int
     held_bytes: int
     peak_bytes: int
     baseline_bytes: int
@@ -170,7 +170,7 @@ def measure(
             retained, peak = _cpu_memory_step(step, saved)
         seconds = tuple(_timed_step(step, target) for _ in range(steps))
     return Measurement(
-        saved_bytes=saved.nbytes,
+        activation_bytes=saved.nbytes,
         held_bytes=retained,
         peak_bytes=baseline + peak,
         baseline_bytes=baseline,
@@ -187,7 +187,7 @@ def saved_tensor_bytes(
 ) -> int:
     """Bytes of the distinct storages autograd saves during one forward and loss.
 
-    The same count as `Measurement.saved_bytes` (parameters and buffers excluded, each storage
+    The same count as `Measurement.activation_bytes` (parameters and buffers excluded, each storage
     once), from a single forward and loss on the tensors as given: no backward, no warmup, no
     optimizer, and the model's gradients are untouched. The graph is dropped before returning.
 

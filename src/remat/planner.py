@@ -95,6 +95,7 @@ class Planner:
         self.base_bytes = persistent + self.estimate.optimizer_state_bytes
         self.blocks: list[ModuleCall] = graph.blocks
         self._frontiers: dict[int, Frontier] = {}
+        self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
 
     # -- the user's API ------------------------------------------------------------------------
     @property
@@ -155,7 +156,7 @@ class Planner:
             if s.lowest_peak is not None:
                 plans.append(s.lowest_peak(self))
             elif not s.budgeted:
-                plans.append(s.solve(self, 0))
+                plans.append(self.solve(s, 0))
         return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
 
     def pareto(self, steps: int = 16) -> Frontier:
@@ -189,7 +190,20 @@ class Planner:
         return self._frontiers[steps]
 
     def solve(self, strategy: Strategy, budget_bytes: int) -> Plan:
-        """`strategy`'s eager plan at `budget_bytes`, which may not fit (`plan` checks)."""
+        """`strategy`'s eager plan at `budget_bytes`, which may not fit (`plan` checks). Solved
+        once per strategy and budget: `compare` then `plan`, or `auto` inside `pareto`, reuse it."""
+        key = (strategy, budget_bytes)
+        if key not in self._solved:
+            try:
+                self._solved[key] = self._solve(strategy, budget_bytes)
+            except InfeasibleBudget as e:
+                self._solved[key] = e
+        found = self._solved[key]
+        if isinstance(found, InfeasibleBudget):
+            raise found
+        return found
+
+    def _solve(self, strategy: Strategy, budget_bytes: int) -> Plan:
         if strategy.solve is None:
             raise RematError(
                 f"strategy {strategy.name!r} decides only inside torch.compile: use remat.compile"
@@ -415,7 +429,7 @@ class Planner:
                 name=self.blocks[b].path,
                 forward_seconds=m["full"].seconds[b],
                 input_bytes=m["full"].kept[b - 1] if b else 0,
-                saved_bytes=m["store"].kept[b],
+                kept_bytes=m["store"].kept[b],
             )
             for b in range(n)
         )

@@ -102,7 +102,7 @@ class Plan:
             )
         regions = _field(d, "regions", list)
         for r in regions:
-            if r.get("keep") and "keep_keys" not in r:
+            if isinstance(r, dict) and r.get("keep") and "keep_keys" not in r:
                 raise PlanFormatError(
                     f"plan region {r.get('modules', ['?'])[0]!r} names its kept ops by position (a "
                     "plan written by remat before 0.2, which real runs did not always honour): "
@@ -121,10 +121,13 @@ class Plan:
                 )
                 for r in regions
             )
-            d["saved"] = tuple(SavedTensor(**s) for s in _field(d, "saved", list, []))
-        except (KeyError, TypeError, ValueError) as e:
-            which = "saved" if "regions" in d and isinstance(d["regions"], tuple) else "regions"
-            raise PlanFormatError(f"plan field {which!r}: {e}", field=which) from None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise PlanFormatError(f"plan field 'regions': {e!r}", field="regions") from None
+        saved = _field(d, "saved", list, [])
+        try:
+            d["saved"] = tuple(SavedTensor(**s) for s in saved)
+        except TypeError as e:
+            raise PlanFormatError(f"plan field 'saved': {e}", field="saved") from None
         d["recomputed"] = tuple(_field(d, "recomputed", list, []))
         d.setdefault("details", {})
         for name, kind in _SCALARS.items():

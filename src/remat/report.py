@@ -13,15 +13,15 @@ from remat.plans import Plan
 from remat.units import format_bytes
 
 
-def block_saved_bytes(graph: Graph, est: MemoryEstimate) -> list[tuple[str, int]]:
+def block_activation_bytes(graph: Graph, est: MemoryEstimate) -> list[tuple[str, int]]:
     """Saved bytes of each repeated block (transformer layer, ...), in forward order."""
-    by_module = {m.module: m.saved_bytes for m in est.by_module}
+    by_module = {m.module: m.activation_bytes for m in est.by_module}
     return [(b.path, by_module.get(b.path, 0)) for b in graph.blocks]
 
 
 def estimate_dict(graph: Graph, est: MemoryEstimate, **context: Any) -> dict[str, Any]:
     """The `remat estimate --json` object."""
-    blocks = block_saved_bytes(graph, est)
+    blocks = block_activation_bytes(graph, est)
     return {
         **context,
         "activation_bytes": est.activation_bytes,
@@ -35,12 +35,14 @@ def estimate_dict(graph: Graph, est: MemoryEstimate, **context: Any) -> dict[str
         "peak_phase": est.peak_phase,
         "param_count": graph.info.get("param_count"),
         "ops": {"forward": len(graph.forward_ops), "backward": len(graph.backward_ops)},
-        "per_block_saved_bytes": [{"module": p, "saved_bytes": b} for p, b in blocks],
+        "per_block_activation_bytes": [{"module": p, "activation_bytes": b} for p, b in blocks],
         "by_module": [
-            {"module": m.module or "<model>", "saved_bytes": m.saved_bytes} for m in est.by_module
+            {"module": m.module or "<model>", "activation_bytes": m.activation_bytes}
+            for m in est.by_module
         ],
         "by_op": [
-            {"op": o.op, "saved_bytes": o.saved_bytes, "tensors": o.count} for o in est.by_op
+            {"op": o.op, "activation_bytes": o.activation_bytes, "tensors": o.count}
+            for o in est.by_op
         ],
     }
 
@@ -51,7 +53,7 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
     totals.add_column("what", no_wrap=True)
     totals.add_column("bytes", justify="right", no_wrap=True)
     totals.add_column("", style="dim")
-    blocks = block_saved_bytes(graph, est)
+    blocks = block_activation_bytes(graph, est)
     rows = [
         ("activations (saved for backward)", est.activation_bytes, "at the end of the forward"),
         ("parameters", est.param_bytes, f"{graph.info.get('param_count', 0):,} params"),
@@ -77,7 +79,7 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
     modules.add_column("module")
     modules.add_column("saved", justify="right")
     modules.add_column("share", justify="right")
-    by_path = {m.module: m.saved_bytes for m in est.by_module}
+    by_path = {m.module: m.activation_bytes for m in est.by_module}
     first_block = graph.blocks[0].path if graph.blocks else None
     container = first_block.rpartition(".")[0] if first_block else None
     shown = [p for p in by_path if p and p.count(".") == 0 and by_path[p]]
@@ -98,7 +100,7 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
     ops.add_column("tensors", justify="right")
     ops.add_column("saved", justify="right")
     for o in est.by_op[:top]:
-        ops.add_row(o.op, str(o.count), format_bytes(o.saved_bytes))
+        ops.add_row(o.op, str(o.count), format_bytes(o.activation_bytes))
     return [totals, modules, ops]
 
 

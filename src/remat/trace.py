@@ -21,8 +21,8 @@ import contextlib
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,7 +41,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat import hfcompat
 from remat.caches import CachesOff
 from remat.errors import TraceError
-from remat.graph import Graph, ModuleCall, Node, Op, Saved, Storage, Tensor
+from remat.graph import (
+    Graph,
+    ModuleCall,
+    Node,
+    Op,
+    Phase,
+    Saved,
+    Storage,
+    StorageKind,
+    Tensor,
+)
 
 
 def _heads_as_query(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
@@ -78,6 +88,77 @@ def storage_key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
+_Frozen = TypeVar("_Frozen")
+
+
+def _freeze(record: Any, cls: type[_Frozen]) -> _Frozen:
+    """`cls` built from the fields of `record` it has: a record may also carry trace-only state."""
+    return cls(**{f.name: getattr(record, f.name) for f in fields(cls)})
+
+
+@dataclass(slots=True)
+class _OpRecord:
+    """An `Op` being traced: `node` is set once autograd attaches the op's grad_fn."""
+
+    index: int
+    name: str
+    target: str
+    module: str
+    phase: Phase
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    flops: int
+    node: int | None
+
+    def freeze(self) -> Op:
+        return _freeze(self, Op)
+
+
+@dataclass(slots=True)
+class _StorageRecord:
+    """A `Storage` being traced: `released_after` is set when the program drops it."""
+
+    id: int
+    nbytes: int
+    kind: StorageKind
+    allocated_at: int | None
+    released_after: int | None = None
+
+    def freeze(self) -> Storage:
+        return _freeze(self, Storage)
+
+
+@dataclass(slots=True)
+class _NodeRecord:
+    """A `Node` being traced, plus the parameter it accumulates the gradient of (AccumulateGrad)."""
+
+    id: int
+    name: str
+    forward_op: int | None
+    param: str | None
+    released_after: int | None = None
+
+    def freeze(self) -> Node:
+        return _freeze(self, Node)
+
+
+@dataclass(slots=True)
+class _CallRecord:
+    """A `ModuleCall` being traced: `open` until the module returns."""
+
+    path: str
+    type: str
+    first_op: int
+    last_op: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...] = ()
+    escaped: tuple[int, ...] = ()
+    open: bool = True
+
+    def freeze(self) -> ModuleCall:
+        return _freeze(self, ModuleCall)
+
+
 @dataclass
 class _SavedRecord:
     """What the pack hook keeps instead of the tensor: enough to rebuild it in backward."""
@@ -93,18 +174,21 @@ class _SavedRecord:
     payload: torch.UntypedStorage | None
     node: int | None = None
 
+    def freeze(self) -> Saved:
+        return _freeze(self, Saved)
+
 
 class _Tracer(TorchDispatchMode):
     def __init__(self, *, real: bool):
         super().__init__()
         self.real = real
         self.paused = False
-        self.phase = "forward"
+        self.phase: Phase = "forward"
         self.scopes: list[str] = [""]
-        self.ops: list[dict[str, Any]] = []
+        self.ops: list[_OpRecord] = []
         self.name_counts: dict[tuple[str, str], int] = defaultdict(int)
         # storages: id -> mutable record; address -> id; weak refs keep addresses unique
-        self.storages: dict[int, dict[str, Any]] = {}
+        self.storages: dict[int, _StorageRecord] = {}
         self.storage_by_cdata: dict[int, int] = {}
         self.weakrefs: dict[int, StorageWeakRef] = {}
         self.live: set[int] = set()
@@ -113,17 +197,19 @@ class _Tracer(TorchDispatchMode):
         self.tensor_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.ids = itertools.count()
         # autograd nodes
-        self.nodes: dict[int, dict[str, Any]] = {}
+        self.nodes: dict[int, _NodeRecord] = {}
         self.node_objs: list[Any] = []
         self.pending_grad_fn: list[tuple[int, torch.Tensor, Any]] = []
         self.current_node: int | None = None
         self.saved: dict[int, _SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
-        self.modules: list[dict[str, Any]] = []
+        self.modules: list[_CallRecord] = []
         self.param_names: dict[int, str] = {}
 
     # -- storages and tensors --------------------------------------------------------------------
-    def storage_id(self, t: torch.Tensor, kind: str, allocated_at: int | None = None) -> int:
+    def storage_id(
+        self, t: torch.Tensor, kind: StorageKind, allocated_at: int | None = None
+    ) -> int:
         """The storage of `t`, registered with `kind` if it has not been seen."""
         cdata = storage_key(t)
         sid = self.storage_by_cdata.get(cdata)
@@ -132,19 +218,13 @@ class _Tracer(TorchDispatchMode):
         sid = next(self.ids)
         self.storage_by_cdata[cdata] = sid
         self.weakrefs[sid] = StorageWeakRef(t.untyped_storage())
-        self.storages[sid] = {
-            "id": sid,
-            "nbytes": storage_nbytes(t),
-            "kind": kind,
-            "allocated_at": allocated_at,
-            "released_after": None,
-        }
+        self.storages[sid] = _StorageRecord(sid, storage_nbytes(t), kind, allocated_at)
         if allocated_at is not None:
             self.live.add(sid)
         return sid
 
     def tensor_id(
-        self, t: torch.Tensor, kind: str = "constant", producer: int | None = None
+        self, t: torch.Tensor, kind: StorageKind = "constant", producer: int | None = None
     ) -> int:
         """The id of tensor object `t`; a new tensor record when `producer` is given (an op's output,
         in-place results included) or when `t` was never seen (a pre-existing constant)."""
@@ -177,7 +257,7 @@ class _Tracer(TorchDispatchMode):
                 self.finish_node()
                 self.current_node = nid
         for sid in [s for s in self.live if self.weakrefs[s].expired()]:
-            self.storages[sid]["released_after"] = last
+            self.storages[sid].released_after = last
             self.live.discard(sid)
 
     def resolve_grad_fns(self) -> None:
@@ -189,8 +269,8 @@ class _Tracer(TorchDispatchMode):
         for index, t, before in self.pending_grad_fn:
             if t.grad_fn is None or t.grad_fn is before:
                 unresolved.append((index, t, before))
-            elif self.ops[index]["node"] is None:
-                self.ops[index]["node"] = self.node_id(t.grad_fn, forward_op=index)
+            elif self.ops[index].node is None:
+                self.ops[index].node = self.node_id(t.grad_fn, forward_op=index)
         self.pending_grad_fn = unresolved
 
     def node_id(self, node: Any, forward_op: int | None = None) -> int:
@@ -200,20 +280,19 @@ class _Tracer(TorchDispatchMode):
             meta["remat.node"] = nid
             self.node_objs.append(node)
             variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
-            self.nodes[nid] = {
-                "id": nid,
-                "name": node.name(),
-                "forward_op": forward_op,
-                "released_after": None,
-                "param": None if variable is None else self.param_names.get(id(variable)),
-            }
+            self.nodes[nid] = _NodeRecord(
+                id=nid,
+                name=node.name(),
+                forward_op=forward_op,
+                param=None if variable is None else self.param_names.get(id(variable)),
+            )
         return meta["remat.node"]
 
     def finish_node(self) -> None:
         """The current backward node is done: autograd releases what it saved."""
         if self.current_node is None:
             return
-        self.nodes[self.current_node]["released_after"] = len(self.ops) - 1
+        self.nodes[self.current_node].released_after = len(self.ops) - 1
         for handle in self.unpacked_by.pop(self.current_node, []):
             self.saved[handle].payload = None
 
@@ -223,13 +302,13 @@ class _Tracer(TorchDispatchMode):
             path = self.scopes[-1]
             return path, path
         node = self.nodes.get(self.current_node) if self.current_node is not None else None
-        if node is not None and node.get("param") is not None:
-            param = node["param"]
+        if node is not None and node.param is not None:
+            param = node.param
             return param.rpartition(".")[0], f"{param}:grad"
-        if node is None or node["forward_op"] is None:
+        if node is None or node.forward_op is None:
             return BACKWARD_SCOPE, BACKWARD_SCOPE
-        fwd = self.ops[node["forward_op"]]
-        return fwd["module"], fwd["name"] + ":bwd"
+        fwd = self.ops[node.forward_op]
+        return fwd.module, fwd.name + ":bwd"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -286,21 +365,21 @@ class _Tracer(TorchDispatchMode):
         flop_fn = flop_registry.get(func._overloadpacket)
         extra = _EXTRA_FLOPS.get(short)
         self.ops.append(
-            {
-                "index": index,
-                "name": f"{prefix}{sep}{short}_{count}",
-                "target": str(func),
-                "module": module,
-                "phase": self.phase,
-                "inputs": tuple(inputs),
-                "outputs": tuple(outputs),
-                "flops": int(flop_fn(*args, **kwargs, out_val=out))
+            _OpRecord(
+                index=index,
+                name=f"{prefix}{sep}{short}_{count}",
+                target=str(func),
+                module=module,
+                phase=self.phase,
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                flops=int(flop_fn(*args, **kwargs, out_val=out))
                 if flop_fn
                 else int(extra(*args, **kwargs))
                 if extra
                 else 0,
-                "node": self.current_node if self.phase == "backward" else None,
-            }
+                node=self.current_node if self.phase == "backward" else None,
+            )
         )
         if self.phase == "forward":
             self.pending_grad_fn = [(index, t, t.grad_fn) for t in outs]
@@ -313,7 +392,7 @@ class _Tracer(TorchDispatchMode):
             tid = self.tensor_id(t)
             sid = self.tensors[tid].storage
             handle = next(self.ids)
-            persistent = self.storages[sid]["kind"] not in ("activation", "grad")
+            persistent = self.storages[sid].kind not in ("activation", "grad")
             self.saved[handle] = _SavedRecord(
                 storage=sid,
                 tensor=tid,
@@ -377,15 +456,13 @@ class _Tracer(TorchDispatchMode):
             self.before_event()
             self.scopes.append(path)
             self.modules.append(
-                {
-                    "path": path,
-                    "type": type(module).__name__,
-                    "first_op": len(self.ops),
-                    "last_op": len(self.ops) - 1,
-                    "inputs": self._tensor_ids((args, kwargs)),
-                    "outputs": (),
-                    "open": True,
-                }
+                _CallRecord(
+                    path=path,
+                    type=type(module).__name__,
+                    first_op=len(self.ops),
+                    last_op=len(self.ops) - 1,
+                    inputs=self._tensor_ids((args, kwargs)),
+                )
             )
 
         return hook
@@ -393,10 +470,11 @@ class _Tracer(TorchDispatchMode):
     def _exit(self, path: str) -> Callable:
         def hook(module, args, kwargs, output):
             self.before_event()
-            call = next(m for m in reversed(self.modules) if m["path"] == path and m["open"])
-            outputs = self._tensor_ids(output)
-            call.update(last_op=len(self.ops) - 1, outputs=outputs, open=False)
-            call["escaped"] = self.escaped(call["first_op"], call["last_op"], outputs)
+            call = next(m for m in reversed(self.modules) if m.path == path and m.open)
+            call.outputs = self._tensor_ids(output)
+            call.last_op = len(self.ops) - 1
+            call.open = False
+            call.escaped = self.escaped(call.first_op, call.last_op, call.outputs)
             if self.scopes[-1] == path:
                 self.scopes.pop()
 
@@ -411,10 +489,9 @@ class _Tracer(TorchDispatchMode):
         return tuple(
             sorted(
                 {
-                    self.storages[sid]["allocated_at"]
+                    self.storages[sid].allocated_at
                     for sid in self.live
-                    if first_op <= self.storages[sid]["allocated_at"] <= last_op
-                    and sid not in reached
+                    if first_op <= self.storages[sid].allocated_at <= last_op and sid not in reached
                 }
             )
         )
@@ -422,19 +499,12 @@ class _Tracer(TorchDispatchMode):
     # -- result ----------------------------------------------------------------------------------
     def graph(self, info: dict[str, Any]) -> Graph:
         return Graph(
-            ops=[Op(**op) for op in self.ops],
+            ops=[op.freeze() for op in self.ops],
             tensors=self.tensors,
-            storages={sid: Storage(**s) for sid, s in self.storages.items()},
-            saved=[
-                Saved(storage=r.storage, tensor=r.tensor, node=r.node) for r in self.saved.values()
-            ],
-            nodes={
-                nid: Node(**{k: v for k, v in n.items() if k != "param"})
-                for nid, n in self.nodes.items()
-            },
-            modules=[
-                ModuleCall(**{k: v for k, v in m.items() if k != "open"}) for m in self.modules
-            ],
+            storages={sid: s.freeze() for sid, s in self.storages.items()},
+            saved=[r.freeze() for r in self.saved.values()],
+            nodes={nid: n.freeze() for nid, n in self.nodes.items()},
+            modules=[m.freeze() for m in self.modules],
             info=info,
         )
 
@@ -570,12 +640,12 @@ def trace(
         ]
         for leaf in grad_leaves:
             if leaf.grad is not None:
-                tracer.storages[tracer.storage_id(leaf.grad, "grad")]["kind"] = "grad"
+                tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
         info = {
             "trace_device": device,
             "param_count": sum(p.numel() for p in params.values()),
             "trainable_param_bytes": sum(
-                tracer.storages[tracer.tensors[tracer.tensor_ids[t]].storage]["nbytes"]
+                tracer.storages[tracer.tensors[tracer.tensor_ids[t]].storage].nbytes
                 for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
             ),
             "loss": "custom" if loss_fn is not None else "sum",

@@ -51,7 +51,7 @@ class ChainBlock:
     """One block of the chain, as the peak model sees it.
 
     `forward_seconds` is what checkpointing the block costs (one more forward); `input_bytes` is
-    what a checkpoint region starting at this block keeps through the forward; `saved_bytes` is
+    what a checkpoint region starting at this block keeps through the forward; `kept_bytes` is
     what autograd keeps for the block's backward when it runs outside a region (its input
     included if the block saves it).
     """
@@ -59,7 +59,7 @@ class ChainBlock:
     name: str
     forward_seconds: float
     input_bytes: int
-    saved_bytes: int
+    kept_bytes: int
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.forward_seconds) and self.forward_seconds >= 0):
@@ -67,10 +67,10 @@ class ChainBlock:
                 f"block {self.name!r}: forward_seconds must be finite and >= 0, "
                 f"got {self.forward_seconds!r}"
             )
-        if self.input_bytes < 0 or self.saved_bytes < 0:
+        if self.input_bytes < 0 or self.kept_bytes < 0:
             raise ValueError(
-                f"block {self.name!r}: input_bytes and saved_bytes must be >= 0, "
-                f"got {self.input_bytes} and {self.saved_bytes}"
+                f"block {self.name!r}: input_bytes and kept_bytes must be >= 0, "
+                f"got {self.input_bytes} and {self.kept_bytes}"
             )
 
 
@@ -136,11 +136,11 @@ def chain_peak_bytes(chain: Chain, schedule: ChainSchedule) -> int:
     all solvers here use. A model of eager checkpointing, which the planner's judge,
     `remat.schedule.simulate`, checks on the real step's graph before a plan is accepted.
 
-    With kept(seg) = the sum of its blocks' saved_bytes if stored, else its first block's
+    With kept(seg) = the sum of its blocks' kept_bytes if stored, else its first block's
     input_bytes, and K(s) = the kept bytes of the segments before s, the peak is the largest of
     - the end of the forward: fixed + sum of kept(seg) over all segments + forward transient;
     - a checkpointed segment's backward: fixed + K(s) + its input_bytes + the sum of its blocks'
-      saved_bytes (all re-materialised by the re-run) + backward transient;
+      kept_bytes (all re-materialised by the re-run) + backward transient;
     - a stored segment's backward: fixed + K(s) + kept(s) + backward transient.
     The segments after s have been freed by the time s's backward runs.
     """
@@ -153,7 +153,7 @@ def chain_peak_bytes(chain: Chain, schedule: ChainSchedule) -> int:
     kept_before = 0
     backward_peak = 0
     for start, stop, checkpointed in schedule.segments:
-        saved = sum([block.saved_bytes for block in blocks[start:stop]])
+        saved = sum([block.kept_bytes for block in blocks[start:stop]])
         if checkpointed:
             kept = blocks[start].input_bytes
             live = kept + saved
@@ -208,7 +208,7 @@ def store_none(chain: Chain) -> ChainPlan:
     Not a flat segment schedule (block 0's input would be re-read by every block's backward), so
     it is modelled here directly and `schedule` is None. Before block k's backward, blocks 0..k
     are re-run from the input, so the recompute is sum_k sum_{i<=k} forward_seconds[i], O(n^2).
-    The peak is fixed + blocks[0].input_bytes + max_k saved_bytes[k] + max(forward transient,
+    The peak is fixed + blocks[0].input_bytes + max_k kept_bytes[k] + max(forward transient,
     backward transient): besides the input only one block's saved tensors are live at a time
     (during a re-run, the activation passed between blocks is assumed no larger than what the
     receiving block saves), and the worse of the two transients is charged once.
@@ -220,7 +220,7 @@ def store_none(chain: Chain) -> ChainPlan:
         strategy="store_none",
         peak_bytes=chain.fixed_bytes
         + blocks[0].input_bytes
-        + max(block.saved_bytes for block in blocks)
+        + max(block.kept_bytes for block in blocks)
         + max(chain.forward_transient_bytes, chain.backward_transient_bytes),
         recompute_seconds=math.fsum(
             block.forward_seconds * (n - i) for i, block in enumerate(blocks)
@@ -348,7 +348,7 @@ def _cheapest_schedule(
     within the bound are generated, which is what makes a small bound cheap.
     """
     n = len(chain.blocks)
-    saved = np.array([block.saved_bytes for block in chain.blocks], dtype=np.int64)
+    saved = np.array([block.kept_bytes for block in chain.blocks], dtype=np.int64)
     inputs = np.array([block.input_bytes for block in chain.blocks], dtype=np.int64)
     saved_prefix = np.concatenate(([0], np.cumsum(saved)))
     backward_room = budget_bytes - chain.fixed_bytes - chain.backward_transient_bytes
@@ -427,7 +427,7 @@ def _recompute_guess(chain: Chain, keys: np.ndarray, budget_bytes: int) -> float
     (store-all's forward peak - budget) bytes of saved tensors; the cheapest way to drop that many
     bytes when blocks may be taken fractionally (best recompute per saved byte first) is the guess.
     """
-    saved = np.array([block.saved_bytes for block in chain.blocks], dtype=np.float64)
+    saved = np.array([block.kept_bytes for block in chain.blocks], dtype=np.float64)
     excess = saved.sum() + chain.fixed_bytes + chain.forward_transient_bytes - budget_bytes
     if excess <= 0:
         return keys.dtype.type(0)

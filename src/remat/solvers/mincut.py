@@ -63,14 +63,14 @@ class MinCutResult:
     a multi-output op, `input:<storage id>`), in forward order. `saved_storages`: their distinct
     storages, parameters and inputs included. `recomputed`: the forward ops backward re-runs, in
     forward order. `cut_cost_bytes`: exact traffic of the save set (2 B per intermediate, 1 B per
-    input). `saved_bytes`: bytes of the saved storages that are not parameters or buffers, i.e. what
+    input). `held_bytes`: bytes of the saved storages that are not parameters or buffers, i.e. what
     the plan holds for backward, comparable with `Graph.activation_bytes`."""
 
     saved: tuple[str, ...]
     saved_storages: tuple[int, ...]
     recomputed: tuple[str, ...]
     cut_cost_bytes: int
-    saved_bytes: int
+    held_bytes: int
     reason: str
 
 
@@ -304,7 +304,7 @@ def mincut(
     cost = sum(values[v].cost for v in saved)
     default = sum(values[v].cost for v in problem.needed)
     ops = list(dict.fromkeys(values[v].op for v in recomputed))
-    saved_bytes = sum(
+    held_bytes = sum(
         graph.storages[s].nbytes
         for s in storages
         if graph.storages[s].kind not in ("param", "buffer")
@@ -320,6 +320,6 @@ def mincut(
         saved_storages=tuple(storages),
         recomputed=tuple(ops),
         cut_cost_bytes=cost,
-        saved_bytes=saved_bytes,
+        held_bytes=held_bytes,
         reason=reason,
     )

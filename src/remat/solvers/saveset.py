@@ -50,14 +50,14 @@ _RUNGS = 12
 @dataclass(frozen=True)
 class SaveSet:
     """A save set and what it predicts. `saved`: value names (as in `MinCutResult`); `recomputed`:
-    forward ops backward re-runs; `saved_bytes`: bytes of the saved storages that are not parameters
-    or buffers; `held_bytes`: of those, the ones that exist only because they are saved
+    forward ops backward re-runs; `held_bytes`: bytes of the saved storages that are not parameters
+    or buffers; `held_activation_bytes`: of those, the ones that exist only because they are saved
     (activations; inputs exist anyway); `peak_bytes`: predicted peak of the step."""
 
     saved: tuple[str, ...]
     recomputed: tuple[str, ...]
-    saved_bytes: int
     held_bytes: int
+    held_activation_bytes: int
     traffic_bytes: int
     recompute_seconds: float
     peak_bytes: int
@@ -176,10 +176,10 @@ def describe_save_set(
     return SaveSet(
         saved=tuple(values[v].name for v in sorted(saved)),
         recomputed=tuple(ops),
-        saved_bytes=sum(
+        held_bytes=sum(
             storages[m].nbytes for m in kept if storages[m].kind not in ("param", "buffer")
         ),
-        held_bytes=sum(
+        held_activation_bytes=sum(
             storages[m].nbytes for m in kept if storages[m].kind not in PERSISTENT_KINDS
         ),
         traffic_bytes=sum(values[v].cost for v in saved),
@@ -193,12 +193,12 @@ def cheapest_save_set(
     problem: JointProblem,
     op_seconds: Sequence[float],
     bandwidth: float,
-    max_held_bytes: int | None,
+    max_held_activation_bytes: int | None,
     *,
     traffic_weight: float = 1.0,
     time_limit_s: float = 30.0,
 ) -> set[int] | None:
-    """The save set of least recompute + traffic seconds that holds at most `max_held_bytes` of
+    """The save set of least recompute + traffic seconds that holds at most `max_held_activation_bytes` of
     activations for backward (None: no cap); None if no save set fits the cap. With
     `traffic_weight=0` the least recompute time alone, the measure torch's budgeted partitioner
     is compared on. Solved to proven optimality (no MIP gap)."""
@@ -241,9 +241,11 @@ def cheapest_save_set(
     for v in range(n):
         if values[v].storage in store_col:
             row([(store_col[values[v].storage], 1.0), (v, -1.0)], 0, np.inf)
-    if max_held_bytes is not None:
+    if max_held_activation_bytes is not None:
         row(
-            [(store_col[m], float(graph.storages[m].nbytes)) for m in held], -np.inf, max_held_bytes
+            [(store_col[m], float(graph.storages[m].nbytes)) for m in held],
+            -np.inf,
+            max_held_activation_bytes,
         )
 
     cost = np.zeros(columns)
@@ -296,7 +298,7 @@ def candidate_save_sets(
     seen = {c.saved for c in found}
     for k in range(rungs - 1, -1, -1):
         chosen = cheapest_save_set(
-            graph, problem, op_seconds, bandwidth, found[0].held_bytes * k // rungs
+            graph, problem, op_seconds, bandwidth, found[0].held_activation_bytes * k // rungs
         )
         if chosen is None:
             continue
@@ -328,7 +330,7 @@ def save_set_within(
         lowest = min(candidates, key=lambda c: c.peak_bytes)
         raise InfeasibleBudget(
             f"no save set fits {format_bytes(budget_bytes)}: the lowest predicted peak is "
-            f"{format_bytes(lowest.peak_bytes)} (holding {format_bytes(lowest.held_bytes)} of "
+            f"{format_bytes(lowest.peak_bytes)} (holding {format_bytes(lowest.held_activation_bytes)} of "
             "activations for backward); raise the budget to at least that",
             budget_bytes=budget_bytes,
             min_feasible_bytes=lowest.peak_bytes,

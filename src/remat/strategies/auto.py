@@ -26,7 +26,7 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
         if strategy.needs_blocks and not planner.blocks:
             continue
         try:
-            p = strategy.solve(planner, budget_bytes)
+            p = planner.solve(strategy, budget_bytes)
         except InfeasibleBudget:
             continue
         if p.predicted_peak_bytes <= budget_bytes:
