@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from remat import strategies
+from remat import Planner, strategies
 from remat.eager import apply, remove
 from remat.errors import InfeasibleBudget
 from remat.measure import measure
-from remat.planner import Planner
 from remat.trace import default_loss
 
 BASELINES = (

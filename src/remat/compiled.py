@@ -284,7 +284,7 @@ class JointContext:
         never_recompute, never_save = self.rules(ban_matmuls=True)
         try:
             cut = mincut(self.graph, never_recompute=never_recompute, never_save=never_save)
-        except ValueError as err:
+        except RematError as err:
             raise RematError(f"compiled graph: {err}") from None
         return describe_save_set(
             self.graph, problem, _indices(problem, list(cut.saved)), self.op_seconds

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, RematError
 from remat.units import format_bytes
 
 __all__ = [
@@ -63,12 +63,12 @@ class ChainBlock:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.forward_seconds) and self.forward_seconds >= 0):
-            raise ValueError(
+            raise RematError(
                 f"block {self.name!r}: forward_seconds must be finite and >= 0, "
                 f"got {self.forward_seconds!r}"
             )
         if self.input_bytes < 0 or self.kept_bytes < 0:
-            raise ValueError(
+            raise RematError(
                 f"block {self.name!r}: input_bytes and kept_bytes must be >= 0, "
                 f"got {self.input_bytes} and {self.kept_bytes}"
             )
@@ -90,9 +90,9 @@ class Chain:
 
     def __post_init__(self) -> None:
         if not self.blocks:
-            raise ValueError("a chain needs at least one block")
+            raise RematError("a chain needs at least one block")
         if min(self.fixed_bytes, self.forward_transient_bytes, self.backward_transient_bytes) < 0:
-            raise ValueError(
+            raise RematError(
                 "fixed_bytes, forward_transient_bytes and backward_transient_bytes must be >= 0"
             )
 
@@ -111,12 +111,12 @@ class ChainSchedule:
         position = 0
         for start, stop, _ in self.segments:
             if start != position or stop <= start:
-                raise ValueError(
+                raise RematError(
                     f"segments must be non-empty and contiguous from block 0, got {self.segments}"
                 )
             position = stop
         if not self.segments:
-            raise ValueError("a schedule needs at least one segment")
+            raise RematError("a schedule needs at least one segment")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def chain_peak_bytes(chain: Chain, schedule: ChainSchedule) -> int:
     The segments after s have been freed by the time s's backward runs.
     """
     if schedule.segments[-1][1] != len(chain.blocks):
-        raise ValueError(
+        raise RematError(
             f"schedule covers blocks 0..{schedule.segments[-1][1]} but the chain has "
             f"{len(chain.blocks)} blocks"
         )

@@ -79,7 +79,7 @@ import numpy as np
 from scipy import optimize
 from scipy.sparse import csr_matrix, hstack
 
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, RematError
 from remat.units import format_bytes
 
 __all__ = [
@@ -113,12 +113,12 @@ class BlockOption:
 
     def __post_init__(self) -> None:
         if not 0 <= self.kept_bytes <= self.backward_bytes:
-            raise ValueError(
+            raise RematError(
                 f"option {self.name!r}: need 0 <= kept_bytes <= backward_bytes (the backward holds "
                 f"the kept bytes too), got {self.kept_bytes} and {self.backward_bytes}"
             )
         if not (math.isfinite(self.recompute_seconds) and self.recompute_seconds >= 0):
-            raise ValueError(
+            raise RematError(
                 f"option {self.name!r}: recompute_seconds must be finite and >= 0, "
                 f"got {self.recompute_seconds!r}"
             )
@@ -138,12 +138,12 @@ class BlockProblem:
 
     def __post_init__(self) -> None:
         if not self.options:
-            raise ValueError("a problem needs at least one block")
+            raise RematError("a problem needs at least one block")
         empty = [b for b, block in enumerate(self.options) if not block]
         if empty:
-            raise ValueError(f"every block needs at least one option; blocks {empty} have none")
+            raise RematError(f"every block needs at least one option; blocks {empty} have none")
         if min(self.fixed_bytes, self.forward_extra_bytes) < 0:
-            raise ValueError("fixed_bytes and forward_extra_bytes must be >= 0")
+            raise RematError("fixed_bytes and forward_extra_bytes must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -187,13 +187,13 @@ def block_recompute_seconds(problem: BlockProblem, choice: Sequence[int]) -> flo
 
 def _chosen(problem: BlockProblem, choice: Sequence[int]) -> list[BlockOption]:
     if len(choice) != len(problem.options):
-        raise ValueError(
+        raise RematError(
             f"a choice needs one option index per block: got {len(choice)} for "
             f"{len(problem.options)} blocks"
         )
     bad = [b for b, k in enumerate(choice) if not 0 <= k < len(problem.options[b])]
     if bad:
-        raise ValueError(f"option index out of range for blocks {bad} in choice {tuple(choice)}")
+        raise RematError(f"option index out of range for blocks {bad} in choice {tuple(choice)}")
     return [block[k] for block, k in zip(problem.options, choice, strict=True)]
 
 

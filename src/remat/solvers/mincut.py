@@ -48,6 +48,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from remat.cost import is_view
+from remat.errors import RematError
 from remat.graph import Graph, Op
 from remat.units import format_bytes
 
@@ -226,7 +227,7 @@ def _index(problem: JointProblem, names: list[str]) -> set[int]:
     by_name = {v.name: i for i, v in enumerate(problem.values)}
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise ValueError(
+        raise RematError(
             f"{unknown[0]!r} is not a forward value of this graph: name a forward op (`<op>:<k>` "
             "for output k of a multi-output op) or an input read by the forward (`input:<id>`)"
         )
@@ -265,7 +266,7 @@ def cut_cost(
     """Exact traffic in bytes of saving the values named in `saved` (2 B per intermediate, 1 B per
     input, superfluous ones included), or None if they are not a valid save set: one of them is
     overwritten in place later in the forward, or some value backward needs could only be had by
-    recomputing an input, a random op or an op `never_recompute` names. Raises ValueError on a
+    recomputing an input, a random op or an op `never_recompute` names. Raises RematError on a
     name that is not a forward value."""
     problem = joint_problem(graph, never_recompute, never_save)
     chosen = _index(problem, list(saved))
@@ -283,7 +284,7 @@ def mincut(
     """The save set of minimum memory traffic between forward and backward (see the module
     docstring for the network), recomputing neither random ops nor those `never_recompute` names,
     and saving no output of an op `never_save` names. Only values backward actually reaches are
-    reported as saved or recomputed. Raises ValueError when no save set obeys both."""
+    reported as saved or recomputed. Raises RematError when no save set obeys both."""
     problem = joint_problem(graph, never_recompute, never_save)
     values = problem.values
     side = _source_side(problem)
@@ -295,7 +296,7 @@ def mincut(
     cut -= problem.unsaveable
     recomputed = recomputed_values(problem, cut)
     if recomputed is None:
-        raise ValueError(_no_save_set(problem, cut))
+        raise RematError(_no_save_set(problem, cut))
     saved = sorted(
         {u for v in recomputed for u in values[v].inputs if u in cut}
         | {v for v in problem.needed if v in cut}

@@ -38,7 +38,7 @@ import numpy as np
 from scipy import optimize
 from scipy.sparse import coo_matrix
 
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, RematError
 from remat.graph import PERSISTENT_KINDS, Graph, Op
 from remat.solvers.mincut import JointProblem, recomputed_values
 from remat.units import format_bytes
@@ -164,7 +164,7 @@ def describe_save_set(
     values = problem.values
     recomputed = recomputed_values(problem, saved)
     if recomputed is None:
-        raise ValueError(
+        raise RematError(
             "not a valid save set: backward needs a value it can neither read nor recompute"
         )
     reached = {u for v in recomputed for u in values[v].inputs} | set(problem.needed)
@@ -289,7 +289,7 @@ def candidate_save_sets(
     the chosen plan's peak never grow as the budget shrinks."""
     top = cheapest_save_set(graph, problem, op_seconds, bandwidth, None)
     if top is None:
-        raise ValueError(
+        raise RematError(
             "no save set obeys the rules (a needed value can be neither saved nor recomputed)"
         )
     found = [describe_save_set(graph, problem, top, op_seconds)]
@@ -322,7 +322,7 @@ def save_set_within(
     if budget_bytes is None:
         top = cheapest_save_set(graph, problem, op_seconds, bandwidth, None)
         if top is None:
-            raise ValueError("no save set obeys the rules")
+            raise RematError("no save set obeys the rules")
         return describe_save_set(graph, problem, top, op_seconds)
     candidates = candidate_save_sets(graph, problem, op_seconds, bandwidth)
     fits = [c for c in candidates if c.peak_bytes <= budget_bytes]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from remat.errors import UnknownStrategyError
+from remat.errors import RematError, UnknownStrategyError
 
 if TYPE_CHECKING:
     from remat.compiled import JointContext
@@ -67,9 +67,14 @@ _discovered = False
 def register(strategy: Strategy) -> Strategy:
     """Make `strategy` available by its name everywhere (replacing one of the same name)."""
     if not strategy.solve and not strategy.solve_compiled:
-        raise ValueError(f"strategy {strategy.name!r} has neither solve nor solve_compiled")
+        raise RematError(f"strategy {strategy.name!r} has neither solve nor solve_compiled")
     _REGISTRY[strategy.name] = strategy
     return strategy
+
+
+def unregister(name: str) -> None:
+    """Remove the strategy called `name` (a no-op when there is none)."""
+    _REGISTRY.pop(name, None)
 
 
 def _discover() -> None:
