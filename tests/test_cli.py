@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import remat
 from remat.cli import main
@@ -231,3 +235,92 @@ def test_version_is_printed(capsys):
 )
 def test_format_bytes_never_prints_exponents(nbytes, text):
     assert format_bytes(nbytes) == text
+
+
+# -- every error path exits 2 (bad input) or 3 (infeasible) with the thing and the remedy --------
+def test_a_factory_that_raises_exits_2_naming_its_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_models.py").write_text("def make():\n    raise KeyError('vocab')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "--model", "broken_models:make"]) == 2
+    err = capsys.readouterr().err
+    assert "the factory raised KeyError" in err and "broken_models.py:2" in err
+
+
+def test_a_factory_from_the_current_folder_imports_and_titles_what_it_built(tmp_path, capsys):
+    (tmp_path / "own_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def make():\n    return nn.Linear(16, 4), (torch.randn(8, 16),)\n"
+    )
+    script = Path(sys.executable).with_name("remat")  # the console script, as a user runs it
+    done = subprocess.run(
+        [str(script), "estimate", "--model", "own_models:make"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "inputs (8, 16)" in done.stdout and "batch 4" not in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_on_a_cpu_only_torch_exits_2(capsys):
+    args = ["bench", "--model", "mlp-chain-8", "--tiny", "--device", "cuda"]
+    assert main(args) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--model", "gpt2", "--tiny", "--plot", "/nonexistent/dir/p.png"],
+        ["plan", "--model", "gpt2", "--tiny", "--out", "/nonexistent/dir/plan.json"],
+        ["bench", "--model", "gpt2", "--tiny", "--json", "/nonexistent/dir/b.json"],
+    ],
+)
+def test_an_output_in_a_missing_folder_exits_2_before_any_work(args, capsys):
+    start = time.perf_counter()
+    assert main(args) == 2
+    assert "/nonexistent/dir does not exist" in capsys.readouterr().err
+    assert time.perf_counter() - start < 2  # refused before tracing
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["bench", "--steps", "0"], "is not at least 1"),
+        (["plan", "--strategy", "magic"], "strategy 'magic' is unknown"),
+        (["plan", "--budget", "lots"], "lots"),
+        (["plan", "--budget", "+ten%"], "time overhead"),
+        (["plan", "--profile", "tpu-v9"], "tpu-v9"),
+        (["plan", "--model", "mlp-chain-8", "--tiny", "--strategy", "full", "--budget", "1%"], ""),
+    ],
+)
+def test_bad_input_exits_2_and_says_what(args, says, capsys):
+    with pytest.raises(SystemExit) if args[1] == "--steps" else contextlib.nullcontext() as stop:
+        code = main(args)
+    if stop is not None:
+        assert stop.value.code == 2
+    elif args[-1] == "1%":
+        assert code == 3  # infeasible, not bad input
+        return
+    else:
+        assert code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_block_strategy_on_a_model_without_blocks_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "flat_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Flat(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.down(torch.relu(self.up(x)))\n\n"
+        "def make():\n    return Flat(), (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "flat_models:make", "--strategy", "sqrt"]) == 2
+    assert "no numbered submodules" in capsys.readouterr().err

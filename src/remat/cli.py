@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -72,6 +73,19 @@ def _add_optimizer_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_budget_arg(p: argparse.ArgumentParser) -> None:
+    from remat.plans import DEFAULT_BUDGET
+
+    p.add_argument(
+        "--budget",
+        default=DEFAULT_BUDGET,
+        help="the memory budget of the whole step: bytes (40GiB, 512MiB, 1e9); a share (50%%: "
+        "the fixed memory of params, grads and optimizer state + 50%% of the rest of store-all's "
+        "peak); or a time overhead (+10%%: the lowest peak whose predicted recompute is at most "
+        "10%% of the step, always feasible) (default: %(default)s)",
+    )
+
+
 def _add_profile_arg(p: argparse.ArgumentParser) -> None:
     from remat.cost import PROFILES
 
@@ -115,7 +129,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a config field, e.g. --set n_layers=2 (repeatable)",
+        help="override a config field of the preset, e.g. --set n_layer=2 for gpt2 or --set "
+        "n_layers=2 for llama (repeatable; an unknown field lists the valid ones)",
     )
     p.add_argument(
         "--trace-device",
@@ -159,8 +174,44 @@ def _trace_model(args: argparse.Namespace, console: Console):
     start = time.perf_counter()
     with console.status(f"tracing one training step of {args.model} on {where} ..."):
         graph = trace(model, *inputs, device=device)
-    graph.info.update(model=args.model, batch=args.batch, seq=args.seq, dtype=args.dtype)
+    graph.info.update(
+        model=args.model,
+        shape=_shape(args, inputs),
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+    )
     return graph, time.perf_counter() - start
+
+
+def _shape(args: argparse.Namespace, inputs: tuple) -> str:
+    """What was built, for titles: a preset's batch and seq, or a factory's input shapes (it may
+    ignore --batch and --seq)."""
+    if ":" in args.model and not args.model.startswith("hf:"):
+        shapes = [tuple(t.shape) for t in inputs if hasattr(t, "shape")]
+        return "inputs " + ", ".join(str(s) for s in shapes)
+    return f"batch {args.batch}  seq {args.seq}"
+
+
+def _writable(path: str | None, option: str) -> None:
+    """Refuse an output path whose folder does not exist before the work, not after it."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise RematError(f"{option} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise RematError(f"{option} {path}: the folder {folder} is not writable")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
@@ -190,7 +241,7 @@ def _show_estimate(
     if args.json:
         print(json.dumps(estimate_dict(graph, est, **context), indent=2))
         return 0
-    title = f"{args.model}  batch {args.batch}  seq {args.seq}  {args.dtype}" + (
+    title = f"{args.model}  {graph.info['shape']}  {args.dtype}" + (
         f"  {args.optimizer}" if args.optimizer else ""
     )
     for table in estimate_tables(graph, est, title, top=args.top):
@@ -215,20 +266,34 @@ def _planner(args: argparse.Namespace, console: Console) -> Planner:
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from remat import strategies
 
-    strategies.get(args.strategy, "eager")  # a misspelt name fails before the trace
+    strategies.get(args.strategy, "eager")  # bad input fails before the trace
+    _writable(args.out, "--out")
+    _writable(args.plot, "--plot")
     return _show_plan(_planner(args, console), args, console)
 
 
 def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> int:
+    from remat.plans import describe_budget
     from remat.report import explain_table, plan_dict, plan_table, plot_frontier
     from remat.units import format_bytes
 
-    budget_bytes = planner.budget_bytes(args.budget)
+    with console.status(f"resolving the budget {args.budget} ..."):
+        budget_bytes = planner.budget_bytes(args.budget)
+    if not args.json:
+        console.print(
+            f"budget {args.budget}: {format_bytes(budget_bytes)} ({describe_budget(args.budget)})"
+        )
     with console.status(f"planning {args.strategy} under {format_bytes(budget_bytes)} ..."):
         rows = planner.compare(budget_bytes)
         chosen = planner.plan(budget_bytes, args.strategy)
     step_seconds = planner.step_seconds
-    context = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype}
+    context = {
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "budget": args.budget,
+    }
     if args.out:
         with open(args.out, "w") as f:
             f.write(chosen.to_json())
@@ -283,6 +348,8 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    _writable(args.json, "--json")
+    _writable(args.plot, "--plot")
     return _show_bench(_planner(args, console), args, console)
 
 
@@ -420,7 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(est)
     _add_optimizer_arg(est)
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    est.add_argument("--top", type=int, default=12, help="rows in the by-module and by-op tables")
+    est.add_argument(
+        "--top", type=_positive_int, default=12, help="rows in the by-module and by-op tables"
+    )
     est.set_defaults(func=cmd_estimate)
     pl = sub.add_parser(
         "plan",
@@ -429,11 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(pl)
-    pl.add_argument(
-        "--budget",
-        default="50%",
-        help="bytes (40GiB, 512MiB, 1e9) or a share: 50%% = fixed memory (params, grads, optimizer state) + 50%% of the rest of store-all's peak (default: %(default)s)",
-    )
+    _add_budget_arg(pl)
     pl.add_argument(
         "--strategy",
         default="auto",
@@ -462,9 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="apply each strategy to the real model and measure peak, time and gradients"
     )
     _add_model_args(be)
-    be.add_argument(
-        "--budget", default="50%", help="budget for the budgeted strategies (default: %(default)s)"
-    )
+    _add_budget_arg(be)
     be.add_argument(
         "--strategies",
         default="store_all,full,sqrt,selective:megatron,chain_dp,auto,torch:checkpoint-per-block,torch:checkpoint_sequential,hf:gradient_checkpointing",
@@ -477,7 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_profile_arg(be)
     be.add_argument(
-        "--steps", type=int, default=3, help="timed steps per strategy (default: %(default)s)"
+        "--steps",
+        type=_positive_int,
+        default=3,
+        help="timed steps per strategy (default: %(default)s)",
     )
     be.add_argument(
         "--compile",
@@ -499,12 +565,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Set to 1 to run every command at its preset's tiny size with at most 2 timed steps: how the
+#: README's own commands are tested in minutes (tests/test_readme.py).
+QUICK_ENV = "REMAT_QUICK"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.environ.get(QUICK_ENV) == "1" and hasattr(args, "tiny"):
+        args.tiny = args.tiny or ":" not in args.model or args.model.startswith("hf:")
+        if hasattr(args, "steps"):
+            args.steps = min(args.steps, 2)
     console = Console()
     if not console.is_terminal:  # piped or captured: rich would assume 80 columns
         console = Console(width=120)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # paths and sizes in messages stay whole
     try:
         return args.func(args, console)
     except RematError as e:

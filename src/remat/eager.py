@@ -28,7 +28,7 @@ from torch.utils.checkpoint import (
 
 from remat.caches import CachesOff
 from remat.errors import RematError, TraceError, warn
-from remat.plans import Plan
+from remat.plans import DEFAULT_BUDGET, Plan
 from remat.schedule import OpKey
 
 _APPLIED = "_remat_applied"
@@ -335,7 +335,7 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
 def auto(
     model: nn.Module,
     *example_inputs: Any,
-    budget: int | str = "50%",
+    budget: int | str = DEFAULT_BUDGET,
     strategy: str = "auto",
     profile: str = "cpu",
     optimizer: str | None = None,

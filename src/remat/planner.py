@@ -19,7 +19,14 @@ from remat.cost import DeviceProfile, get_profile, op_seconds_all
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.estimate import MemoryEstimate, Optimizer, estimate
 from remat.graph import Graph, ModuleCall
-from remat.plans import Plan, PlanStatus, build_plan, resolve_budget
+from remat.plans import (
+    DEFAULT_BUDGET,
+    Plan,
+    PlanStatus,
+    build_plan,
+    overhead_share,
+    resolve_budget,
+)
 from remat.schedule import Region, Simulation, make_region, simulate
 from remat.solvers import chain as chain_model
 from remat.solvers.selective import POLICIES, without_mutated
@@ -104,11 +111,22 @@ class Planner:
         return sum(self.op_seconds)
 
     def budget_bytes(self, budget: int | str) -> int:
-        """Bytes from `40GiB`, `123` or `50%` (the fixed memory plus that share of the rest of
-        store-all's peak)."""
+        """Bytes from `40GiB`, `123`, `50%` (the fixed memory plus that share of the rest of
+        store-all's peak) or `+10%` (the lowest peak on the frontier whose predicted recompute is
+        at most 10% of the step's time: `within_overhead`)."""
+        share = overhead_share(budget)
+        if share is not None:
+            return self.within_overhead(share).predicted_peak_bytes
         return resolve_budget(budget, self.estimate.fixed_bytes, self.estimate.peak_bytes)
 
-    def plan(self, budget: int | str = "50%", strategy: str = "auto") -> Plan:
+    def within_overhead(self, share: float) -> Plan:
+        """The plan of lowest peak on the frontier whose predicted recompute time is at most
+        `share` of the step's (store-all qualifies at any share)."""
+        limit = share * self.step_seconds * (1 + 1e-9)
+        fits = [p for p in self.pareto().points if p.recompute_seconds <= limit]
+        return min(fits, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+
+    def plan(self, budget: int | str = DEFAULT_BUDGET, strategy: str = "auto") -> Plan:
         """The plan of `strategy` under `budget`. Raises `InfeasibleBudget` naming the smallest
         budget that fits when the plan's predicted peak exceeds the budget."""
         chosen = strategies.get(strategy, "eager")
@@ -124,7 +142,7 @@ class Planner:
             )
         return p
 
-    def compare(self, budget: int | str = "50%") -> list[Comparison]:
+    def compare(self, budget: int | str = DEFAULT_BUDGET) -> list[Comparison]:
         """Every eager strategy but auto at this budget, fitting or not, for a side-by-side table."""
         budget_bytes = self.budget_bytes(budget)
         rows = []
@@ -308,6 +326,17 @@ class Planner:
                 budget_bytes=budget_bytes,
                 min_feasible_bytes=self.floor_bytes,
             )
+        if (
+            self.estimate.peak_bytes <= budget_bytes
+            and self.simulate(()).peak_bytes <= budget_bytes
+        ):
+            return self.make_plan(
+                (),
+                strategy,
+                budget_bytes,
+                "store-all fits the budget: nothing to recompute",
+                status="optimal",
+            )
         target, closest = budget_bytes, None
         for tries in range(8):
             try:
@@ -444,13 +473,14 @@ class Planner:
 
 def plan(
     graph: Graph,
-    budget: int | str = "50%",
+    budget: int | str = DEFAULT_BUDGET,
     strategy: str = "auto",
     profile: str | DeviceProfile = "cpu",
     optimizer: Optimizer = None,
 ) -> Plan:
-    """The plan of `strategy` for `graph` under `budget` (bytes, "40GiB", or "50%": the fixed memory
-    plus that share of the rest of store-all's peak), with recompute costs on `profile`. Raises
+    """The plan of `strategy` for `graph` under `budget` (bytes, "40GiB", "50%": the fixed memory
+    plus that share of the rest of store-all's peak, or "+10%": the lowest peak within 10% more
+    predicted step time, the default), with recompute costs on `profile`. Raises
     `InfeasibleBudget` naming the smallest budget that fits. For several plans of one graph, make a
     `Planner` once and ask it."""
     return Planner(graph, profile, optimizer).plan(budget, strategy)

@@ -245,9 +245,45 @@ def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
     return d[name]
 
 
+#: The budget when none is given: the lowest peak whose predicted recompute is at most 10% of the
+#: step's time. Always feasible (store-all qualifies), unlike a share, which can fall below the
+#: memory the end of the step needs whatever is recomputed.
+DEFAULT_BUDGET = "+10%"
+
+
+def overhead_share(budget: int | str) -> float | None:
+    """X / 100 for a budget written `+X%` (at most X% more predicted step time), else None."""
+    if not (isinstance(budget, str) and budget.strip().startswith("+")):
+        return None
+    text = budget.strip()
+    try:
+        share = float(text[1:].removesuffix("%")) / 100
+    except ValueError:
+        raise BudgetError(f"budget {budget!r}: write a time overhead as e.g. +10%") from None
+    if not text.endswith("%") or share < 0:
+        raise BudgetError(f"budget {budget!r}: write a time overhead as e.g. +10%")
+    return share
+
+
+def describe_budget(budget: int | str) -> str:
+    """What a budget as written means, in words, for the line that shows what it resolved to."""
+    share = overhead_share(budget)
+    if share is not None:
+        return f"the lowest peak whose predicted recompute is at most {share:.0%} of the step"
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        return f"the fixed memory + {budget.strip()} of the rest of store-all's peak"
+    return "as given"
+
+
 def resolve_budget(budget: int | str, fixed_bytes: int, store_all_peak: int) -> int:
     """Bytes from `40GiB`, `123` or `50%`; a share means the fixed memory (parameters, gradients,
-    optimizer state, inputs) plus that share of the rest of store-all's peak."""
+    optimizer state, inputs) plus that share of the rest of store-all's peak. A time overhead
+    (`+10%`) needs the frontier: `Planner.budget_bytes` resolves it."""
+    if overhead_share(budget) is not None:
+        raise BudgetError(
+            f"budget {budget!r} is a time overhead, which only the eager planner resolves "
+            "(remat.Planner / remat.plan); give bytes (2GiB) or a share (50%)"
+        )
     if isinstance(budget, str) and budget.strip().endswith("%"):
         try:
             share = float(budget.strip()[:-1]) / 100

@@ -68,7 +68,7 @@ def build(
     Float inputs have the model's `dtype` ("fp32", "bf16", "fp16" or a torch.dtype).
     """
     dtype = _dtype(dtype)
-    device = torch.device(device)
+    device = _device(device)
     if batch < 1 or seq < 1:
         raise RematError(f"batch={batch} and seq={seq} must both be >= 1")
     kw = {"batch": batch, "seq": seq, "dtype": dtype, "device": device}
@@ -83,6 +83,22 @@ def build(
             model = preset.model(config).to(dtype)
         inputs = preset.inputs(config, batch, seq, dtype, device)
     return model.train(), inputs
+
+
+def _device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device that this torch can allocate on (meta always can)."""
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise RematError(
+            f"device {device!r} is not a torch device; use meta, cpu or cuda[:N]"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RematError(
+            f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA device; "
+            "use cpu (or meta to analyse without allocating)"
+        )
+    return device
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -8,9 +8,13 @@ them (or takes **kwargs): silently dropping them would build a different model t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +23,21 @@ from torch import nn
 from remat.errors import UnknownModelError
 
 _FORM = "write 'pkg.module:factory', e.g. 'mypkg.models:build'"
+
+
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """Let the current folder's modules import, as `python -m` does: the `remat` console script
+    puts only its own folder first on sys.path. Appended last, so installed packages win."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -39,7 +58,8 @@ def resolve(spec: str) -> Callable[..., Any]:
     if problem:
         raise UnknownModelError(f"model spec {spec!r} {problem}; {_FORM}")
     try:
-        module = importlib.import_module(module_name)
+        with _cwd_importable():
+            module = importlib.import_module(module_name)
     except ImportError as err:
         raise UnknownModelError(
             f"model spec {spec!r}: cannot import module {module_name!r} ({err}); "
@@ -91,7 +111,14 @@ def load(
                 f"{key!r} argument (its parameters: {', '.join(params) or 'none'})"
             )
         kwargs[key] = value
-    result = factory(**kwargs)
+    try:
+        result = factory(**kwargs)
+    except Exception as err:
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        raise UnknownModelError(
+            f"model spec {spec!r}: the factory raised {type(err).__name__}: {err} "
+            f"({where.filename}:{where.lineno}); fix the factory, then try again"
+        ) from err
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
         model, inputs = result
         if isinstance(inputs, torch.Tensor):

@@ -461,5 +461,5 @@ def _result(
         recompute_seconds=block_recompute_seconds(problem, choice),
         status=status,
         mip_gap=gap,
-        reason=f"{why}: {counts}, peak {format_bytes(peak)}",
+        reason=f"{why}: {counts}",
     )

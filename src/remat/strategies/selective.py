@@ -22,15 +22,12 @@ def _solver(option: str, reason: str) -> Callable[[Planner, int], Plan]:
     return solve
 
 
-STRATEGIES = tuple(
-    register(
-        Strategy(
-            name=f"selective:{policy}",
-            summary=POLICIES[policy].__doc__.strip().splitlines()[0],
-            solve=_solver(f"selective:{policy}", POLICIES[policy].__doc__.strip().splitlines()[0]),
-            needs_blocks=True,
-            rank=50,
-        )
+def _register(policy: str) -> Strategy:
+    summary = POLICIES[policy].__doc__.strip().splitlines()[0].rstrip(".")
+    name = f"selective:{policy}"
+    return register(
+        Strategy(name=name, summary=summary, solve=_solver(name, summary), needs_blocks=True)
     )
-    for policy in POLICIES
-)
+
+
+STRATEGIES = tuple(_register(policy) for policy in POLICIES)
