@@ -68,7 +68,20 @@ def table(name: str, kw: dict, profile: str) -> str:
                 f"| {share} ({format_bytes(budget)}) | auto | - | - | - | - | {auto_note} |"
             )
     png = IMG / f"pareto-{name}.png"
-    plot_frontier(planner.pareto(), str(png), title=f"{name} {kw} on {profile}")
+    budget = planner.budget_bytes("50%")
+    try:
+        chosen = planner.plan(budget, "auto")
+    except remat.InfeasibleBudget:
+        chosen = None
+    plot_frontier(
+        planner.pareto(),
+        str(png),
+        title=f"{name} ({', '.join(f'{k} {v}' for k, v in kw.items())}), costs on {profile}: "
+        "predicted memory / recompute frontier, auto at 50%",
+        budget_bytes=budget,
+        chosen=chosen,
+        step_seconds=planner.step_seconds,
+    )
     lines += ["", f"![Pareto frontier of {name}](img/{png.name})", ""]
     return "\n".join(lines)
 

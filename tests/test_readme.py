@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
@@ -22,7 +22,7 @@ from torch import nn
 def make_model(batch=8, seq=128):
     model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 100))
     return model, (torch.randint(0, 100, (batch, seq)),)
-'''
+"""
 
 
 def shell_lines() -> list[str]:

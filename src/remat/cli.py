@@ -4,16 +4,18 @@ budget."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from remat import __version__
+from remat.bench import ROUNDS
 from remat.errors import InfeasibleBudget, RematError, exit_code
 
 if TYPE_CHECKING:
@@ -190,7 +192,19 @@ def _shape(args: argparse.Namespace, inputs: tuple) -> str:
     if ":" in args.model and not args.model.startswith("hf:"):
         shapes = [tuple(t.shape) for t in inputs if hasattr(t, "shape")]
         return "inputs " + ", ".join(str(s) for s in shapes)
-    return f"batch {args.batch}  seq {args.seq}"
+    return f"batch {args.batch}, seq {args.seq}"
+
+
+def _title(args: argparse.Namespace, planner: Planner) -> str:
+    """The model as built and where it is costed, for titles of tables and plots."""
+    shape = planner.graph.info["shape"]
+    return f"{_model_name(args)}, {shape}, {args.dtype}, costs on {planner.profile.name}"
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The model spec with its overrides: the demo's gpt2 is narrowed, and says so."""
+    tiny = " tiny" if args.tiny else ""
+    return f"{args.model}{tiny}" + (f" ({', '.join(args.set)})" if args.set else "")
 
 
 def _writable(path: str | None, option: str) -> None:
@@ -241,8 +255,8 @@ def _show_estimate(
     if args.json:
         print(json.dumps(estimate_dict(graph, est, **context), indent=2))
         return 0
-    title = f"{args.model}  {graph.info['shape']}  {args.dtype}" + (
-        f"  {args.optimizer}" if args.optimizer else ""
+    title = f"{_model_name(args)}, {graph.info['shape']}, {args.dtype}" + (
+        f", {args.optimizer}" if args.optimizer else ""
     )
     for table in estimate_tables(graph, est, title, top=args.top):
         console.print(table)
@@ -302,7 +316,10 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
             plot_frontier(
                 planner.pareto(),
                 args.plot,
-                title=f"{args.model} b{args.batch} s{args.seq} {args.dtype} on {planner.profile.name}",
+                title=f"{_title(args, planner)}: predicted memory / recompute frontier",
+                budget_bytes=budget_bytes,
+                chosen=chosen,
+                step_seconds=step_seconds,
             )
     if args.json:
         d = plan_dict(chosen, **context)
@@ -354,11 +371,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 
 def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> int:
-    from rich.progress import Progress
-
-    from remat import models, strategies
-    from remat.bench import TORCH_COMPILE_BUDGETS, bench, bench_compiled
+    from remat import models
+    from remat.bench import bench, bench_compiled, progress_total
+    from remat.plans import describe_budget
     from remat.report import bench_table, plot_bench
+    from remat.units import format_bytes
 
     model, inputs = models.build(
         args.model,
@@ -369,31 +386,33 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
         tiny=args.tiny,
         **_parse_overrides(args.set),
     )
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    total = len(set(names) | {"store_all"})
-    if args.compile:
-        total += len(TORCH_COMPILE_BUDGETS) + len(strategies.available("compile"))
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("measuring", total=total)
-
-        def advance(name: str) -> None:
-            bar.update(task, advance=1, description=f"measuring {name}")
-
+    names = _bench_names(args)
+    with console.status(f"resolving the budget {args.budget} ..."):
+        budget_bytes = planner.budget_bytes(args.budget)
+    console.print(
+        f"budget {args.budget}: {format_bytes(budget_bytes)} ({describe_budget(args.budget)}), "
+        "for every row"
+    )
+    with _progress(console, progress_total(names, args.steps, args.compile)) as advance:
         rows = bench(
-            model, inputs, planner, names, budget=args.budget, steps=args.steps, progress=advance
+            model, inputs, planner, names, budget=budget_bytes, steps=args.steps, progress=advance
         )
         if args.compile:
-            base = next((r.step_seconds for r in rows if r.strategy == "store_all"), None)
+            base = next(r for r in rows if r.strategy == "store_all")
             rows += bench_compiled(
                 model,
                 inputs,
-                budget=args.budget,
+                budget=budget_bytes,
                 steps=args.steps,
                 compiler=args.compiler,
                 profile=args.profile,
-                base_seconds=base,
+                base_seconds=base.step_seconds,
+                base_range=(base.step_seconds_min, base.step_seconds_max),
                 progress=advance,
             )
+    title = (
+        f"{_title(args, planner)}, measured on {args.device}, budget {format_bytes(budget_bytes)}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -404,21 +423,67 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
                     "dtype": args.dtype,
                     "device": args.device,
                     "budget": args.budget,
+                    "budget_bytes": budget_bytes,
                     "rows": [r.to_dict() for r in rows],
                 },
                 f,
                 indent=2,
             )
-    console.print(
-        bench_table(
-            rows,
-            title=f"{args.model} b{args.batch} s{args.seq} {args.dtype} on {args.device}, budget {args.budget}",
+    console.print(bench_table(rows, title=title))
+    failed = [r for r in rows if not r.ran]
+    if failed:
+        console.print(
+            f"[yellow]{len(failed)} of {len(rows)} rows could not run:[/yellow] "
+            + "; ".join(f"{r.strategy} ({r.note.split(';')[0]})" for r in failed)
         )
-    )
     if args.plot:
-        plot_bench(rows, planner.pareto(), planner.step_seconds, args.plot)
+        plot_bench(
+            rows,
+            planner.pareto(),
+            planner.step_seconds,
+            args.plot,
+            title=title,
+            budget_bytes=budget_bytes,
+        )
         console.print(f"plot written to {args.plot}")
     return 0
+
+
+#: What `remat bench` compares by default: remat's plans and the baselines users write.
+BENCH_STRATEGIES = (
+    "store_all,full,sqrt,selective:megatron,chain_dp,auto,"
+    "torch:checkpoint-per-block,torch:checkpoint_sequential"
+)
+
+
+def _bench_names(args: argparse.Namespace) -> list[str]:
+    """The rows to measure: --strategies, or the defaults plus Hugging Face's own gradient
+    checkpointing for hf: models (the only ones it applies to)."""
+    text = args.strategies or BENCH_STRATEGIES + (
+        ",hf:gradient_checkpointing" if args.model.startswith("hf:") else ""
+    )
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+@contextlib.contextmanager
+def _progress(console: Console, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on a terminal; on a pipe (where rich draws nothing) one line per step on
+    stderr, so a long bench shows that it moves."""
+    from rich.progress import Progress
+
+    if not console.is_terminal:
+        done = 0
+
+        def line(name: str) -> None:
+            nonlocal done
+            done += 1
+            print(f"[{done}/{total}] measuring {name}", file=sys.stderr, flush=True)
+
+        yield line
+        return
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("measuring", total=total)
+        yield lambda name: bar.update(task, advance=1, description=f"measuring {name}")
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
@@ -441,7 +506,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         plot=str(out / "pareto.png"),
         strategies=DEMO_STRATEGIES,
         device="cpu",
-        steps=2,
+        steps=5,
         compile=False,
         compiler="inductor",
     )
@@ -530,8 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_arg(be)
     be.add_argument(
         "--strategies",
-        default="store_all,full,sqrt,selective:megatron,chain_dp,auto,torch:checkpoint-per-block,torch:checkpoint_sequential,hf:gradient_checkpointing",
-        help="comma-separated strategies and baselines",
+        default=None,
+        help="comma-separated strategies and baselines (torch:checkpoint-per-block, "
+        "torch:checkpoint_sequential, hf:gradient_checkpointing) (default: "
+        f"{BENCH_STRATEGIES}, plus hf:gradient_checkpointing for hf: models)",
     )
     be.add_argument(
         "--device",
@@ -542,8 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument(
         "--steps",
         type=_positive_int,
-        default=3,
-        help="timed steps per strategy (default: %(default)s)",
+        default=ROUNDS,
+        help="timing rounds: each times one step of every row in turn, so that a slow moment of "
+        "the machine hits every row alike; the table shows the median and the range "
+        "(default: %(default)s)",
     )
     be.add_argument(
         "--compile",

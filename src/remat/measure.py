@@ -41,7 +41,7 @@ from remat.quiet import quiet_fd
 if TYPE_CHECKING:
     from remat.cost import DeviceProfile
 
-__all__ = ["Measurement", "calibrate_profile", "measure", "saved_tensor_bytes"]
+__all__ = ["Measurement", "calibrate_profile", "measure", "saved_tensor_bytes", "time_steps"]
 
 _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
@@ -177,6 +177,44 @@ def measure(
         step_seconds=seconds,
         device=_device_label(target),
     )
+
+
+def time_steps(
+    model: nn.Module,
+    *inputs: Any,
+    steps: int = 1,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    warmup: int = 0,
+    **kwargs: Any,
+) -> tuple[float, ...]:
+    """Wall time, in seconds, of each of `steps` training steps of `model` on `inputs`, after
+    `warmup` untimed ones: the timed steps of `measure` without its memory step (no profiler, no
+    hooks, no optimizer). The step is the same (forward, loss, backward, gradients to None); the
+    model must already be on one device, tensors among the inputs are moved there, and CUDA is
+    synchronized around each timed step.
+
+    Raises:
+        RematError: as `measure` does for the model's device, or for `steps` < 1 or `warmup` < 0.
+    """
+    if steps < 1 or warmup < 0:
+        raise RematError(f"time_steps() needs steps >= 1 and warmup >= 0, got {steps=}, {warmup=}")
+    target = _measured_device(model, None, chain(_tensors(inputs), _tensors(kwargs)))
+    inputs = _to_device(inputs, target)
+    kwargs = _to_device(kwargs, target)
+    leaf_inputs = [t for t in _tensors((inputs, kwargs)) if t.is_leaf and t.requires_grad]
+    step = _TrainingStep(
+        model=model,
+        inputs=inputs,
+        kwargs=kwargs,
+        loss_fn=loss_fn,
+        optimizer=None,
+        grad_holders=[*model.parameters(), *leaf_inputs],
+    )
+    with torch.enable_grad():
+        step.clear_grads()
+        for _ in range(warmup):
+            step.run()
+        return tuple(_timed_step(step, target) for _ in range(steps))
 
 
 def saved_tensor_bytes(

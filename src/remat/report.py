@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from rich.table import Table
@@ -148,97 +149,408 @@ def plan_dict(plan, **context) -> dict[str, Any]:
 
 
 def bench_table(rows, title: str) -> Table:
-    """Measured against predicted, per strategy, with store_all as the reference."""
-    t = Table(title=title, title_justify="left")
-    for col in ("strategy", "held MiB", "peak MiB", "predicted", "step ms", "ratio", "grad diff"):
-        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    """Measured against predicted, per strategy, with store_all as the reference.
+
+    "step ms" is the median step time over the timing rounds and "min-max" its fastest and
+    slowest round; "ratio" is the median over store_all's median, marked "~" where the row is
+    within noise of store_all (its min-max range overlaps store_all's: the rounds cannot tell
+    them apart). Numeric cells never wrap or truncate: on a narrow console only the strategy
+    column folds. Notes (why a row was not measured, what a compiled row ran) are listed under
+    the table, each after its row's name; rows without a measurement show "-"."""
+    from rich import box
+    from rich.text import Text
+
+    t = Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        caption_style="",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    t.add_column("strategy", overflow="fold")
+    for col in (
+        "held\nMiB",
+        "peak\nMiB",
+        "predicted\nMiB",
+        "step ms\nmedian",
+        "\nmin-max",
+        "\nratio",
+        "grad\ndiff",
+    ):
+        t.add_column(col, justify="right", no_wrap=True)
     mib = 2**20
+    notes = Text()
     for r in rows:
+        if r.note and r.note != r.strategy:
+            notes.append(f"\n{r.strategy}: ", style="bold")
+            notes.append(r.note)
         if r.peak_bytes is None:
-            t.add_row(r.strategy, "-", "-", "-", "-", "-", f"[dim]{r.note[:40]}[/dim]")
+            t.add_row(r.strategy, *["-"] * 7, style="dim")
             continue
+        low = getattr(r, "step_seconds_min", None)  # rows from before the spread had none
+        high = getattr(r, "step_seconds_max", None)
+        noise = "~" if getattr(r, "within_noise", None) and r.strategy != "store_all" else ""
         t.add_row(
             r.strategy,
             f"{r.held_bytes / mib:.1f}",
             f"{r.peak_bytes / mib:.1f}",
             f"{r.predicted_peak_bytes / mib:.1f}" if r.predicted_peak_bytes else "-",
-            f"{r.step_seconds * 1e3:.0f}",
-            f"{r.time_ratio:.2f}x" if r.time_ratio else "-",
-            f"{r.grad_max_abs_diff:.1e}",
+            _ms(r.step_seconds) if r.step_seconds is not None else "-",
+            f"{_ms(low)}-{_ms(high)}" if low is not None and high is not None else "-",
+            f"{noise}{r.time_ratio:.2f}x" if r.time_ratio else "-",
+            f"{r.grad_max_abs_diff:.1e}" if r.grad_max_abs_diff is not None else "-",
         )
+    t.caption = Text.assemble(
+        "ratio = median step / store_all's median; ~ = within noise of store_all "
+        "(their min-max ranges overlap)",
+        notes,
+    )
     return t
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _ms(seconds: float) -> str:
+    """Milliseconds with about three significant digits, never in exponent form."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
-def plot_frontier(frontier: Frontier, path: str, title: str = "") -> str:
-    """A PNG of the predicted frontier (peak vs recompute time) with the fixed strategies marked."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    gib = 2**30
-    xs = [p.predicted_peak_bytes / gib for p in frontier.points]
-    ys = [p.recompute_seconds * 1e3 for p in frontier.points]
-    ax.step(xs, ys, where="post", color="black", label="remat auto (frontier)")
-    ax.scatter(xs, ys, color="black", s=12)
-    for p in frontier.named:
-        ax.scatter(p.predicted_peak_bytes / gib, p.recompute_seconds * 1e3, s=40, marker="D")
+#: Marker shapes and colours given to strategies in order; the star is kept for the chosen plan.
+_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">", "h", "p", "d")
+_COLORS = tuple(f"C{i}" for i in range(10))
+
+
+def _byte_unit(values) -> tuple[str, int]:
+    """The binary unit the largest of `values` reads best in (at least 1 of it): KiB, MiB, GiB."""
+    top = max((abs(v) for v in values if v is not None), default=2**20)
+    name, scale = "B", 1
+    for unit, size in (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)):
+        if top >= size:
+            name, scale = unit, size
+    return name, scale
+
+
+def _time_unit(seconds) -> tuple[str, float]:
+    """The unit (s, ms, us) the largest of `seconds` reads best in."""
+    top = max((abs(s) for s in seconds if s is not None), default=1e-3)
+    if top >= 1:
+        return "s", 1.0
+    if top >= 1e-3:
+        return "ms", 1e-3
+    return "\N{MICRO SIGN}s", 1e-6
+
+
+def _style(k: int) -> dict[str, Any]:
+    return {"marker": _MARKERS[k % len(_MARKERS)], "color": _COLORS[k % len(_COLORS)]}
+
+
+def _new_figure():
+    """A figure not registered with pyplot (nothing to close, no global backend), laid out so that
+    a legend outside the axes stays on the canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _dodge(points: list[tuple[float, float]], xspan: float, yspan: float) -> list[float]:
+    """Horizontal offsets (in points) that set side by side the markers of points that would
+    hide each other (closer than about a marker in both axes), centred on their place;
+    deterministic, in the order given."""
+    offsets = [0.0] * len(points)
+    clusters: list[list[int]] = []
+    for i, (x, y) in enumerate(points):
+        for c in clusters:
+            x0, y0 = points[c[0]]
+            if abs(x - x0) <= 0.015 * xspan and abs(y - y0) <= 0.03 * yspan:
+                c.append(i)
+                break
+        else:
+            clusters.append([i])
+    for c in clusters:
+        for k, i in enumerate(c):
+            offsets[i] = (k - (len(c) - 1) / 2) * 9.0
+    return offsets
+
+
+def _span(values) -> float:
+    values = [v for v in values if v is not None]
+    return (max(values) - min(values)) or 1.0 if values else 1.0
+
+
+def _shifted(ax, dx_points: float):
+    """The data transform shifted right by `dx_points`. Artists drawn with it do not widen the
+    axes' limits: pass their points to `ax.update_datalim`."""
+    from matplotlib.transforms import ScaledTranslation
+
+    return ax.transData + ScaledTranslation(dx_points / 72, 0, ax.figure.dpi_scale_trans)
+
+
+def _budget_line(ax, budget_bytes: int, scale: int) -> None:
+    """The budget as a dashed vertical line labelled along its top, on the side with more room.
+    Call it once the data are drawn: a budget far off the data (a quarter of their width or more)
+    is not given room that would squash them: a label at that edge points to it instead."""
+    label = f"budget {format_bytes(budget_bytes)}"
+    style = {"color": "crimson", "linestyle": "--", "linewidth": 1.2, "label": label, "zorder": 1}
+    text = {"fontsize": 8, "color": "crimson", "va": "top", "textcoords": "offset points"}
+    x = budget_bytes / scale
+    lo, hi = ax.get_xlim()
+    margin = 0.25 * (hi - lo)
+    if lo - margin <= x <= hi + margin:
+        ax.axvline(x, **style)
+        lo, hi = ax.get_xlim()
+        left = x - lo > (hi - lo) / 2
         ax.annotate(
-            p.strategy,
-            (p.predicted_peak_bytes / gib, p.recompute_seconds * 1e3),
-            fontsize=8,
-            xytext=(4, 4),
-            textcoords="offset points",
+            label,
+            (x, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3 if left else 3, -4),
+            rotation=90,
+            ha="right" if left else "left",
+            **text,
         )
-    ax.set_xlabel("predicted peak of the step (GiB)")
-    profile = frontier.points[0].profile if frontier.points else ""
-    ax.set_ylabel(f"predicted recompute time (ms, {profile})")
-    ax.set_title(title or "memory / recompute frontier")
+        return
+    ax.plot([], [], **style)  # the legend entry alone
+    right = x > hi
+    ax.annotate(
+        f"{label} \N{RIGHTWARDS ARROW}" if right else f"\N{LEFTWARDS ARROW} {label}",
+        (1 if right else 0, 1),
+        xycoords="axes fraction",
+        xytext=(-4 if right else 4, -4),
+        ha="right" if right else "left",
+        **text,
+    )
+
+
+def _finish(fig, ax, title: str, xlabel: str, ylabel: str) -> None:
+    # Above the axes and the legend both (constrained layout makes room), wrapped to the figure.
+    fig.suptitle(textwrap.fill(title, 100), fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    # The frontier first, then the chosen plan and the budget, then the strategies as drawn.
+    first = ("auto frontier", "predicted frontier", "chosen: ", "budget ")
+    order = sorted(
+        range(len(labels)),
+        key=lambda i: next((k for k, f in enumerate(first) if labels[i].startswith(f)), len(first)),
+    )
+    handles, labels = [handles[i] for i in order], [labels[i] for i in order]
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", fontsize=8, frameon=False)
+
+
+def _frontier_figure(
+    frontier: Frontier,
+    title: str = "",
+    budget_bytes: int | None = None,
+    chosen: Plan | None = None,
+    step_seconds: float | None = None,
+):
+    """The figure `plot_frontier` saves (a `matplotlib.figure.Figure`)."""
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = _new_figure()
+    plans = [*frontier.points, *frontier.named, *([chosen] if chosen is not None else [])]
+    unit, scale = _byte_unit([p.predicted_peak_bytes for p in plans] or [budget_bytes])
+    if step_seconds:
+        ys_unit, tscale = "+% of predicted step", step_seconds / 100
+
+        def fmt(v: float) -> str:
+            return f"{v:+.3g}%" if v else "0%"
+
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
+    else:
+        ys_unit, tscale = _time_unit([p.recompute_seconds for p in plans])
+
+        def fmt(v: float) -> str:
+            return f"{v:.3g} {ys_unit}"
+
+    def y(p: Plan) -> float:
+        return p.recompute_seconds / tscale
+
+    profile = next((p.profile for p in plans), "")
+    if frontier.points:
+        xs = [p.predicted_peak_bytes / scale for p in frontier.points]
+        ys = [y(p) for p in frontier.points]
+        ax.step(
+            xs,
+            ys,
+            where="post",
+            color="black",
+            linewidth=1.2,
+            marker="o",
+            markersize=3,
+            label=f"auto frontier ({profile} profile)" if profile else "auto frontier",
+            zorder=2,
+        )
+    if chosen is not None:
+        ax.plot(
+            chosen.predicted_peak_bytes / scale,
+            y(chosen),
+            linestyle="none",
+            marker="*",
+            markersize=20,
+            color="gold",
+            markeredgecolor="black",
+            markeredgewidth=1.0,
+            label=f"chosen: {chosen.strategy} at {format_bytes(chosen.predicted_peak_bytes)}, "
+            f"{fmt(y(chosen))}",
+            zorder=4,
+        )
+    # Fixed strategies that land on the same point share one marker and one legend entry.
+    groups: dict[tuple[int, float], list[str]] = {}
+    for p in frontier.named:
+        groups.setdefault((p.predicted_peak_bytes, round(p.recompute_seconds, 12)), []).append(
+            p.strategy
+        )
+    points = [(peak / scale, seconds / tscale) for peak, seconds in groups]
+    dx = _dodge(
+        points,
+        _span([p.predicted_peak_bytes / scale for p in plans]),
+        _span([y(p) for p in plans]),
+    )
+    if points:
+        ax.update_datalim(points)
+    for k, ((peak, _), names) in enumerate(groups.items()):
+        px, py = points[k]
+        ax.plot(
+            px,
+            py,
+            transform=_shifted(ax, dx[k]),
+            linestyle="none",
+            markersize=8,
+            markeredgecolor="white",
+            markeredgewidth=0.6,
+            alpha=0.9,
+            label=f"{' / '.join(names)} at {format_bytes(peak)}, {fmt(py)}",
+            zorder=3,
+            **_style(k),
+        )
+    ax.autoscale_view()
+    if budget_bytes is not None:
+        _budget_line(ax, budget_bytes, scale)
+    _finish(
+        fig,
+        ax,
+        title or "predicted memory / recompute frontier",
+        f"predicted peak of the step ({unit})",
+        f"predicted recompute time ({ys_unit})",
+    )
+    return fig
+
+
+def plot_frontier(
+    frontier: Frontier,
+    path: str,
+    title: str = "",
+    budget_bytes: int | None = None,
+    chosen: Plan | None = None,
+    step_seconds: float | None = None,
+) -> str:
+    """A PNG of the predicted frontier (peak vs recompute time) with the fixed strategies, the
+    budget and the chosen plan marked. Recompute time is in % of `step_seconds` when given."""
+    fig = _frontier_figure(frontier, title, budget_bytes, chosen, step_seconds)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
-def plot_bench(rows, frontier: Frontier, step_seconds: float, path: str) -> str:
-    """Measured (peak, step-time ratio) of each row over remat's predicted frontier (recompute
-    time as a share of the predicted `step_seconds`)."""
-    plt = _pyplot()
-    mib = 2**20
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.step(
-        [p.predicted_peak_bytes / mib for p in frontier.points],
-        [1 + p.recompute_seconds / step_seconds for p in frontier.points],
-        where="post",
-        color="black",
-        label="predicted frontier (remat auto)",
+def _bench_figure(
+    rows,
+    frontier: Frontier,
+    step_seconds: float | None,
+    title: str = "",
+    budget_bytes: int | None = None,
+):
+    """The figure `plot_bench` saves (a `matplotlib.figure.Figure`)."""
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = _new_figure()
+    measured = [r for r in rows if r.peak_bytes is not None and r.time_ratio is not None]
+    unit, scale = _byte_unit(
+        [r.peak_bytes for r in measured] + [p.predicted_peak_bytes for p in frontier.points]
+        or [budget_bytes]
     )
-    for r in rows:
-        if r.peak_bytes is None or r.time_ratio is None:
-            continue
-        ax.scatter(r.peak_bytes / mib, r.time_ratio, s=40, marker="o")
-        ax.annotate(
-            r.strategy,
-            (r.peak_bytes / mib, r.time_ratio),
-            fontsize=8,
-            xytext=(4, 4),
-            textcoords="offset points",
+    if frontier.points and step_seconds:
+        ax.step(
+            [p.predicted_peak_bytes / scale for p in frontier.points],
+            [1 + p.recompute_seconds / step_seconds for p in frontier.points],
+            where="post",
+            color="black",
+            linewidth=1.2,
+            label="predicted frontier (remat auto)",
+            zorder=2,
         )
-    ax.set_xlabel("peak of the step (MiB): measured points, predicted line")
-    ax.set_ylabel("step time / store_all")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    base = next(
+        (r.step_seconds for r in rows if r.strategy == "store_all" and r.step_seconds), None
+    )
+    spread = False
+    dx = _dodge(
+        [(r.peak_bytes / scale, r.time_ratio) for r in measured],
+        _span(
+            [r.peak_bytes / scale for r in measured]
+            + [p.predicted_peak_bytes / scale for p in frontier.points]
+        ),
+        _span([r.time_ratio for r in measured] + [1.0]),
+    )
+    for k, r in enumerate(measured):
+        lo = getattr(r, "step_seconds_min", None)
+        hi = getattr(r, "step_seconds_max", None)
+        yerr = None
+        if base and lo is not None and hi is not None:
+            yerr = [[max(r.time_ratio - lo / base, 0.0)], [max(hi / base - r.time_ratio, 0.0)]]
+            spread = True
+            ax.update_datalim(
+                [(r.peak_bytes / scale, lo / base), (r.peak_bytes / scale, hi / base)]
+            )
+        ax.update_datalim([(r.peak_bytes / scale, r.time_ratio)])
+        ax.errorbar(
+            r.peak_bytes / scale,
+            r.time_ratio,
+            yerr=yerr,
+            transform=_shifted(ax, dx[k]),
+            linestyle="none",
+            markersize=8,
+            markeredgecolor="white",
+            markeredgewidth=0.6,
+            capsize=3,
+            label=f"{r.strategy} at {format_bytes(r.peak_bytes)}, {r.time_ratio:.2f}x",
+            zorder=3,
+            **_style(k),
+        )
+    ax.autoscale_view()
+    if budget_bytes is not None:
+        _budget_line(ax, budget_bytes, scale)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}x"))
+    _finish(
+        fig,
+        ax,
+        title or "measured steps over the predicted frontier",
+        f"peak of the step ({unit}): measured points, predicted line",
+        "step time / store_all"
+        + (" (median; bars: fastest..slowest step)" if spread else " (median)"),
+    )
+    return fig
+
+
+def plot_bench(
+    rows,
+    frontier: Frontier,
+    step_seconds: float | None,
+    path: str,
+    title: str = "",
+    budget_bytes: int | None = None,
+) -> str:
+    """Measured (peak, step-time ratio) of each row over remat's predicted frontier (recompute
+    time as a share of the predicted `step_seconds`); rows without a measured peak are left out.
+    Error bars span the fastest..slowest step when rows carry `step_seconds_min/max`."""
+    fig = _bench_figure(rows, frontier, step_seconds, title, budget_bytes)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -1,0 +1,213 @@
+"""`remat.bench`: interleaved timing rounds, the spread and noise flag of each row, the table that
+shows them, and `remat.measure.time_steps`."""
+
+from __future__ import annotations
+
+import io
+from contextlib import contextmanager
+
+import pytest
+import torch
+from rich.console import Console
+
+from remat import Planner, models, trace
+from remat.bench import BenchRow, _interleaved_rounds, bench, bench_compiled, progress_total
+from remat.errors import RematError
+from remat.measure import time_steps
+from remat.report import bench_table
+
+MIB = 2**20
+LONG_NOTE = (
+    "strategy selective:torchtitan predicts a peak of 2.3 GiB, over the budget of 1.1 GiB: the "
+    "smallest budget it fits is 2.2 GiB (strategy auto picks among all); "
+    "compiled with inductor, predicted recompute 0.12 ms, held 123456 B; " * 2
+)[:300]
+
+
+def measured(name, mib, predicted, ms, ratio, noise, diff=0.0) -> BenchRow:
+    """A measured row: held and peak `mib` (MiB), step times `ms` = (median, min, max)."""
+    return BenchRow(
+        strategy=name,
+        held_bytes=int(mib[0] * MIB),
+        peak_bytes=int(mib[1] * MIB),
+        predicted_peak_bytes=int(predicted * MIB) if predicted else None,
+        step_seconds=ms[0] / 1e3,
+        step_seconds_min=ms[1] / 1e3,
+        step_seconds_max=ms[2] / 1e3,
+        time_ratio=ratio,
+        within_noise=noise,
+        grad_max_abs_diff=diff,
+        note=LONG_NOTE,
+    )
+
+
+def table_rows() -> list[BenchRow]:
+    """Measured rows with a 300-character note each, wide numbers and long names, and two rows
+    without a measurement."""
+    assert len(LONG_NOTE) == 300
+    return [
+        measured("store_all", (12345, 23456), 23400, (123.4, 120.1, 130.2), 1.0, True),
+        measured("full", (1234, 2345), 2340, (152.34, 140.1, 160.3), 1.2345, False),
+        measured(
+            "torch:checkpoint_sequential", (1234, 2345), None, (9.34, 9.1, 10.1), 0.9, True, 1.5e-7
+        ),
+        measured(
+            "torch.compile@0.5", (1234, 2345), 2340, (1152.3, 1140.1, 12160.3), 12.3456, False
+        ),
+        BenchRow("hf:gradient_checkpointing", note="not a Hugging Face model"),
+        BenchRow("selective:torchtitan", predicted_peak_bytes=5 * MIB, note=LONG_NOTE),
+    ]
+
+
+def render(console: Console, rows: list[BenchRow]) -> str:
+    console.print(bench_table(rows, title="gpt2 b2 s32 float32 on cpu, budget 50%"))
+    return console.file.getvalue()
+
+
+@pytest.mark.parametrize(
+    "console",
+    [
+        Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None),
+        Console(file=io.StringIO(), width=100, force_terminal=True, color_system=None),
+        Console(file=io.StringIO()),  # piped: not a terminal
+    ],
+    ids=["80-columns", "100-columns", "not-a-terminal"],
+)
+def test_table_keeps_every_number_whole_beside_long_notes(console):
+    rows = table_rows()
+    text = render(console, rows)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= console.width
+    expected = {
+        "store_all": ("1.00x", "123", "120-130", "12345.0", "23456.0", "23400.0"),
+        "full": ("1.23x", "152", "140-160", "1234.0", "2345.0", "2340.0"),
+        "torch:checkpoint_sequential": ("~0.90x", "9.34", "9.10-10.1", "1.5e-07"),
+        "torch.compile@0.5": ("12.35x", "1152", "1140-12160"),
+    }
+    for strategy, cells in expected.items():
+        # the row's first line starts with the strategy (folded or not) and holds every number
+        line = next(x for x in lines if x.startswith(strategy[:8]))
+        for cell in cells:
+            assert f" {cell} " in f" {line} ", (strategy, cell, line)
+    assert "..." not in text and "…" not in text
+    # the notes are under the table, whole (folded into lines), after their rows' names
+    assert "".join(text.split()).count("".join(LONG_NOTE.split())) == 5
+    assert "hf:gradient_checkpointing: not a Hugging Face model" in " ".join(text.split())
+    assert "~ = within noise" in text
+
+
+def test_table_marks_only_rows_within_noise():
+    rows = table_rows()
+    text = render(Console(file=io.StringIO(), width=160), rows)
+    assert "~0.90x" in text and "~1.23x" not in text and "~1.00x" not in text
+
+
+def test_time_steps_returns_the_asked_number_of_positive_durations():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    seconds = time_steps(model, x, steps=3)
+    assert len(seconds) == 3 and all(isinstance(s, float) and s > 0 for s in seconds)
+    assert len(time_steps(model, x, warmup=2)) == 1
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RematError, match="steps >= 1"):
+        time_steps(model, x, steps=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_mlp():
+    model, inputs = models.build("mlp-chain-8", batch=8, tiny=True, device="cpu")
+    return model, inputs, Planner(trace(model, *inputs))
+
+
+def test_bench_times_rows_in_rounds_and_reports_their_spread(tiny_mlp):
+    model, inputs, planner = tiny_mlp
+    names = ["full", "torch:checkpoint-per-block", "hf:gradient_checkpointing"]
+    calls: list[str] = []
+    rows = bench(model, inputs, planner, names, budget="1TiB", steps=3, progress=calls.append)
+    by_name = {r.strategy: r for r in rows}
+    assert [r.strategy for r in rows] == ["store_all", *names]
+    assert calls == ["store_all", *names, "round 1/3", "round 2/3", "round 3/3"]
+    assert len(calls) == progress_total(names, steps=3)
+
+    measured = [by_name[n] for n in ("store_all", "full", "torch:checkpoint-per-block")]
+    for r in measured:
+        assert 0 < r.step_seconds_min <= r.step_seconds <= r.step_seconds_max, r
+        assert isinstance(r.within_noise, bool)
+        assert r.grad_max_abs_diff == 0.0
+        assert r.time_ratio == pytest.approx(r.step_seconds / by_name["store_all"].step_seconds)
+    assert by_name["store_all"].time_ratio == 1.0 and by_name["store_all"].within_noise is True
+    assert by_name["full"].predicted_peak_bytes is not None
+    hf = by_name["hf:gradient_checkpointing"]
+    assert hf.step_seconds is None and hf.within_noise is None
+    assert hf.note == "not a Hugging Face model"
+    # the plans and baselines came off again: the model is store_all's
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_bench_rows_are_json_ready(tiny_mlp):
+    model, inputs, planner = tiny_mlp
+    rows = bench(model, inputs, planner, ["full", "chain_dp"], budget="1%", steps=1)
+    full, chain_dp = rows[1], rows[2]
+    assert full.ran and "over the budget" in full.note  # a fixed strategy is a reference point
+    d = chain_dp.to_dict()
+    assert not chain_dp.ran and d["step_seconds"] is None and d["within_noise"] is None
+    assert "chain_dp" in d["note"]
+    assert set(rows[0].to_dict()) >= {
+        "step_seconds",
+        "step_seconds_min",
+        "step_seconds_max",
+        "time_ratio",
+        "within_noise",
+    }
+
+
+def test_rounds_interleave_the_rows_each_set_up_alone():
+    model = torch.nn.Linear(4, 1)
+    x = torch.randn(2, 4)
+    log: list[str] = []
+
+    def setup(name: str):
+        @contextmanager
+        def installed():
+            log.append(f"+{name}")
+            yield
+            log.append(f"-{name}")
+
+        return installed
+
+    times = _interleaved_rounds(
+        [(model, setup("a")), (model, setup("b")), (model, setup("c"))], (x,), 2, log.append
+    )
+    assert [len(t) for t in times] == [2, 2, 2]
+    assert log == [
+        *("round 1/2", "+a", "-a", "+b", "-b", "+c", "-c"),
+        *("round 2/2", "+b", "-b", "+c", "-c", "+a", "-a"),  # each round starts one row later
+    ]
+
+
+def test_bench_compiled_times_every_variant_without_recompiling(tiny_mlp):
+    model, inputs, _ = tiny_mlp
+    calls: list[str] = []
+    rows = bench_compiled(
+        model,
+        inputs,
+        budget="1TiB",
+        steps=2,
+        compiler="aot_eager",
+        base_seconds=0.5,
+        base_range=(0.4, 0.6),
+        progress=calls.append,
+    )
+    assert calls[-2:] == ["torch.compile round 1/2", "torch.compile round 2/2"]
+    assert len(calls) == progress_total([], 2, compiled=True) - progress_total([], 2)
+    for r in rows:
+        assert 0 < r.step_seconds_min <= r.step_seconds <= r.step_seconds_max, r
+        assert r.time_ratio == pytest.approx(r.step_seconds / 0.5)
+        assert r.within_noise is False  # a tiny step is far below the made-up eager range
+        assert r.grad_max_abs_diff <= 1e-6 and "recompiled" not in r.note, r
+
+
+def test_bench_needs_a_timing_round(tiny_mlp):
+    model, inputs, planner = tiny_mlp
+    with pytest.raises(RematError, match="at least one timing round"):
+        bench(model, inputs, planner, [], steps=0)
