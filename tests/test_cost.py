@@ -66,8 +66,26 @@ def test_get_profile():
     assert get_profile("h200") is PROFILES["h200"]
     custom = DeviceProfile("mine", 1.0, 1.0, 1.0)
     assert get_profile(custom) is custom
-    with pytest.raises(UnknownProfileError, match="a100, cpu, h100, h200"):
+    with pytest.raises(
+        UnknownProfileError, match="a100, a100-40gb, cpu, h100, h200, l4, mi300x, rtx4090"
+    ):
         get_profile("tpu")
+
+
+@pytest.mark.parametrize("name", ["a100-40gb", "l4", "rtx4090", "mi300x"])
+def test_gpu_profiles_are_dense_bf16_matrix_over_vector_over_bandwidth(name):
+    p = get_profile(name)
+    assert p.name == name
+    # matrix units outrun the vector units; both are far above one flop per byte of traffic
+    assert p.peak_flops > p.vector_flops
+    assert 40 < p.peak_flops / p.bandwidth < 500
+    assert 5 < p.vector_flops / p.bandwidth < 200
+
+
+def test_the_a100_40gb_differs_from_the_80gb_only_in_bandwidth():
+    a40, a80 = PROFILES["a100-40gb"], PROFILES["a100"]
+    assert (a40.peak_flops, a40.vector_flops) == (a80.peak_flops, a80.vector_flops)
+    assert a40.bandwidth < a80.bandwidth
 
 
 def test_calibrate_profile_measures_plausible_rates():

@@ -3,12 +3,25 @@ estimate as the no-regions case of the planner's judge on model-zoo graphs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from oracles import store_all_timeline
 
 import remat
 from remat import models
-from remat.estimate import estimate, live_bytes_timeline, storage_deaths
+from remat.errors import RematError
+from remat.estimate import (
+    OPTIMIZER_MEMORY,
+    OPTIMIZERS,
+    estimate,
+    live_bytes_timeline,
+    param_blocks,
+    shard_step,
+    storage_deaths,
+    trainable_param_elements,
+)
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
 from remat.schedule import simulate
 
@@ -69,9 +82,176 @@ def test_adamw_keeps_two_states_per_parameter_byte_and_a_step_temporary():
     assert adamw.peak_bytes == base.peak_bytes + 16
 
 
-def test_unknown_optimizer_is_refused():
-    with pytest.raises(ValueError, match="adamw"):
+def test_unknown_optimizer_is_refused_listing_the_choices():
+    with pytest.raises(RematError, match="None, 'sgd', 'sgd-momentum', 'adamw', 'adamw-8bit'"):
         estimate(_graph(), optimizer="lion")
+
+
+def test_every_optimizer_name_has_a_memory_model():
+    assert OPTIMIZERS == ("sgd", "sgd-momentum", "adamw", "adamw-8bit")
+    assert set(OPTIMIZER_MEMORY) == {None, *OPTIMIZERS}
+
+
+def test_optimizer_state_of_a_known_graph():
+    """The hand-made graph has one 8-byte uint8 parameter: 8 elements of 1 byte."""
+    g = _graph()
+    assert trainable_param_elements(g) == 8
+    state = {o: estimate(g, optimizer=o).optimizer_state_bytes for o in (None, *OPTIMIZERS)}
+    assert state == {None: 0, "sgd": 0, "sgd-momentum": 8, "adamw": 16, "adamw-8bit": 16}
+    base = estimate(g).peak_bytes
+    # no step transient but AdamW's sqrt(exp_avg_sq); at the end of the step 8 B of param + 10 B
+    # of input + 8 B of grad + 50 B of output are live, under the backward's peak of 206 B
+    assert estimate(g, optimizer="sgd-momentum").peak_bytes == base + 8
+    assert estimate(g, optimizer="adamw-8bit").peak_bytes == base + 16
+
+
+def _tiny_gpt2(dtype: str = "fp32", autocast: bool = False) -> tuple[remat.Graph, int]:
+    model, inputs = models.build("gpt2", batch=2, seq=32, tiny=True, dtype=dtype)
+    if autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            graph = remat.trace(model, *inputs)
+    else:
+        graph = remat.trace(model, *inputs)
+    return graph, sum(p.numel() for p in model.parameters())
+
+
+def _bytes_per_param(graph: remat.Graph, optimizer: str | None) -> float:
+    est = estimate(graph, optimizer=optimizer)
+    assert est.trainable_param_count == graph.info["param_count"]
+    return (
+        est.param_bytes + est.grad_bytes + est.optimizer_state_bytes
+    ) / est.trainable_param_count
+
+
+@pytest.mark.parametrize(
+    ("dtype", "autocast", "optimizer", "per_param"),
+    [
+        ("fp32", True, "adamw", 16),  # bf16-mixed: fp32 masters, fp32 grads, fp32 moments
+        ("fp32", False, "adamw", 16),
+        ("bf16", False, "adamw", 8),  # pure bf16: 2 + 2 + 2 x 2
+        ("fp32", False, "adamw-8bit", 10),  # 4 + 4 + two uint8 moments
+        ("bf16", False, "adamw-8bit", 6),
+        ("fp32", False, "sgd-momentum", 12),
+        ("fp32", False, "sgd", 8),
+        ("fp32", False, None, 8),
+    ],
+)
+def test_weights_grads_and_optimizer_state_per_parameter(dtype, autocast, optimizer, per_param):
+    graph, count = _tiny_gpt2(dtype, autocast)
+    assert graph.info["param_count"] == count
+    assert _bytes_per_param(graph, optimizer) == per_param
+
+
+# -- FSDP2 / ZeRO-3 sharding -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_graph() -> tuple[remat.Graph, dict[str, int]]:
+    """Tiny GPT-2 in fp32, and its parameter bytes per FSDP unit ("" the root, "h.0", "h.1")."""
+    model, inputs = models.build("gpt2", batch=2, seq=32, tiny=True)
+    units: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        unit = ".".join(name.split(".")[:2]) if name.startswith("h.") else ""
+        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
+    return remat.trace(model, *inputs), units
+
+
+@pytest.mark.parametrize("optimizer", [None, "sgd", "adamw"])
+def test_shard_1_is_the_single_device_step(gpt2_graph, optimizer):
+    graph, _ = gpt2_graph
+    one = estimate(graph, optimizer=optimizer, shard=1)
+    assert one == estimate(graph, optimizer=optimizer)
+    assert one.shard == 1 and one.gathered_param_bytes == one.unsharded_grad_bytes == 0
+    state = 2 * graph.param_bytes if optimizer == "adamw" else 0
+    persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    sim = simulate(graph, (), base_bytes=persistent + state)
+    assert [b for _, b in one.timeline] == list(sim.timeline)
+    assert one.peak_bytes >= sim.peak_bytes
+    if optimizer != "adamw":
+        assert one.peak_bytes == sim.peak_bytes
+
+
+def test_parameters_are_owned_by_the_block_that_reads_them(gpt2_graph):
+    graph, units = gpt2_graph
+    owned: dict[str, int] = {}
+    for sid, block in param_blocks(graph).items():
+        owned[block] = owned.get(block, 0) + graph.storages[sid].nbytes
+    assert owned == units
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sharding_divides_what_persists_and_adds_fsdps_transients(gpt2_graph, n):
+    graph, units = gpt2_graph
+    one = estimate(graph, optimizer="adamw")
+    est = estimate(graph, optimizer="adamw", shard=n)
+    assert est.shard == n
+    assert est.activation_bytes == one.activation_bytes
+    assert est.by_module == one.by_module
+    assert est.buffer_bytes == one.buffer_bytes and est.input_bytes == one.input_bytes
+    assert est.param_bytes == math.ceil(one.param_bytes / n)
+    assert est.grad_bytes == math.ceil(one.grad_bytes / n)
+    assert est.optimizer_state_bytes == math.ceil(one.optimizer_state_bytes / n)
+    sharded = one.param_bytes + one.grad_bytes + one.optimizer_state_bytes
+    assert est.fixed_bytes - est.buffer_bytes - est.input_bytes == pytest.approx(sharded / n, abs=3)
+    # the root unit stays gathered, plus the largest block computing and the next prefetched;
+    # in backward, one block's fp32 grads before the reduce-scatter
+    block = max(v for k, v in units.items() if k)
+    assert est.gathered_param_bytes == units[""] + 2 * block
+    assert est.unsharded_grad_bytes == block
+    # before any grad exists the timeline is the store-all one, shifted
+    saving = sharded - est.param_bytes - est.grad_bytes - est.optimizer_state_bytes
+    saving -= one.grad_bytes - est.grad_bytes  # grads are not live at op 0
+    assert est.timeline[0][1] == one.timeline[0][1] - saving + est.gathered_param_bytes
+    assert est.peak_bytes == max(
+        max(b for _, b in est.timeline),
+        est.peak_bytes if est.peak_phase == "optimizer" else 0,
+    )
+
+
+def test_the_per_rank_peak_falls_with_the_number_of_ranks(gpt2_graph):
+    graph, _ = gpt2_graph
+    peaks = [estimate(graph, optimizer="adamw", shard=n).peak_bytes for n in (1, 2, 4, 8, 64)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    # what cannot be sharded stays: activations and the gathered units
+    last = estimate(graph, optimizer="adamw", shard=64)
+    assert last.peak_bytes > last.activation_bytes + last.gathered_param_bytes
+
+
+def test_the_sharded_optimizer_step_runs_on_the_shards(gpt2_graph):
+    graph, _ = gpt2_graph
+    one = estimate(graph, optimizer="adamw")
+    assert one.peak_phase == "optimizer"
+    at_end = one.peak_bytes - graph.param_bytes  # less AdamW's sqrt(exp_avg_sq) on all params
+    persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    sim = simulate(graph, (), base_bytes=persistent + one.optimizer_state_bytes)
+    for n in (2, 3, 8):
+        sharded = shard_step(graph, sim, n, "adamw")
+        # params, state and every grad (all live at the end) are 1/n; so is the sqrt list
+        expected = (
+            at_end
+            - (graph.param_bytes - sharded.param_bytes)
+            - (one.optimizer_state_bytes - sharded.optimizer_state_bytes)
+            - (graph.grad_bytes - sharded.grad_bytes)
+            + math.ceil(graph.param_bytes / n)
+        )
+        assert sharded.optimizer_step_bytes == expected
+        est = estimate(graph, optimizer="adamw", shard=n)
+        assert est.peak_bytes == max(expected, max(b for _, b in est.timeline))
+
+
+def test_a_model_without_blocks_is_one_unit_gathered_whole():
+    g = _graph()
+    est = estimate(g, optimizer="adamw", shard=2)
+    assert est.gathered_param_bytes == 8 and est.unsharded_grad_bytes == 0
+    assert est.param_bytes == 4 and est.grad_bytes == 4 and est.optimizer_state_bytes == 8
+    one = estimate(g, optimizer="adamw")
+    # the grad is the root unit's, whole until the end of the backward: only params and state
+    # shrink, and the gathered parameters come back
+    assert [b for _, b in est.timeline] == [b - 4 - 8 + 8 for _, b in one.timeline]
+
+
+@pytest.mark.parametrize("shard", [0, -2, 2.0, True, "4"])
+def test_a_bad_shard_is_refused(shard):
+    with pytest.raises(RematError, match="shard"):
+        estimate(_graph(), shard=shard)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "resnet50"])

@@ -24,6 +24,7 @@ REMAT_DIR = Path(remat.__file__).parent
 
 CORE_MODULES = [
     "remat.graph",
+    "remat.gpus",
     "remat.cost",
     "remat.estimate",
     "remat.schedule",

@@ -208,3 +208,54 @@ def test_no_grad_forward_is_refused():
 
     with pytest.raises(TraceError, match="no output of the model requires grad"):
         remat.trace(NoGrad(), torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_mixed_precision_trace_counts_what_autograd_saves_under_autocast(device):
+    """bf16-mixed: fp32 parameters, bf16 compute; autograd saves the bf16 copies of the weights
+    autocast makes (activations that a bf16-only count would miss)."""
+    from remat import models
+
+    model, inputs = models.build("llama-3.2-1b", batch=2, seq=32, tiny=True, device="cpu")
+
+    def step(*args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(*args)
+
+    graph = remat.trace(model, *inputs, device=device, autocast=torch.bfloat16)
+    params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(*inputs)
+    assert graph.activation_bytes == sum(seen.values())
+    assert graph.info["autocast"] == "bfloat16"
+    dtypes = {t.dtype for t in graph.tensors.values()}
+    assert {"bfloat16", "float32"} <= dtypes
+    assert all(s.nbytes % 4 == 0 for s in graph.storages.values() if s.kind == "param")
+
+
+def test_a_mixed_precision_plan_applies_with_the_gradients_of_no_checkpointing():
+    """autocast's cached bf16 copies of the weights outlive a block's call without being state:
+    a plan over the blocks is made, and applied under autocast it changes no gradient."""
+    from remat import models
+    from remat.bench import gradients
+
+    model, inputs = models.build("llama-3.2-1b", batch=2, seq=32, tiny=True, device="cpu")
+    graph = remat.trace(model, *inputs, autocast=torch.bfloat16)
+    plan = remat.plan(graph, "1TiB", "full")
+    assert plan.regions
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = gradients(model, inputs)
+        remat.apply(model, plan)
+        try:
+            checkpointed = gradients(model, inputs)
+        finally:
+            remat.remove(model)
+    for name, grad in reference.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=0, msg=name)

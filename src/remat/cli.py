@@ -283,6 +283,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     strategies.get(args.strategy, "eager")  # bad input fails before the trace
     _writable(args.out, "--out")
     _writable(args.plot, "--plot")
+    _writable(args.html, "--html")
     return _show_plan(_planner(args, console), args, console)
 
 
@@ -320,6 +321,17 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
                 budget_bytes=budget_bytes,
                 chosen=chosen,
                 step_seconds=step_seconds,
+            )
+    if args.html:
+        from remat.html import write_report
+
+        with console.status("writing the HTML report ..."):
+            write_report(
+                args.html,
+                planner,
+                title=_title(args, planner),
+                budget_bytes=budget_bytes,
+                chosen=chosen,
             )
     if args.json:
         d = plan_dict(chosen, **context)
@@ -361,12 +373,15 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
         console.print(f"plan written to {args.out}")
     if args.plot:
         console.print(f"frontier plotted to {args.plot}")
+    if args.html:
+        console.print(f"report written to {args.html}")
     return 0
 
 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     _writable(args.json, "--json")
     _writable(args.plot, "--plot")
+    _writable(args.html, "--html")
     return _show_bench(_planner(args, console), args, console)
 
 
@@ -446,6 +461,11 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
             budget_bytes=budget_bytes,
         )
         console.print(f"plot written to {args.plot}")
+    if args.html:
+        from remat.html import write_report
+
+        write_report(args.html, planner, title=title, budget_bytes=budget_bytes, bench_rows=rows)
+        console.print(f"report written to {args.html}")
     return 0
 
 
@@ -509,6 +529,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         steps=5,
         compile=False,
         compiler="inductor",
+        html=None,
     )
     console.rule("1. estimate: activation memory and the peak of a training step (fake tensors)")
     planner = _planner(demo, console)  # one trace and one frontier for the three steps
@@ -521,6 +542,87 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     demo.json, demo.plot = str(out / "bench.json"), str(out / "bench.png")
     _show_bench(planner, demo, console)
     console.print(f"[bold]results in {out}/[/bold]: plan.json, pareto.png, bench.json, bench.png")
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from remat import models
+    from remat.fit import PRECISIONS, fit
+    from remat.gpus import custom_gpu, get_gpu
+    from remat.units import format_bytes
+
+    gpu = custom_gpu(args.capacity, args.gpu) if args.capacity else get_gpu(args.gpu)
+    _writable(args.html, "--html")
+    overrides = _parse_overrides(args.set)
+    dtype = PRECISIONS[args.precision][0] if args.precision in PRECISIONS else "fp32"
+
+    def build(batch: int, seq: int):
+        return models.build(
+            args.model, batch=batch, seq=seq, dtype=dtype, tiny=args.tiny, **overrides
+        )
+
+    with console.status("tracing ...") as status:
+        report = fit(
+            build,
+            model=args.model,
+            batch=args.batch,
+            seq=args.seq,
+            gpu=gpu,
+            precision=args.precision,
+            optimizer=None if args.optimizer == "none" else args.optimizer,
+            shard=args.shard,
+            reserve=args.reserve,
+            progress=lambda text: status.update(text),
+        )
+    if args.html:
+        from remat.html import write_report
+
+        planner = report.planner
+        write_report(
+            args.html,
+            planner,
+            title=f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on "
+            f"{gpu.name}",
+            budget_bytes=report.usable_bytes,
+            fit_rows=report.table_rows(),
+        )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    title = (
+        f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
+        f"{report.optimizer or 'no optimizer'}, on {gpu.name}"
+        + (f", sharded over {args.shard} ranks (per-rank figures)" if args.shard > 1 else "")
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("strategy", "peak", "fits", "step time", "max batch", "max seq"):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for r in report.rows:
+        table.add_row(
+            r.strategy,
+            "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
+            "[green]yes[/green]" if r.fits else "[red]no[/red]",
+            "-" if r.overhead is None else f"+{r.overhead:.1%}",
+            f"{r.max_batch} at seq {args.seq}" if r.max_batch else "-",
+            f"{r.max_seq} at batch {args.batch}" if r.max_seq else "-",
+        )
+    table.caption = (
+        f"usable {format_bytes(report.usable_bytes)} = capacity "
+        f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)} "
+        "(CUDA context + allocator fragmentation; --reserve); step time: predicted recompute on "
+        f"the {gpu.profile} profile; max seq in steps of 64; "
+        f"{report.traces} steps traced in {report.seconds:.0f} s"
+    )
+    console.print(table)
+    for r in report.rows:
+        if r.note:
+            console.print(f"[dim]{r.strategy}: {r.note}[/dim]")
+    for line in report.advice:
+        console.print(f"[bold]advice:[/bold] {line}")
+    if args.html:
+        console.print(f"report written to {args.html}")
     return 0
 
 
@@ -556,6 +658,67 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=_positive_int, default=12, help="rows in the by-module and by-op tables"
     )
     est.set_defaults(func=cmd_estimate)
+    ft = sub.add_parser(
+        "fit",
+        help="does a training step fit a GPU, with which strategy, and at what batch and sequence",
+        epilog="examples:\n"
+        "  remat fit --model llama-3.1-8b --seq 8192 --gpu h100 --optimizer adamw --precision bf16-mixed\n"
+        "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --shard 8\n"
+        "  remat fit --model gpt2 --seq 1024 --capacity 24GiB",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ft.add_argument(
+        "--model", default="llama-3.1-8b", help="as for estimate (default: %(default)s)"
+    )
+    ft.add_argument(
+        "--batch", type=_positive_int, default=1, help="micro-batch (default: %(default)s)"
+    )
+    ft.add_argument(
+        "--seq", type=_positive_int, default=4096, help="sequence length (default: %(default)s)"
+    )
+    ft.add_argument("--tiny", action="store_true", help="the preset's tiny configuration")
+    ft.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field (repeatable)",
+    )
+    ft.add_argument(
+        "--gpu",
+        default="h100",
+        help="h100, h200, a100-40gb, a100-80gb, l4, rtx4090, mi300x (default: %(default)s)",
+    )
+    ft.add_argument(
+        "--capacity", help="any other GPU: its memory, e.g. 70GiB (costs on --gpu's profile)"
+    )
+    ft.add_argument(
+        "--reserve",
+        help="memory kept back for the CUDA context and fragmentation, e.g. 3GiB (default: see remat.gpus.DEFAULT_RESERVE)",
+    )
+    ft.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=["fp32", "bf16", "bf16-mixed"],
+        help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward (default: %(default)s)",
+    )
+    ft.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["none", "sgd", "sgd-momentum", "adamw", "adamw-8bit"],
+        help="optimizer state counted in the peak (default: %(default)s)",
+    )
+    ft.add_argument(
+        "--shard",
+        type=_positive_int,
+        default=1,
+        help="FSDP2 / ZeRO-3 ranks that share parameters, gradients and optimizer state (default: %(default)s)",
+    )
+    ft.add_argument("--json", action="store_true", help="print the answer as JSON")
+    ft.add_argument(
+        "--html", metavar="REPORT.html", help="also write the self-contained HTML report"
+    )
+    ft.set_defaults(func=cmd_fit)
     pl = sub.add_parser(
         "plan",
         help="choose what to keep and what to recompute under a memory budget",
@@ -587,7 +750,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PARETO.png",
         help="plot the memory / recompute frontier with the strategies marked",
     )
+    pl.add_argument(
+        "--html", metavar="REPORT.html", help="also write the self-contained HTML report"
+    )
     pl.set_defaults(func=cmd_plan)
+    rp = sub.add_parser(
+        "report",
+        help="write one self-contained HTML report of a step: timeline, breakdown, frontier, plan",
+        epilog="example:\n  remat report --model gpt2 --tiny --html report.html",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(rp)
+    _add_budget_arg(rp)
+    _add_profile_arg(rp)
+    _add_optimizer_arg(rp)
+    rp.add_argument("--html", metavar="REPORT.html", required=True, help="where to write it")
+    rp.set_defaults(func=cmd_plan, strategy="auto", json=False, explain=False, out=None, plot=None)
     be = sub.add_parser(
         "bench", help="apply each strategy to the real model and measure peak, time and gradients"
     )
@@ -629,6 +807,9 @@ def build_parser() -> argparse.ArgumentParser:
         "aot_eager (the same partition run op by op) (default: %(default)s)",
     )
     be.add_argument("--json", metavar="OUT.json", help="write the rows as JSON")
+    be.add_argument(
+        "--html", metavar="REPORT.html", help="also write the self-contained HTML report"
+    )
     be.add_argument("--plot", metavar="OUT.png", help="measured points on the predicted frontier")
     be.set_defaults(func=cmd_bench, optimizer=None)
     return parser

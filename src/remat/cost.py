@@ -40,6 +40,23 @@ PROFILES: dict[str, DeviceProfile] = {
     "a100": DeviceProfile("a100", peak_flops=312e12, vector_flops=19.5e12, bandwidth=2.039e12),
     "h100": DeviceProfile("h100", peak_flops=989e12, vector_flops=67e12, bandwidth=3.35e12),
     "h200": DeviceProfile("h200", peak_flops=989e12, vector_flops=67e12, bandwidth=4.8e12),
+    # A100 40GB SXM: the A100 datasheet's compute, with its 1,555 GB/s of HBM2.
+    "a100-40gb": DeviceProfile(
+        "a100-40gb", peak_flops=312e12, vector_flops=19.5e12, bandwidth=1.555e12
+    ),
+    # "NVIDIA L4 Tensor Core GPU" datasheet: BF16 tensor 242 TFLOPS with sparsity (121 dense),
+    # FP32 30.3 TFLOPS, GDDR6 300 GB/s.
+    "l4": DeviceProfile("l4", peak_flops=121e12, vector_flops=30.3e12, bandwidth=300e9),
+    # GeForce RTX 4090, "NVIDIA Ada GPU Architecture" whitepaper (appendix table): BF16 tensor with
+    # FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP32 82.6 TFLOPS, GDDR6X 1,008 GB/s.
+    "rtx4090": DeviceProfile(
+        "rtx4090", peak_flops=165.2e12, vector_flops=82.6e12, bandwidth=1.008e12
+    ),
+    # "AMD Instinct MI300X Accelerator" data sheet: BF16 matrix 1,307.4 TFLOPS dense (2,614.9 with
+    # sparsity), FP32 vector 163.4 TFLOPS, HBM3 5.3 TB/s.
+    "mi300x": DeviceProfile(
+        "mi300x", peak_flops=1307.4e12, vector_flops=163.4e12, bandwidth=5.3e12
+    ),
 }
 
 #: Ops (by short name) whose outputs alias an input's storage: they only build new tensor metadata,

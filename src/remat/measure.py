@@ -45,6 +45,7 @@ __all__ = ["Measurement", "calibrate_profile", "measure", "saved_tensor_bytes", 
 
 _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
 _FORWARD_RANGE = "remat.measure.forward"

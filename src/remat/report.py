@@ -577,3 +577,262 @@ def explain_table(rows: list[dict[str, Any]], top: int = 25) -> Table:
             r["why"],
         )
     return t
+
+
+# -- figures of the HTML report (`remat.html`) ---------------------------------------------------
+def _downsample(xs, ys, most: int = 4000):
+    """At most about `most` points of a long timeline: the largest value of each bucket of
+    consecutive points, so that peaks stay where they are and as high as they are."""
+    if len(xs) <= most:
+        return list(xs), list(ys)
+    size = -(-len(xs) // (most // 2))
+    out_x, out_y = [], []
+    for k in range(0, len(xs), size):
+        chunk = ys[k : k + size]
+        top = max(range(len(chunk)), key=chunk.__getitem__)
+        out_x.append(xs[k + top])
+        out_y.append(chunk[top])
+    return out_x, out_y
+
+
+def _schedule_x(schedule) -> list[float]:
+    """An x for each position of a simulated schedule on the axis of op indices: op i at i, and
+    the replays that run before a backward op spread evenly over the gap before it, so that plans
+    with and without recomputation line up op by op."""
+    xs: list[float] = []
+    pending = 0
+    for kind, i in schedule:
+        if kind == "replay":
+            pending += 1
+            continue
+        if pending:
+            xs.extend(i - 1 + (k + 1) / (pending + 1) for k in range(pending))
+            pending = 0
+        xs.append(float(i))
+    if pending:  # replays after the last op (none in practice): after it
+        last = xs[-1] if xs else 0.0
+        xs.extend(last + (k + 1) / (pending + 1) for k in range(pending))
+    return xs
+
+
+#: Timeline colours: store_all in grey, then blue, the chosen plan (last) in green and thicker.
+_TIMELINE_COLORS = ("0.55", "C0", "C1", "C4", "C5")
+
+
+def _timeline_figure(
+    series,
+    forward_ops: int,
+    budget_bytes: int | None = None,
+    base_bytes: int | None = None,
+    title: str = "",
+    emphasize_last: bool = True,
+):
+    """Live bytes over one training step for each `(label, Simulation)` of `series` (a
+    `matplotlib.figure.Figure`). The x axis is the op index (`forward_ops` of them in the forward,
+    the boundary marked); a plan's replays are drawn between the backward ops that trigger them.
+    The budget is a dashed horizontal line, the memory live before the step (`base_bytes`:
+    parameters, buffers, inputs) a grey band; the last series is drawn thicker when
+    `emphasize_last`."""
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = _new_figure()
+    fig.set_size_inches(11, 4.6)
+    peaks = [max(sim.timeline, default=0) for _, sim in series]
+    unit, scale = _byte_unit([*peaks, budget_bytes or 0])
+    if base_bytes:
+        ax.axhspan(
+            0,
+            base_bytes / scale,
+            color="0.9",
+            zorder=0,
+            label=f"live before the step (params, buffers, inputs): {format_bytes(base_bytes)}",
+        )
+    boundary = forward_ops - 0.5
+    ax.axvspan(-0.5, boundary, color="C0", alpha=0.05, zorder=0, linewidth=0)
+    ax.axvline(boundary, color="0.3", linewidth=0.8, linestyle=":", zorder=1)
+    for text, x, ha in (
+        ("forward \N{RIGHTWARDS ARROW}", boundary, "right"),
+        ("\N{LEFTWARDS ARROW} backward", boundary, "left"),
+    ):
+        ax.annotate(
+            text,
+            (x, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-4 if ha == "right" else 4, 4),
+            textcoords="offset points",
+            ha=ha,
+            va="bottom",
+            fontsize=8.5,
+            color="0.25",
+        )
+    for k, ((label, sim), peak) in enumerate(zip(series, peaks, strict=True)):
+        last = emphasize_last and k == len(series) - 1 and len(series) > 1
+        color = "C2" if last else _TIMELINE_COLORS[k % len(_TIMELINE_COLORS)]
+        xs, ys = _downsample(_schedule_x(sim.schedule), [v / scale for v in sim.timeline])
+        replays = sum(1 for kind, _ in sim.schedule if kind == "replay")
+        extra = f", {replays} replayed ops" if replays else ""
+        # The emphasized line wide and under the others: where they coincide both stay visible.
+        ax.plot(
+            xs,
+            ys,
+            color=color,
+            linewidth=2.8 if last else 1.1,
+            alpha=0.75 if last else 1.0,
+            label=f"{label}: peak {format_bytes(peak)}{extra}",
+            zorder=2 if last else 3,
+            drawstyle="steps-mid",
+        )
+        at = sim.timeline.index(peak) if sim.timeline else 0
+        ax.plot(
+            _schedule_x(sim.schedule)[at] if sim.schedule else 0,
+            peak / scale,
+            marker="v",
+            markersize=7,
+            color=color,
+            markeredgecolor="white",
+            linestyle="none",
+            zorder=4,
+        )
+    if budget_bytes is not None:
+        ax.axhline(
+            budget_bytes / scale,
+            color="crimson",
+            linestyle="--",
+            linewidth=1.2,
+            zorder=1,
+            label=f"budget {format_bytes(budget_bytes)}",
+        )
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(
+        -0.5, max((max(_schedule_x(s.schedule), default=0) for _, s in series), default=0) + 0.5
+    )
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    fig.suptitle(textwrap.fill(title or "live memory over the step", 110), fontsize=10)
+    ax.set_xlabel("op of the step (forward, then backward; replays drawn between backward ops)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=2, fontsize=8, frameon=False)
+    return fig
+
+
+def _module_breakdown(est: MemoryEstimate, blocks=(), top: int = 12):
+    """Saved bytes by module at the shallowest depth that tells something: the top-level modules,
+    a module holding most (half or more) of the bytes replaced by its children, again while one
+    does; a module holding repeated blocks (`blocks`: their paths) stays one row, `<path> (N
+    blocks)`, its blocks being broken down apart. Bytes a module saves in its own ops (not in a child's) are a row `<path> (own ops)`, so
+    that the rows add up to the total. Returns `(rows, block)`: rows `(path, bytes)` largest first
+    (at most `top`, the rest summed in a last row `N more modules`), and `block`, the first
+    repeated block broken down the same way (`(path, rows)` with paths relative to the block),
+    or None for a model without blocks."""
+    by_path = {m.module: m.activation_bytes for m in est.by_module}
+    containers: dict[str, int] = {}
+    for b in blocks:
+        containers[b.rpartition(".")[0]] = containers.get(b.rpartition(".")[0], 0) + 1
+
+    def children(path: str) -> list[str]:
+        depth = path.count(".") + 1 if path else 0
+        prefix = f"{path}." if path else ""
+        return [
+            p
+            for p, b in by_path.items()
+            if p and b and p.startswith(prefix) and p.count(".") == depth
+        ]
+
+    def expand(root: str) -> list[tuple[str, int]]:
+        total = by_path.get(root, 0)
+        rows: list[tuple[str, int]] = []
+
+        def add(path: str) -> None:
+            kids = children(path)
+            own = by_path[path] - sum(by_path[k] for k in kids)
+            if path != root and path in containers:
+                n = containers[path]
+                rows.append((f"{path} ({n} block{'s' if n > 1 else ''})", by_path[path]))
+            elif path == root or (kids and total and by_path[path] >= total / 2):
+                for k in kids:
+                    add(k)
+                if own > 0:
+                    name = path if path != root else (root or "<model>")
+                    rows.append((f"{name} (own ops)", own))
+            else:
+                rows.append((path, by_path[path]))
+
+        if root in by_path:
+            add(root)
+        rows.sort(key=lambda r: -r[1])
+        if len(rows) > top:
+            rest = rows[top - 1 :]
+            rows = [*rows[: top - 1], (f"{len(rest)} more modules", sum(b for _, b in rest))]
+        return rows
+
+    rows = expand("")
+    block = None
+    if blocks:
+        path = blocks[0]
+        inner = [(p.removeprefix(path + "."), b) for p, b in expand(path)]
+        block = (path, inner)
+    return rows, block
+
+
+def _breakdown_figure(
+    modules,
+    ops,
+    total_bytes: int,
+    block=None,
+    blocks: int = 0,
+    title: str = "",
+):
+    """Horizontal bars of saved bytes (a `matplotlib.figure.Figure`): by module (`modules`,
+    `(label, bytes)` rows as `_module_breakdown` gives them), inside one block (`block`:
+    `(path, rows)`, one of `blocks` repeated blocks) when given, and by op type (`ops`,
+    `(op, bytes, tensors)` rows). Each bar is labelled with its bytes and share of
+    `total_bytes`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [("by module", modules, "C0")]
+    if block is not None:
+        panels.append((f"inside one block: {block[0]} (of {blocks})", block[1], "C1"))
+    panels.append(
+        ("by op type", [(f"{o} ({n}\N{MULTIPLICATION SIGN})", b) for o, b, n in ops], "C2")
+    )
+    rows = max(len(p[1]) for p in panels)
+    fig = Figure(figsize=(11, 1.5 + 0.32 * max(rows, 3)), layout="constrained")
+    FigureCanvasAgg(fig)
+    unit, scale = _byte_unit([b for _, r, _ in panels for _, b in r] or [1])
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (name, data, color) in zip(axes, panels, strict=True):
+        labels = [
+            label if len(label) <= 34 else label[:33] + "\N{HORIZONTAL ELLIPSIS}"
+            for label, _ in data
+        ]
+        values = [b / scale for _, b in data]
+        ys = range(len(data))
+        ax.barh(ys, values, color=color, alpha=0.8, height=0.7)
+        ax.set_yticks(list(ys), labels, fontsize=9)
+        ax.set_ylim(max(rows, 1) - 0.5, -0.5)
+        top = max(values, default=1) or 1
+        ax.set_xlim(0, top * 1.45)
+        for y, (_, b) in zip(ys, data, strict=True):
+            share = f" ({b / total_bytes:.0%})" if total_bytes else ""
+            ax.annotate(
+                f"{format_bytes(b)}{share}",
+                (b / scale, y),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+        ax.set_title(name, fontsize=10, loc="left")
+        ax.set_xlabel(f"saved for backward ({unit})", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    fig.suptitle(
+        textwrap.fill(
+            title or f"activations saved for backward: {format_bytes(total_bytes)} in all", 110
+        ),
+        fontsize=10,
+    )
+    return fig

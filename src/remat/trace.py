@@ -483,7 +483,9 @@ class _Tracer(TorchDispatchMode):
     def escaped(self, first_op: int, last_op: int, outputs: tuple[int, ...]) -> tuple[int, ...]:
         """The ops of a module call that just returned whose storages are still alive although no
         output reaches them: something outside the call (a cache, an attribute) holds them. Saves
-        are not holders here: the pack hook keeps a description, not the tensor."""
+        are not holders here: the pack hook keeps a description, not the tensor. Nor is autocast's
+        cache of its low-precision copies of the parameters (a `_to_copy` of a parameter), which
+        lives until the autocast region ends and which a recomputation makes afresh."""
         reached = {self.tensors[t].storage for t in outputs}
         reached |= {self.storage_by_cdata.get(storage_key(t)) for _, t, _ in self.pending_grad_fn}
         return tuple(
@@ -491,9 +493,17 @@ class _Tracer(TorchDispatchMode):
                 {
                     self.storages[sid].allocated_at
                     for sid in self.live
-                    if first_op <= self.storages[sid].allocated_at <= last_op and sid not in reached
+                    if first_op <= self.storages[sid].allocated_at <= last_op
+                    and sid not in reached
+                    and not self.autocast_weight_copy(self.storages[sid].allocated_at)
                 }
             )
+        )
+
+    def autocast_weight_copy(self, op_index: int) -> bool:
+        op = self.ops[op_index]
+        return op.target == "aten._to_copy.default" and all(
+            self.storages[self.tensors[t].storage].kind == "param" for t in op.inputs
         )
 
     # -- result ----------------------------------------------------------------------------------
@@ -542,11 +552,16 @@ def trace(
     *args: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     device: str = "meta",
+    autocast: torch.dtype | None = None,
     **kwargs: Any,
 ) -> Graph:
     """Trace one training step of `fn(*args, **kwargs)`: forward, `loss_fn(output)` (default: the sum
     of the outputs), backward. `device="meta"` (default) runs on fake tensors and allocates nothing
-    of the model's size; `device="cpu"` (or "cuda") runs on the real tensors, which must be there."""
+    of the model's size; `device="cpu"` (or "cuda") runs on the real tensors, which must be there.
+
+    `autocast=torch.bfloat16` runs the forward and the loss under `torch.autocast` (mixed
+    precision: fp32 parameters, bf16 compute, as `bf16-mixed` training does), with the op lists
+    of the CPU autocast for fake and CPU traces and of CUDA's for a CUDA trace."""
     real = device != "meta"
     module = fn if isinstance(fn, nn.Module) else None
     inputs_need_grad = any(
@@ -611,17 +626,23 @@ def trace(
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
         caches_off = CachesOff(module) if module is not None else None
         try:
+            mixed = (
+                torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=autocast)
+                if autocast is not None
+                else contextlib.nullcontext()
+            )
             with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
-                if module is not None:
-                    output = torch.func.functional_call(
-                        module, state, tuple(call_args), call_kwargs, strict=False
-                    )
-                else:
-                    output = fn(*call_args, **call_kwargs)
-                tracer.before_event()
-                tracer.scopes.append(LOSS_SCOPE)
-                loss = loss_fn(output) if loss_fn is not None else default_loss(output)
-                tracer.scopes.pop()
+                with mixed:
+                    if module is not None:
+                        output = torch.func.functional_call(
+                            module, state, tuple(call_args), call_kwargs, strict=False
+                        )
+                    else:
+                        output = fn(*call_args, **call_kwargs)
+                    tracer.before_event()
+                    tracer.scopes.append(LOSS_SCOPE)
+                    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+                    tracer.scopes.pop()
                 tracer.before_event()
                 tracer.phase = "backward"
                 loss.backward()
@@ -649,6 +670,7 @@ def trace(
                 for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
             ),
             "loss": "custom" if loss_fn is not None else "sum",
+            "autocast": None if autocast is None else dtype_name(autocast),
         }
         graph = tracer.graph(info)
         del output, loss

@@ -1,0 +1,169 @@
+"""`remat fit`: the largest batch and sequence that fit are exact (fits at the answer, not one
+past it), confirmed by real CPU steps; the advice follows from the rows."""
+
+from __future__ import annotations
+
+import pytest
+
+import remat
+from remat import models
+from remat.fit import SEQ_STEP, fit
+
+
+def _build(batch: int, seq: int, device: str = "meta"):
+    return models.build("gpt2", batch=batch, seq=seq, tiny=True, device=device)
+
+
+def _store_all_peak(batch: int, seq: int, optimizer: str | None) -> int:
+    model, inputs = _build(batch, seq)
+    return remat.estimate(remat.trace(model, *inputs), optimizer=optimizer).peak_bytes
+
+
+@pytest.fixture(scope="module")
+def capacity_for_batch_3() -> int:
+    """A GPU whose usable memory sits between store-all's peak at batch 3 and at batch 4."""
+    at3, at4 = _store_all_peak(3, 64, "sgd"), _store_all_peak(4, 64, "sgd")
+    return (at3 + at4) // 2
+
+
+def _gpu(capacity: int):
+    from remat.gpus import custom_gpu
+
+    return custom_gpu(capacity, "h100")
+
+
+def test_the_largest_batch_is_exact_and_confirmed_by_real_steps(capacity_for_batch_3):
+    report = fit(
+        _build,
+        model="gpt2",
+        batch=1,
+        seq=64,
+        gpu=_gpu(capacity_for_batch_3),
+        precision="fp32",
+        optimizer="sgd",
+        reserve=0,
+        strategies_to_fit=("store_all", "full", "auto"),
+    )
+    rows = {r.strategy: r for r in report.rows}
+    assert report.usable_bytes == capacity_for_batch_3
+    assert rows["store_all"].max_batch == 3
+    assert rows["full"].max_batch >= 3 and rows["auto"].max_batch >= rows["full"].max_batch
+    # measured: the answer's step fits the capacity, one more does not
+    for batch, fits in ((3, True), (4, False)):
+        model, inputs = _build(batch, 64, device="cpu")
+        measured = remat.measure(model, *inputs, optimizer="sgd")
+        assert (measured.peak_bytes <= capacity_for_batch_3) is fits, (batch, measured.peak_bytes)
+    assert "store-all fits" in report.advice[0]
+
+
+def test_the_largest_sequence_is_a_confirmed_multiple_of_the_step(capacity_for_batch_3):
+    report = fit(
+        _build,
+        model="gpt2",
+        batch=1,
+        seq=64,
+        gpu=_gpu(capacity_for_batch_3),
+        precision="fp32",
+        optimizer="sgd",
+        reserve=0,
+        strategies_to_fit=("store_all",),
+    )
+    (row,) = report.rows
+    assert row.max_seq % SEQ_STEP == 0
+    assert _store_all_peak(1, row.max_seq, "sgd") <= capacity_for_batch_3
+    assert _store_all_peak(1, row.max_seq + SEQ_STEP, "sgd") > capacity_for_batch_3
+
+
+def test_nothing_fits_says_what_would(capacity_for_batch_3):
+    report = fit(
+        _build,
+        model="gpt2",
+        batch=16,
+        seq=64,
+        gpu=_gpu(capacity_for_batch_3),
+        precision="fp32",
+        optimizer="sgd",
+        reserve=0,
+        strategies_to_fit=("store_all", "full", "auto"),
+    )
+    assert not any(r.fits for r in report.rows)
+    text = " ".join(report.advice)
+    assert "nothing fits" in text and "accumulation" in text and "--shard" in text
+
+
+def test_mixed_precision_traces_under_autocast():
+    peaks = {}
+    for precision in ("fp32", "bf16-mixed"):
+        report = fit(
+            lambda b, s: models.build("gpt2", batch=b, seq=s, tiny=True, dtype="fp32"),
+            model="gpt2",
+            batch=1,
+            seq=64,
+            gpu=_gpu(1 << 30),
+            reserve=0,
+            precision=precision,
+            optimizer="adamw",
+            strategies_to_fit=("store_all",),
+        )
+        assert report.rows[0].fits and report.rows[0].max_batch > 1
+        peaks[precision] = report.rows[0].peak_bytes
+    assert peaks["bf16-mixed"] != peaks["fp32"]  # bf16 activations, and the weights' bf16 copies
+
+
+def test_the_search_finds_the_largest_fitting_size_from_any_guess():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from remat.fit import _largest
+
+    @given(st.integers(1, 500), st.integers(0, 500), st.integers(-10, 1000))
+    def check(high, answer, guess):
+        calls = []
+
+        def fits(n):
+            calls.append(n)
+            return n <= answer
+
+        found = _largest(fits, guess, 1, high)
+        expected = min(answer, high) if answer >= 1 else None
+        assert found == expected
+        if found is not None and found < high:
+            assert found in calls and found + 1 in calls  # confirmed both ways
+        assert len(calls) <= 4 * (high.bit_length() + 2)
+
+    check()
+
+
+def test_sharding_lowers_the_per_rank_peak_and_the_advice_names_the_ranks():
+    peaks = {}
+    for shard in (1, 4):
+        report = fit(
+            _build,
+            model="gpt2",
+            batch=1,
+            seq=64,
+            gpu=_gpu(1 << 30),
+            precision="fp32",
+            optimizer="adamw",
+            shard=shard,
+            reserve=0,
+            strategies_to_fit=("store_all", "auto"),
+        )
+        peaks[shard] = {r.strategy: r.peak_bytes for r in report.rows}
+    assert peaks[4]["store_all"] < peaks[1]["store_all"]
+    assert peaks[4]["auto"] <= peaks[1]["auto"]
+    tight = (peaks[1]["auto"] + peaks[4]["auto"]) // 2  # fits sharded, not on one device
+    report = fit(
+        _build,
+        model="gpt2",
+        batch=1,
+        seq=64,
+        gpu=_gpu(tight),
+        precision="fp32",
+        optimizer="adamw",
+        reserve=0,
+        strategies_to_fit=("store_all", "auto"),
+    )
+    assert not any(r.fits for r in report.rows)
+    ranks = report.extra["ranks_to_fit"]
+    assert ranks in (2, 4) and f"--shard {ranks}" in " ".join(report.advice)

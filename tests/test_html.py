@@ -1,0 +1,249 @@
+"""The HTML report (`remat.html.write_report`): one self-contained file (inline SVG, inline data,
+nothing fetched), every section there, the numbers in its JSON block those of the planner; and,
+where Chromium is installed, that a browser renders it without a console message."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+import struct
+import subprocess
+from html.parser import HTMLParser
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import models
+from remat.html import SECTIONS, TOP_DECISIONS, write_report
+from remat.units import format_bytes
+
+TITLE = "gpt2 (tiny) batch 2 seq 64"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    model, inputs = models.build("gpt2", batch=2, seq=64, tiny=True)
+    planner = remat.Planner(remat.trace(model, *inputs))
+    chosen = planner.plan("+10%")
+    budget = planner.budget_bytes("+10%")
+    fit_rows = [
+        {"model": "gpt2", "predicted_peak_bytes": 2_500_000, "measured_peak_bytes": 2_450_000,
+         "error": 0.02, "ok": True},
+        {"model": "llama", "predicted_peak_bytes": 3_000_000, "measured_peak_bytes": None,
+         "error": None, "ok": False},
+    ]  # fmt: skip
+    bench_rows = [
+        SimpleNamespace(
+            to_dict=lambda: {
+                "strategy": "store_all",
+                "peak_bytes": 2_600_000,
+                "step_seconds": 0.012,
+                "time_ratio": 1.0,
+                "note": "",
+            }
+        )
+    ]
+    path = tmp_path_factory.mktemp("html") / "report.html"
+    out = write_report(
+        str(path),
+        planner,
+        title=TITLE,
+        budget_bytes=budget,
+        chosen=chosen,
+        fit_rows=fit_rows,
+        bench_rows=bench_rows,
+    )
+    assert out == str(path)
+    return SimpleNamespace(
+        path=path, text=path.read_text(encoding="utf-8"), planner=planner, chosen=chosen,
+        budget=budget,
+    )  # fmt: skip
+
+
+class Attributes(HTMLParser):
+    """Every (tag, attribute, value) of a page, and the ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attrs: list[tuple[str, str, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.attrs += [(tag, k, v or "") for k, v in attrs]
+
+    handle_startendtag = handle_starttag
+
+
+def data_block(text: str) -> dict:
+    m = re.search(r'<script type="application/json" id="remat-data">(.*?)</script>', text, re.S)
+    assert m, "no JSON data block"
+    return json.loads(m.group(1))
+
+
+def test_one_self_contained_file(report):
+    assert [p.name for p in report.path.parent.iterdir()] == ["report.html"]
+    parser = Attributes()
+    parser.feed(report.text)
+    refs = [
+        (tag, k, v)
+        for tag, k, v in parser.attrs
+        if k in ("src", "href", "xlink:href", "action", "srcset", "poster", "data")
+    ]
+    # Only in-page anchors: no file, no network.
+    assert refs and all(v.startswith("#") for _, _, v in refs), refs
+    assert not re.search(r"(?:url\(|@import)\s*['\"]?(?:https?:)?//", report.text)
+    assert not [a for a in parser.attrs if re.match(r"\s*(?:https?:)?//", a[2])]
+    assert "<script src" not in report.text and "<link" not in report.text
+    ids = [v for _, k, v in parser.attrs if k == "id"]
+    assert len(ids) == len(set(ids)), "several figures share an SVG id"
+
+
+def test_sections_figures_and_chosen_plan(report):
+    text = report.text
+    for key, heading in SECTIONS.items():
+        assert f'<section id="{key}"><h2>{html.escape(heading)}</h2>' in text
+    assert text.count("<svg") >= 3
+    assert text.count("</svg>") == text.count("<svg")
+    assert "<?xml" not in text and "<!DOCTYPE svg" not in text
+    chosen, planner = report.chosen, report.planner
+    assert f"Chosen: {chosen.strategy}" in text
+    assert format_bytes(chosen.predicted_peak_bytes) in text
+    assert f"{chosen.recompute_seconds / planner.step_seconds:+.1%}" in text
+    assert f"budget {format_bytes(report.budget)}" in text  # the legends of the figures
+    # the figure texts are text, so that a reader can search them
+    assert "live memory over one training step" in text
+    assert "inside one block: h.0 (of 2)" in text
+    assert f"{planner.graph.info['param_count']:,}" in text
+
+
+def test_json_block_matches_the_planner(report):
+    d = data_block(report.text)
+    planner, chosen = report.planner, report.chosen
+    assert d["title"] == TITLE
+    assert d["budget_bytes"] == report.budget
+    assert d["chosen"]["strategy"] == chosen.strategy
+    assert d["chosen"]["predicted_peak_bytes"] == chosen.predicted_peak_bytes
+    labels = [t["label"] for t in d["timelines"]]
+    assert labels[0] == "store_all" and labels[-1] == f"chosen: {chosen.strategy}"
+    assert any(label.startswith("full") for label in labels)
+    # the drawn timelines are the simulations the plans were judged by
+    assert d["timelines"][0]["peak_bytes"] == planner.estimate.peak_bytes
+    assert d["timelines"][-1]["peak_bytes"] == chosen.predicted_peak_bytes
+    for t in d["timelines"]:
+        assert len(t["live_bytes"]) == len(t["schedule"]) >= len(planner.graph.ops)
+    assert sum(m["activation_bytes"] for m in d["by_module"]) == planner.estimate.activation_bytes
+    assert [c["strategy"] for c in d["comparison"]] == [
+        c.strategy for c in planner.compare(report.budget)
+    ]
+    assert len(d["decisions"]) == len(chosen.explain(planner.graph))
+    assert d["fit"][0]["model"] == "gpt2" and d["bench"][0]["strategy"] == "store_all"
+
+
+def test_tables(report):
+    text = report.text
+    chosen = report.chosen
+    rows = chosen.explain(report.planner.graph)
+    biggest = max(rows, key=lambda r: r["bytes"])
+    assert f'<td class="name">{biggest["name"]}' in text
+    assert text.count('<span class="tag recompute">') >= 1
+    assert text.count('<span class="tag keep">') >= 1
+    assert text.count('<tr><td class="name">') <= TOP_DECISIONS
+    picked = chosen.strategy.removeprefix("auto (").removesuffix(")")
+    assert f'<tr class="pick"><td>{picked} (chosen)</td>' in text
+    # numbers right-aligned, bytes formatted, None as "-"
+    assert f'<td class="num">{format_bytes(2_450_000)}</td>' in text
+    assert '<th class="num">predicted_peak_bytes</th>' in text
+    assert '<td class="num">-</td>' in text
+    assert '<td class="num">12 ms</td>' in text and '<td class="num">1.00x</td>' in text
+
+
+def test_no_blocks_and_nothing_fits(tmp_path):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    planner = remat.Planner(remat.trace(Net(), torch.randn(8, 16)))
+    assert not planner.blocks
+    path = write_report(str(tmp_path / "r.html"), planner, title="net", budget_bytes=100)
+    text = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert path == str(tmp_path / "r.html")
+    d = data_block(text)
+    assert d["chosen"] is None and "smallest feasible budget" in d["nothing_fits"]
+    assert "No plan fits the budget of 100 B." in text
+    assert [t["label"] for t in d["timelines"]] == ["store_all"]
+    assert text.count("<svg") >= 3
+    assert 'id="fit"' not in text and 'id="bench"' not in text
+
+
+# -- in a browser ---------------------------------------------------------------------------------
+def chromium(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    exe = shutil.which("chromium")
+    if exe is None:
+        pytest.skip(
+            "chromium is not installed (apt-get install chromium): the report's browser check "
+            "needs it"
+        )
+    return subprocess.run(
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--host-resolver-rules=MAP * ~NOTFOUND",  # no host resolves: nothing is fetched
+            "--enable-logging=stderr",
+            "--v=0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def console_messages(stderr: str) -> list[str]:
+    """What the page wrote to the console: uncaught errors, console.* calls. (A failed load
+    logs nothing here: the static test checks that the page names nothing to load.)"""
+    return [
+        line for line in stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line
+    ]  # fmt: skip
+
+
+def test_console_messages_are_detected(tmp_path):
+    """The check below sees what it looks for: a page with a script error logs it."""
+    bad = tmp_path / "bad.html"
+    bad.write_text("<p>x</p><script>console.error('boom'); missing();</script>")
+    run = chromium("--dump-dom", bad.as_uri())
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert any("Uncaught" in m for m in console_messages(run.stderr)), run.stderr[-2000:]
+
+
+def test_renders_in_chromium(report, tmp_path):
+    run = chromium("--dump-dom", report.path.as_uri())
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert console_messages(run.stderr) == [], run.stderr[-2000:]
+    assert "ERROR:CONSOLE" not in run.stderr and "Uncaught" not in run.stderr
+    dom = run.stdout
+    for key in SECTIONS:
+        assert f'id="{key}"' in dom
+    assert dom.count("<svg") >= 3
+    assert 'id="remat-data"' in dom and "Chosen: " in dom
+
+    png = tmp_path / "report.png"
+    shot = chromium(f"--screenshot={png}", "--window-size=1280,4000", report.path.as_uri())
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert console_messages(shot.stderr) == [], shot.stderr[-2000:]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1280, 4000)
+    assert len(data) > 100_000  # a blank page compresses to a few KiB
