@@ -90,7 +90,7 @@ def test_any_capacity_with_the_default_profile():
         "custom-80000000000", 80 * GB, "mi300x", "a 74.5 GiB GPU"
     )
     with pytest.raises(BudgetError, match="unit"):
-        custom_gpu(40)
+        custom_gpu("40")  # a text without a unit is bytes: surely a mistake
     with pytest.raises(UnknownProfileError):
         custom_gpu("70GiB", "tpu")
 

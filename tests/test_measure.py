@@ -301,7 +301,7 @@ def test_meta_model_raises_asking_for_real_tensors() -> None:
 
 
 def test_unknown_optimizer_names_the_valid_values() -> None:
-    with pytest.raises(RematError, match="optimizer='adam'.*'sgd', 'adamw'"):
+    with pytest.raises(RematError, match="optimizer='adam'.*'sgd', 'sgd-momentum', 'adamw'"):
         measure(mlp(), torch.randn(2, 64), optimizer="adam")
 
 
