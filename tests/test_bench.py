@@ -211,3 +211,13 @@ def test_bench_needs_a_timing_round(tiny_mlp):
     model, inputs, planner = tiny_mlp
     with pytest.raises(RematError, match="at least one timing round"):
         bench(model, inputs, planner, [], steps=0)
+
+
+def test_gradient_differences_are_given_relative_to_the_gradients_scale():
+    from remat.bench import _max_diff
+
+    reference = {"w": torch.tensor([1e4, -2e4]), "b": torch.tensor([3.0])}
+    compiled = {"w": torch.tensor([1e4 + 0.8, -2e4]), "b": torch.tensor([3.0])}
+    diff, rel = _max_diff(compiled, reference)
+    assert diff == pytest.approx(0.8, rel=1e-3) and rel == pytest.approx(0.8 / 2e4, rel=1e-3)
+    assert _max_diff(reference, reference) == (0.0, 0.0)

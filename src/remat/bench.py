@@ -65,6 +65,7 @@ class BenchRow:
             difference; False when every round of one is faster than every round of the other.
             store_all's own row is True. None where there is no time or no reference range.
         grad_max_abs_diff: largest absolute difference from store_all's parameter gradients.
+        grad_max_rel_diff: that difference over the largest store_all gradient magnitude.
         note: why a row has no measurement, or what it ran (plan strategy, compiler, ...).
     """
 
@@ -78,6 +79,7 @@ class BenchRow:
     time_ratio: float | None = None
     within_noise: bool | None = None
     grad_max_abs_diff: float | None = None
+    grad_max_rel_diff: float | None = None
     note: str = ""
 
     @property
@@ -112,8 +114,12 @@ def gradients(
     return grads
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The largest |a - b| over every gradient, and that relative to the largest |b| (a compiled
+    model's fused kernels round differently: 0.8 on gradients near 1e4 is 1e-4 of them)."""
+    diff = max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
+    scale = max((b[k].float().abs().max().item() for k in a), default=0.0)
+    return diff, diff / scale if scale else 0.0
 
 
 def progress_total(names: list[str], steps: int = ROUNDS, compiled: bool = False) -> int:
@@ -299,7 +305,7 @@ def bench(
             note = "; ".join(notes)
         with setup():
             m = measure(model, *inputs, steps=1)
-            diff = _max_diff(gradients(model, inputs), reference)
+            diff, rel = _max_diff(gradients(model, inputs), reference)
         timed.append((len(rows), setup))
         rows.append(
             BenchRow(
@@ -308,6 +314,7 @@ def bench(
                 peak_bytes=m.peak_bytes,
                 predicted_peak_bytes=predicted,
                 grad_max_abs_diff=diff,
+                grad_max_rel_diff=rel,
                 note=note,
             )
         )
@@ -388,7 +395,7 @@ def bench_compiled(
             )
             try:
                 with patch:
-                    diff = _max_diff(gradients(compiled, inputs), reference)
+                    diff, rel = _max_diff(gradients(compiled, inputs), reference)
             except Exception as e:
                 infeasible = remat_error_cause(e, InfeasibleBudget)
                 if infeasible is None:
@@ -413,6 +420,7 @@ def bench_compiled(
                     if plans
                     else None,
                     grad_max_abs_diff=diff,
+                    grad_max_rel_diff=rel,
                     note=f"{compiler}; predicted recompute "
                     f"{sum(p.recompute_seconds for p in plans) * 1e3:.2f} ms, held "
                     f"{sum(p.held_bytes for p in plans)} B",

@@ -204,9 +204,13 @@ def bench_table(rows, title: str) -> Table:
             f"{noise}{r.time_ratio:.2f}x" if r.time_ratio else "-",
             f"{r.grad_max_abs_diff:.1e}" if r.grad_max_abs_diff is not None else "-",
         )
+        rel = getattr(r, "grad_max_rel_diff", None)
+        if rel and r.grad_max_abs_diff:  # a compiled row's rounding: say how large it is
+            notes.append(f"\n{r.strategy}: ", style="bold")
+            notes.append(f"grad diff {r.grad_max_abs_diff:.1e} = {rel:.1e} of max |g|")
     t.caption = Text.assemble(
         "ratio = median step / store_all's median; ~ = within noise of store_all "
-        "(their min-max ranges overlap)",
+        "(their min-max ranges overlap); grad diff = max |g - g_store_all|",
         notes,
     )
     return t
