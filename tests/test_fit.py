@@ -32,18 +32,15 @@ def _gpu(capacity: int):
     return custom_gpu(capacity, "h100")
 
 
+def _fit(capacity: int, **asked):
+    """`fit` of tiny GPT-2 (fp32 parameters) at batch 1, seq 64, fp32 and SGD on a GPU of
+    `capacity` bytes, all usable, unless `asked` says otherwise."""
+    setup = {"batch": 1, "seq": 64, "precision": "fp32", "optimizer": "sgd", "reserve": 0}
+    return fit(_build, model="gpt2", gpu=_gpu(capacity), **{**setup, **asked})
+
+
 def test_the_largest_batch_is_exact_and_confirmed_by_real_steps(capacity_for_batch_3):
-    report = fit(
-        _build,
-        model="gpt2",
-        batch=1,
-        seq=64,
-        gpu=_gpu(capacity_for_batch_3),
-        precision="fp32",
-        optimizer="sgd",
-        reserve=0,
-        strategies_to_fit=("store_all", "full", "auto"),
-    )
+    report = _fit(capacity_for_batch_3, strategies_to_fit=("store_all", "full", "auto"))
     rows = {r.strategy: r for r in report.rows}
     assert report.usable_bytes == capacity_for_batch_3
     assert rows["store_all"].max_batch == 3
@@ -57,17 +54,7 @@ def test_the_largest_batch_is_exact_and_confirmed_by_real_steps(capacity_for_bat
 
 
 def test_the_largest_sequence_is_a_confirmed_multiple_of_the_step(capacity_for_batch_3):
-    report = fit(
-        _build,
-        model="gpt2",
-        batch=1,
-        seq=64,
-        gpu=_gpu(capacity_for_batch_3),
-        precision="fp32",
-        optimizer="sgd",
-        reserve=0,
-        strategies_to_fit=("store_all",),
-    )
+    report = _fit(capacity_for_batch_3, strategies_to_fit=("store_all",))
     (row,) = report.rows
     assert row.max_seq % SEQ_STEP == 0
     assert _store_all_peak(1, row.max_seq, "sgd") <= capacity_for_batch_3
@@ -75,17 +62,7 @@ def test_the_largest_sequence_is_a_confirmed_multiple_of_the_step(capacity_for_b
 
 
 def test_nothing_fits_says_what_would(capacity_for_batch_3):
-    report = fit(
-        _build,
-        model="gpt2",
-        batch=16,
-        seq=64,
-        gpu=_gpu(capacity_for_batch_3),
-        precision="fp32",
-        optimizer="sgd",
-        reserve=0,
-        strategies_to_fit=("store_all", "full", "auto"),
-    )
+    report = _fit(capacity_for_batch_3, batch=16, strategies_to_fit=("store_all", "full", "auto"))
     assert not any(r.fits for r in report.rows)
     text = " ".join(report.advice)
     assert "nothing fits" in text and "accumulation" in text and "--shard" in text
@@ -94,16 +71,8 @@ def test_nothing_fits_says_what_would(capacity_for_batch_3):
 def test_mixed_precision_traces_under_autocast():
     peaks = {}
     for precision in ("fp32", "bf16-mixed"):
-        report = fit(
-            lambda b, s: models.build("gpt2", batch=b, seq=s, tiny=True, dtype="fp32"),
-            model="gpt2",
-            batch=1,
-            seq=64,
-            gpu=_gpu(1 << 30),
-            reserve=0,
-            precision=precision,
-            optimizer="adamw",
-            strategies_to_fit=("store_all",),
+        report = _fit(
+            1 << 30, precision=precision, optimizer="adamw", strategies_to_fit=("store_all",)
         )
         assert report.rows[0].fits and report.rows[0].max_batch > 1
         peaks[precision] = report.rows[0].peak_bytes
@@ -137,33 +106,14 @@ def test_the_search_finds_the_largest_fitting_size_from_any_guess():
 def test_sharding_lowers_the_per_rank_peak_and_the_advice_names_the_ranks():
     peaks = {}
     for shard in (1, 4):
-        report = fit(
-            _build,
-            model="gpt2",
-            batch=1,
-            seq=64,
-            gpu=_gpu(1 << 30),
-            precision="fp32",
-            optimizer="adamw",
-            shard=shard,
-            reserve=0,
-            strategies_to_fit=("store_all", "auto"),
+        report = _fit(
+            1 << 30, optimizer="adamw", shard=shard, strategies_to_fit=("store_all", "auto")
         )
         peaks[shard] = {r.strategy: r.peak_bytes for r in report.rows}
     assert peaks[4]["store_all"] < peaks[1]["store_all"]
     assert peaks[4]["auto"] <= peaks[1]["auto"]
     tight = (peaks[1]["auto"] + peaks[4]["auto"]) // 2  # fits sharded, not on one device
-    report = fit(
-        _build,
-        model="gpt2",
-        batch=1,
-        seq=64,
-        gpu=_gpu(tight),
-        precision="fp32",
-        optimizer="adamw",
-        reserve=0,
-        strategies_to_fit=("store_all", "auto"),
-    )
+    report = _fit(tight, optimizer="adamw", strategies_to_fit=("store_all", "auto"))
     assert not any(r.fits for r in report.rows)
     ranks = report.extra["ranks_to_fit"]
     assert ranks in (2, 4) and f"--shard {ranks}" in " ".join(report.advice)

@@ -556,7 +556,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     gpu = custom_gpu(args.capacity, args.gpu) if args.capacity else get_gpu(args.gpu)
     _writable(args.html, "--html")
     overrides = _parse_overrides(args.set)
-    dtype = PRECISIONS[args.precision][0] if args.precision in PRECISIONS else "fp32"
+    dtype = PRECISIONS[args.precision][0]  # argparse allows only these
 
     def build(batch: int, seq: int):
         return models.build(

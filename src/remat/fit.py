@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from remat import strategies
@@ -193,44 +194,24 @@ def _largest(fits: Callable[[int], bool], guess: int, low: int, high: int) -> in
     return lo
 
 
-def _affine_guess(xs: list[int], ys: list[int], limit: int) -> int:
-    """The largest x with a + b x <= limit through the two points."""
-    (x0, x1), (y0, y1) = xs, ys
-    slope = (y1 - y0) / (x1 - x0)
-    if slope <= 0:
-        return x1
-    return int(x0 + (limit - y0) / slope)
-
-
-def _quadratic_guess(xs: list[int], ys: list[int], limit: int) -> int:
-    """The largest x with the quadratic through the three points <= limit."""
-    a, b, c = (float(v) for v in _fit_quadratic(xs, ys))
-    if abs(a) < 1e-12:
-        return int((limit - c) / b) if b > 0 else xs[-1]
-    disc = b * b - 4 * a * (c - limit)
-    if disc < 0:
-        return xs[0]
-    return int((-b + math.sqrt(disc)) / (2 * a))
-
-
-def _fit_quadratic(xs: list[int], ys: list[int]) -> tuple[float, float, float]:
-    (x0, x1, x2), (y0, y1, y2) = xs, ys
-    denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
-    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
-    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
-    c = (x1 * x2 * (x1 - x2) * y0 + x2 * x0 * (x2 - x0) * y1 + x0 * x1 * (x0 - x1) * y2) / denom
-    return a, b, c
+def _guess(xs: list[int], ys: list[int], limit: int) -> int:
+    """The largest x at which the polynomial through the points (a line through two, a parabola
+    through three) reaches `limit`; the last point when it never does. A guess: `_largest`
+    confirms it."""
+    poly = np.polynomial.Polynomial.fit(xs, ys, len(xs) - 1).convert()
+    crossings = [r.real for r in (poly - limit).roots() if abs(r.imag) < 1e-9]
+    return int(max(crossings)) if crossings else xs[-1]
 
 
 def _fit_row(
     steps: _Steps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
 ) -> FitRow:
     """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit."""
-    strategies.get(name, "eager")
     peak, p = steps.peak(name, batch, seq, usable)
     if peak is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     planner = steps.planner(batch, seq)
+    overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
 
     def fits_batch(b: int) -> bool:
         return steps.peak(name, b, seq, usable)[0] <= usable
@@ -257,24 +238,18 @@ def _fit_row(
             plan=p.strategy,
             peak_bytes=peak,
             fits=False,
-            overhead=p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0,
+            overhead=overhead,
             max_batch=None,
             max_seq=None,
             note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
         )
     b_points = [batch, 2 * batch]
-    b_guess = _affine_guess(
-        b_points, [steps.peak(name, b, seq, usable)[0] for b in b_points], usable
-    )
+    b_guess = _guess(b_points, [steps.peak(name, b, seq, usable)[0] for b in b_points], usable)
     units = max(seq // SEQ_STEP, 1)
     s_points = sorted({max(units // 2, 1), units, units + 1})
     s_peaks = [seq_peak(u) for u in s_points]
     known = [(u, pk) for u, pk in zip(s_points, s_peaks, strict=True) if pk is not None]
-    s_guess = (
-        _quadratic_guess([u for u, _ in known], [pk for _, pk in known], usable)
-        if len(known) == 3
-        else units
-    )
+    s_guess = _guess(*map(list, zip(*known, strict=True)), usable) if len(known) == 3 else units
     best_batch = _largest(fits_batch, b_guess, 1, max_batch)
     best_seq = _largest(fits_seq, s_guess, 1, max_seq // SEQ_STEP)
     return FitRow(
@@ -282,7 +257,7 @@ def _fit_row(
         plan=p.strategy,
         peak_bytes=peak,
         fits=peak <= usable,
-        overhead=p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0,
+        overhead=overhead,
         max_batch=best_batch,
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
         note=f"max seq: {limits[-1]}" if limits else "",

@@ -138,19 +138,8 @@ def measure(
     """
     if steps < 1 or warmup < 0:
         raise RematError(f"measure() needs steps >= 1 and warmup >= 0, got {steps=}, {warmup=}")
-    target = _measured_device(model, device, chain(_tensors(inputs), _tensors(kwargs)))
-    inputs = _to_device(inputs, target)
-    kwargs = _to_device(kwargs, target)
+    step, target = _training_step(model, inputs, kwargs, loss_fn, optimizer, device)
     params = list(model.parameters())
-    leaf_inputs = [t for t in _tensors((inputs, kwargs)) if t.is_leaf and t.requires_grad]
-    step = _TrainingStep(
-        model=model,
-        inputs=inputs,
-        kwargs=kwargs,
-        loss_fn=loss_fn,
-        optimizer=_make_optimizer(optimizer, params),
-        grad_holders=params + leaf_inputs,
-    )
     with torch.enable_grad():
         step.clear_grads()
         for _ in range(warmup):
@@ -159,7 +148,7 @@ def measure(
             chain(
                 params,
                 model.buffers(),
-                _tensors((inputs, kwargs)),
+                _tensors((step.inputs, step.kwargs)),
                 _tensors(step.optimizer.state if step.optimizer else {}),
             ),
             target,
@@ -199,23 +188,37 @@ def time_steps(
     """
     if steps < 1 or warmup < 0:
         raise RematError(f"time_steps() needs steps >= 1 and warmup >= 0, got {steps=}, {warmup=}")
-    target = _measured_device(model, None, chain(_tensors(inputs), _tensors(kwargs)))
+    step, target = _training_step(model, inputs, kwargs, loss_fn, None, None)
+    with torch.enable_grad():
+        step.clear_grads()
+        for _ in range(warmup):
+            step.run()
+        return tuple(_timed_step(step, target) for _ in range(steps))
+
+
+def _training_step(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    optimizer: None | str | torch.optim.Optimizer,
+    device: str | torch.device | None,
+) -> tuple[_TrainingStep, torch.device]:
+    """The step `measure` and `time_steps` run, with its inputs moved to the model's device."""
+    target = _measured_device(model, device, chain(_tensors(inputs), _tensors(kwargs)))
     inputs = _to_device(inputs, target)
     kwargs = _to_device(kwargs, target)
+    params = list(model.parameters())
     leaf_inputs = [t for t in _tensors((inputs, kwargs)) if t.is_leaf and t.requires_grad]
     step = _TrainingStep(
         model=model,
         inputs=inputs,
         kwargs=kwargs,
         loss_fn=loss_fn,
-        optimizer=None,
-        grad_holders=[*model.parameters(), *leaf_inputs],
+        optimizer=_make_optimizer(optimizer, params),
+        grad_holders=params + leaf_inputs,
     )
-    with torch.enable_grad():
-        step.clear_grads()
-        for _ in range(warmup):
-            step.run()
-        return tuple(_timed_step(step, target) for _ in range(steps))
+    return step, target
 
 
 def saved_tensor_bytes(
