@@ -117,3 +117,30 @@ def test_sharding_lowers_the_per_rank_peak_and_the_advice_names_the_ranks():
     assert not any(r.fits for r in report.rows)
     ranks = report.extra["ranks_to_fit"]
     assert ranks in (2, 4) and f"--shard {ranks}" in " ".join(report.advice)
+
+
+def test_a_size_model_that_does_not_hold_falls_back_to_traces():
+    """The zoo Llama's rotary table is max(seq, 128) long, so the parabola through 64, 128 and 192
+    tokens is wrong further out: the trace at the answer shows it, and the answer comes from
+    traces."""
+
+    def build(batch: int, seq: int):
+        return models.build("llama-3.2-1b", batch=batch, seq=seq, tiny=True, device="meta")
+
+    def peak(seq: int) -> int:
+        model, inputs = build(1, seq)
+        return remat.estimate(remat.trace(model, *inputs), optimizer="sgd").peak_bytes
+
+    capacity = (peak(1024) + peak(1088)) // 2
+    setup = {"batch": 1, "seq": 64, "precision": "fp32", "optimizer": "sgd", "reserve": 0}
+    report = fit(
+        build, model="llama", gpu=_gpu(capacity), strategies_to_fit=("store_all",), **setup
+    )
+    assert report.rows[0].max_seq == 1024
+
+
+def test_the_search_traces_a_few_steps_not_every_candidate(capacity_for_batch_3):
+    report = _fit(capacity_for_batch_3, strategies_to_fit=("store_all", "full"))
+    # the asked step, two batch and three sequence anchors, and one trace per distinct answer
+    answers = {r.max_batch for r in report.rows} | {r.max_seq for r in report.rows}
+    assert report.traces <= 1 + 2 + 3 + len(answers)

@@ -25,6 +25,7 @@ REMAT_DIR = Path(remat.__file__).parent
 CORE_MODULES = [
     "remat.graph",
     "remat.gpus",
+    "remat.sizes",
     "remat.cost",
     "remat.estimate",
     "remat.schedule",

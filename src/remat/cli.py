@@ -613,7 +613,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)} "
         "(CUDA context + allocator fragmentation; --reserve); step time: predicted recompute on "
         f"the {gpu.profile} profile; max seq in steps of 64; "
-        f"{report.traces} steps traced in {report.seconds:.0f} s"
+        f"{report.traces} step{'s' if report.traces != 1 else ''} traced in {report.seconds:.0f} s"
     )
     console.print(table)
     for r in report.rows:

@@ -15,8 +15,9 @@ gathered parameters of the blocks in flight); activations are per rank as traced
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -27,7 +28,9 @@ from remat import strategies
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.estimate import Optimizer, estimate, shard_step
 from remat.gpus import Gpu, usable_bytes
+from remat.graph import Graph
 from remat.planner import Planner
+from remat.sizes import SizeModel, same_graph
 from remat.units import format_bytes
 
 Precision = Literal["fp32", "bf16", "bf16-mixed"]
@@ -106,7 +109,9 @@ class FitReport:
 
 
 class _Steps:
-    """Traced steps by (batch, seq), each traced once and asked for every strategy's peak."""
+    """Steps by (batch, seq): traced, or interpolated by a `SizeModel` through traces at nearby
+    sizes along one axis (batch at a fixed seq, seq at a fixed batch) until `confirm` traces the
+    answer; each asked for every strategy's per-rank peak."""
 
     def __init__(
         self,
@@ -119,19 +124,66 @@ class _Steps:
     ) -> None:
         self.build, self.gpu, self.precision = build, gpu, precision
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
+        self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
+        self.models: dict[tuple[str, int], SizeModel | None] = {}
 
-    def planner(self, batch: int, seq: int) -> Planner:
+    def trace(self, batch: int, seq: int) -> Graph:
         key = (batch, seq)
-        if key not in self.planners:
+        if key not in self.traced:
             if self.progress:
                 self.progress(f"tracing batch {batch}, seq {seq}")
             from remat.trace import trace
 
             model, inputs = self.build(batch, seq)
-            graph = trace(model, *inputs, autocast=PRECISIONS[self.precision][1])
+            self.traced[key] = trace(model, *inputs, autocast=PRECISIONS[self.precision][1])
+        return self.traced[key]
+
+    def planner(self, batch: int, seq: int) -> Planner:
+        key = (batch, seq)
+        if key not in self.planners:
+            graph = self.traced.get(key) or self.sized(batch, seq) or self.trace(batch, seq)
             self.planners[key] = Planner(graph, self.gpu.profile, self.optimizer)
         return self.planners[key]
+
+    def sized(self, batch: int, seq: int) -> Graph | None:
+        """The step at (batch, seq) from a size model along either axis, if one holds there."""
+        for axis, fixed, n in (("batch", seq, batch), ("seq", batch, seq)):
+            model = self.models.get((axis, fixed))
+            graph = None if model is None else model.at(n)
+            if graph is not None:
+                return graph
+        return None
+
+    def model_through(self, axis: str, fixed: int, sizes: list[int]) -> None:
+        """The size model along `axis` (at `fixed` of the other), now through traces at `sizes`: a
+        line through two batch sizes, a parabola through three sequence lengths; none when a
+        size cannot be built."""
+        at = (lambda n: (n, fixed)) if axis == "batch" else (lambda n: (fixed, n))
+        try:
+            graphs = {n: self.trace(*at(n)) for n in sizes}
+        except RematError:
+            self.models[(axis, fixed)] = None
+            raise
+        self.models[(axis, fixed)] = SizeModel.of(graphs)
+
+    def confirm(self, axis: str, fixed: int, n: int) -> bool:
+        """Trace the step an answer rests on; False (and the axis's model dropped, with every
+        step it gave) when the model's graph there differs from the trace or the size cannot be
+        built: the search must then run on traces."""
+        key = (n, fixed) if axis == "batch" else (fixed, n)
+        modelled = self.planners.get(key)
+        try:
+            graph = self.trace(*key)
+        except RematError:
+            graph = None
+        if graph is not None and (modelled is None or same_graph(modelled.graph, graph)):
+            if modelled is None or modelled.graph is not graph:
+                self.planners[key] = Planner(graph, self.gpu.profile, self.optimizer)
+            return True
+        self.models[(axis, fixed)] = None
+        self.planners = {k: p for k, p in self.planners.items() if p.graph is self.traced.get(k)}
+        return False
 
     def rank_peak(self, planner: Planner, plan: Any, shard: int | None = None) -> int:
         """`plan`'s peak per rank: its simulation with parameters, gradients and optimizer state
@@ -142,35 +194,56 @@ class _Steps:
         sharded = shard_step(planner.graph, planner.simulate(plan.regions), shard, self.optimizer)
         return max(max(sharded.timeline), sharded.optimizer_step_bytes)
 
-    def candidates(self, planner: Planner) -> list[Any]:
-        """The plans judged per rank when sharded (the planner's budgets are whole-model bytes,
-        where the optimizer step of the unsharded model hides every activation): every appliable
-        strategy's plan at store-all's peak, and the lowest-peak plan."""
-        found = [r.plan for r in planner.compare(planner.estimate.peak_bytes) if r.plan]
-        return [p for p in found if p.appliable] + [planner.lowest_peak()]
+    def fixed_plans(self, planner: Planner) -> Iterator[Any]:
+        """The plan of every appliable fixed strategy the model supports, one at a time."""
+        for fixed in strategies.available("eager"):
+            if fixed.appliable and not fixed.budgeted:
+                with contextlib.suppress(NoBlocksError):
+                    yield planner.solve(fixed, planner.estimate.peak_bytes)
+
+    def auto(self, planner: Planner, usable: int) -> tuple[int, Any]:
+        """remat's plan per rank: the least-recompute plan whose per-rank peak fits `usable`, by
+        the planner's own solvers on a whole-model budget moved by what sharding saves (and
+        lowered by any per-rank excess, a few times); else the plan of least per-rank peak among
+        the fixed ones (per-rank judging can order plans differently from the whole model's)."""
+        store_all = planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
+        budget = usable + store_all.predicted_peak_bytes - self.rank_peak(planner, store_all)
+        for _ in range(4):
+            try:
+                p = planner.plan(budget, "auto")
+            except InfeasibleBudget:
+                break
+            peak = self.rank_peak(planner, p)
+            if peak <= usable:
+                return peak, p
+            budget -= peak - usable
+        found = [*self.fixed_plans(planner), planner.lowest_peak()]
+        peaks = [(self.rank_peak(planner, p), p) for p in found]
+        fitting = [(peak, p) for peak, p in peaks if peak <= usable]
+        if fitting:
+            return min(fitting, key=lambda x: (x[1].recompute_seconds, x[0]))
+        return min(peaks, key=lambda x: (x[0], x[1].recompute_seconds))
+
+    def fits(self, strategy: str, batch: int, seq: int, usable: int) -> bool:
+        """Whether the strategy's step at (batch, seq) fits `usable` per rank. `auto` fits where
+        any fixed plan does (it considers them all), which spares its solvers in a search."""
+        if strategy == "auto":
+            planner = self.planner(batch, seq)
+            if any(self.rank_peak(planner, p) <= usable for p in self.fixed_plans(planner)):
+                return True
+        return self.peak(strategy, batch, seq, usable)[0] <= usable
 
     def peak(self, strategy: str, batch: int, seq: int, usable: int) -> tuple[int | None, Any]:
         """The strategy's per-rank peak at (batch, seq), with its plan; for `auto`, the plan that
         fits `usable` at the least recompute, else the one of lowest peak."""
         planner = self.planner(batch, seq)
-        chosen = strategies.get(strategy, "eager")
         try:
-            if strategy != "auto":
-                p = planner.solve(chosen, planner.estimate.peak_bytes)
-                return self.rank_peak(planner, p), p
-            if self.shard == 1:
-                try:
-                    p = planner.plan(usable, "auto")
-                except InfeasibleBudget:
-                    p = planner.lowest_peak()
-                return p.predicted_peak_bytes, p
+            if strategy == "auto":
+                return self.auto(planner, usable)
+            p = planner.solve(strategies.get(strategy, "eager"), planner.estimate.peak_bytes)
+            return self.rank_peak(planner, p), p
         except NoBlocksError:
             return None, None
-        peaks = [(self.rank_peak(planner, p), p) for p in self.candidates(planner)]
-        fitting = [(peak, p) for peak, p in peaks if peak <= usable]
-        if fitting:
-            return min(fitting, key=lambda x: (x[1].recompute_seconds, x[0]))
-        return min(peaks, key=lambda x: (x[0], x[1].recompute_seconds))
 
 
 def _largest(fits: Callable[[int], bool], guess: int, low: int, high: int) -> int | None:
@@ -212,25 +285,6 @@ def _fit_row(
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     planner = steps.planner(batch, seq)
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
-
-    def fits_batch(b: int) -> bool:
-        return steps.peak(name, b, seq, usable)[0] <= usable
-
-    limits: list[str] = []
-
-    def seq_peak(units: int) -> int | None:
-        """The peak at `units` * SEQ_STEP tokens; None past what the model can build (learned
-        positions end), which counts as not fitting."""
-        try:
-            return steps.peak(name, batch, units * SEQ_STEP, usable)[0]
-        except RematError as err:
-            limits.append(str(err).split(";")[0])
-            return None
-
-    def fits_seq(units: int) -> bool:
-        peak = seq_peak(units)
-        return peak is not None and peak <= usable
-
     floor = estimate(planner.graph, optimizer=steps.optimizer, shard=steps.shard).fixed_bytes
     if floor > usable:  # parameters, gradients and optimizer state alone: no size fits
         return FitRow(
@@ -243,15 +297,58 @@ def _fit_row(
             max_seq=None,
             note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
         )
-    b_points = [batch, 2 * batch]
-    b_guess = _guess(b_points, [steps.peak(name, b, seq, usable)[0] for b in b_points], usable)
+    limits: list[str] = []
+
+    def fits_batch(b: int) -> bool:
+        return steps.fits(name, b, seq, usable)
+
+    def fits_seq(units: int) -> bool:
+        """Whether `units` * SEQ_STEP tokens fit; a length the model cannot build (learned
+        positions end) does not."""
+        try:
+            return steps.fits(name, batch, units * SEQ_STEP, usable)
+        except RematError as err:
+            limits.append(str(err).split(";")[0])
+            return False
+
+    # Batch: a line through two traced sizes past 1 (batch 1 can trace differently: reshapes that
+    # are views only there); sequence: a parabola through three traced lengths from the asked one.
+    b_anchors = [max(batch, 2), max(batch, 2) + 1]
     units = max(seq // SEQ_STEP, 1)
-    s_points = sorted({max(units // 2, 1), units, units + 1})
-    s_peaks = [seq_peak(u) for u in s_points]
-    known = [(u, pk) for u, pk in zip(s_points, s_peaks, strict=True) if pk is not None]
-    s_guess = _guess(*map(list, zip(*known, strict=True)), usable) if len(known) == 3 else units
-    best_batch = _largest(fits_batch, b_guess, 1, max_batch)
-    best_seq = _largest(fits_seq, s_guess, 1, max_seq // SEQ_STEP)
+    s_anchors = [units, units + 1, units + 2]
+    steps.model_through("batch", seq, b_anchors)
+    try:
+        steps.model_through("seq", batch, [u * SEQ_STEP for u in s_anchors])
+        s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
+        s_guess = _guess(s_anchors, s_peaks, usable)
+    except RematError as err:  # the model cannot be built that long
+        limits.append(str(err).split(";")[0])
+        s_guess = units
+    b_guess = _guess(b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable)
+
+    def largest(
+        axis: str, fixed: int, fits: Callable[[int], bool], guess: int, high: int, degree: int
+    ) -> int | None:
+        """The largest size that fits, searched on the size model and confirmed by a trace at
+        the answer. A size can be piecewise polynomial (a table of max(seq, n) rows): where the
+        answer is not confirmed, the model is drawn again through traces at the answer, and
+        where that is not confirmed either, the search runs on traces."""
+        scale = 1 if axis == "batch" else SEQ_STEP
+        best = _largest(fits, guess, 1, high)
+        for attempt in range(2):
+            if best is None or steps.confirm(axis, fixed, best * scale):
+                return best
+            if attempt == 0:
+                start = max(best, 2) if axis == "batch" else best
+                with contextlib.suppress(RematError):
+                    steps.model_through(
+                        axis, fixed, [(start + k) * scale for k in range(degree + 1)]
+                    )
+            best = _largest(fits, best, 1, high)
+        return best
+
+    best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
+    best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
     return FitRow(
         strategy=name,
         plan=p.strategy,
@@ -316,7 +413,7 @@ def fit(
         shard=shard,
         rows=tuple(rows),
         advice=(),
-        traces=len(steps.planners),
+        traces=len(steps.traced),
         seconds=time.perf_counter() - start,
         extra=extra,
         planner=steps.planner(batch, seq),
@@ -329,11 +426,9 @@ def _ranks_to_fit(steps: _Steps, batch: int, seq: int, usable: int) -> int | Non
     optimizer state brings the lowest-peak plan within `usable` per rank: arithmetic on the
     traced step, as `estimate(shard=N)` is."""
     planner = steps.planner(batch, seq)
-    candidates = steps.candidates(planner)
+    lowest = planner.lowest_peak()
     for ranks in (2**k for k in range(1, 11)):
-        if ranks > steps.shard and any(
-            steps.rank_peak(planner, p, ranks) <= usable for p in candidates
-        ):
+        if ranks > steps.shard and steps.rank_peak(planner, lowest, ranks) <= usable:
             return ranks
     return None
 

@@ -191,7 +191,7 @@ class _Tracer(TorchDispatchMode):
         self.storages: dict[int, _StorageRecord] = {}
         self.storage_by_cdata: dict[int, int] = {}
         self.weakrefs: dict[int, StorageWeakRef] = {}
-        self.live: set[int] = set()
+        self.live: dict[int, int] = {}  # storage id -> its weak reference's cdata
         self.stand_in_refs: list[StorageWeakRef] = []
         self.tensors: dict[int, Tensor] = {}
         self.tensor_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -220,7 +220,7 @@ class _Tracer(TorchDispatchMode):
         self.weakrefs[sid] = StorageWeakRef(t.untyped_storage())
         self.storages[sid] = _StorageRecord(sid, storage_nbytes(t), kind, allocated_at)
         if allocated_at is not None:
-            self.live.add(sid)
+            self.live[sid] = self.weakrefs[sid].cdata
         return sid
 
     def tensor_id(
@@ -256,9 +256,10 @@ class _Tracer(TorchDispatchMode):
             if nid != self.current_node:
                 self.finish_node()
                 self.current_node = nid
-        for sid in [s for s in self.live if self.weakrefs[s].expired()]:
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its frame: hot
+        for sid in [s for s, cdata in self.live.items() if expired(cdata)]:
             self.storages[sid].released_after = last
-            self.live.discard(sid)
+            del self.live[sid]
 
     def resolve_grad_fns(self) -> None:
         """Attribute the last forward op's outputs' `grad_fn`. Autograd attaches it only after the

@@ -1,0 +1,660 @@
+"""Check remat's predictions against a real device in one command: peaks planned against peaks
+measured, and the step time each strategy really costs.
+
+    python benchmarks/gpu_validate.py [--device cuda|cpu] [--tiny] [--rounds N] [--models ...]
+        [--strategies ...] [--parts memory speed] [--out DIR] [--md PATH] [--skip-compiled]
+
+Memory: for each zoo model, every eager strategy's plan (made from a trace of a meta copy, as
+`remat plan` makes it) is applied to the real model and one step is measured by `remat.measure`;
+then `remat.compile`'s plans likewise, under inductor. Peaks are compared above the step's start,
+as `measure` counts them: the plan's predicted peak less what is live before the step
+(parameters, buffers, inputs), against the measured peak less `baseline_bytes` (on CUDA, the
+caching allocator's `max_memory_allocated` above its count when the step began).
+
+Speed: on a Llama (bf16-mixed at 4096 tokens on a GPU), the step time of each strategy relative
+to store_all, torch.compile at `activation_memory_budget=0.5` and remat.compile at the peak torch
+measured, timed in interleaved rounds: each round times one step of every variant in turn,
+starting one variant later than the round before, so that a slow spell of the machine lands on
+every variant alike.
+
+Writes results/gpu-validate-<device>.json (every row, the device, torch's version, the settings)
+and the markdown tables (also printed); progress goes to stderr. A row that fails keeps its
+error and the run goes on; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat import Planner, models, strategies
+from remat.bench import _plan_applied
+from remat.cli import _parse_overrides
+from remat.compiled import plans_of
+from remat.cost import DeviceProfile
+from remat.errors import InfeasibleBudget, NoBlocksError
+from remat.fit import PRECISIONS
+from remat.graph import Graph
+from remat.measure import Measurement, calibrate_profile, measure, time_steps
+from remat.trace import default_loss
+from remat.units import format_bytes
+
+MODELS = ("gpt2", "llama-3.2-1b", "megatron-gpt", "mlp-chain-16")
+STRATEGIES = (
+    "store_all",
+    "full",
+    "sqrt",
+    "chain_dp",
+    "selective:megatron",
+    "selective:torchtitan",
+    "auto",
+)
+#: remat.compile's variants in the memory part: (strategy, budget).
+COMPILED = (("mincut", None), ("auto", "100%"), ("auto", "50%"))
+#: Memory-part shapes: small enough for any data-center GPU, large enough that activations matter.
+SHAPES = {
+    "gpt2": {"batch": 4, "seq": 1024},
+    "llama-3.2-1b": {"batch": 1, "seq": 2048},
+    "megatron-gpt": {"batch": 2, "seq": 2048},
+    "mlp-chain-16": {"batch": 8192},
+}
+#: With --tiny: the tiny presets, at sizes where activations still outweigh the parameters.
+TINY_SHAPES = {"mlp-chain-16": {"batch": 256}}
+TINY_SHAPE = {"batch": 4, "seq": 128}
+SPEED_MODEL = "llama-3.2-1b"
+SPEED_EAGER = ("store_all", "full", "selective:megatron", "selective:torchtitan")
+TORCH_BUDGET = 0.5  # torch.compile's activation_memory_budget in the speed part
+RESULTS = Path(__file__).resolve().parent / "results"
+
+Progress = Callable[[str], None]
+Setup = Callable[[], AbstractContextManager[Any]]
+
+
+@dataclass
+class Row:
+    """One variant of a model's training step, measured.
+
+    Peaks are above the step's start (what was live before it). `held` says what the held
+    columns compare: "held", for eager plans, is `Plan.held_bytes` against what the forward left
+    live for the backward (`Measurement.held_bytes`); "saved", for compiled graphs, is the plans'
+    `held_bytes` against the bytes autograd saved (`Measurement.activation_bytes`)."""
+
+    part: str
+    model: str
+    variant: str
+    plan: str = ""
+    start_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    held: str = ""
+    predicted_held_bytes: int | None = None
+    measured_held_bytes: int | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    time_ratio: float | None = None
+    note: str = ""
+    error: str = ""
+
+    @property
+    def peak_ratio(self) -> float | None:
+        """Measured over predicted peak, both above the step's start."""
+        if self.measured_peak_bytes is None or not self.predicted_peak_bytes:
+            return None
+        return self.measured_peak_bytes / self.predicted_peak_bytes
+
+    @property
+    def median_seconds(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        times = self.step_seconds
+        return {
+            **asdict(self),
+            "peak_ratio": self.peak_ratio,
+            "step_seconds_median": self.median_seconds,
+            "step_seconds_min": min(times, default=None),
+            "step_seconds_max": max(times, default=None),
+        }
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every part needs: where to run, in which precision, with which cost profile."""
+
+    device: torch.device
+    precision: str
+    profile: DeviceProfile
+    tiny: bool
+    budget: str
+    trace_real: bool
+
+    @property
+    def dtype(self) -> str:
+        return PRECISIONS[self.precision][0]
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        return PRECISIONS[self.precision][1]
+
+
+class Step(nn.Module):
+    """A model's forward and loss as `remat.trace(..., autocast=dtype)` runs them: both under
+    autocast (none when `dtype` is None), the backward outside it. Returns (output, loss) with
+    `loss_of` as the loss, so the output stays referenced until the step ends, as in the trace."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None, device_type: str) -> None:
+        super().__init__()
+        self.model, self.dtype, self.device_type = model, dtype, device_type
+
+    def forward(self, *inputs: Any) -> tuple[Any, torch.Tensor]:
+        mixed = torch.autocast(
+            self.device_type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None
+        )
+        with mixed:
+            out = self.model(*inputs)
+            return out, default_loss(out)
+
+
+def loss_of(result: tuple[Any, torch.Tensor]) -> torch.Tensor:
+    return result[1]
+
+
+@dataclass
+class Variant:
+    """A measured row that can be timed: the `Step` to run and what to set up around each step."""
+
+    row: Row
+    step: Step
+    setup: Setup = contextlib.nullcontext
+
+
+class Skipped(Exception):
+    """A variant that does not apply here (no blocks, infeasible budget): a note, not an error."""
+
+
+def _attempt(row: Row, measure_row: Callable[[Row], Variant]) -> Variant | None:
+    """Run `measure_row`, recording a skip as the row's note and a failure as its error."""
+    try:
+        return measure_row(row)
+    except (Skipped, InfeasibleBudget, NoBlocksError) as e:
+        row.note = f"skipped: {e}"
+    except Exception as e:
+        row.error = f"{type(e).__name__}: {e}"
+    return None
+
+
+def _measured(row: Row, m: Measurement, held: str) -> None:
+    row.start_bytes = m.baseline_bytes
+    row.measured_peak_bytes = m.peak_bytes - m.baseline_bytes
+    row.held = held
+    row.measured_held_bytes = m.held_bytes if held == "held" else m.activation_bytes
+
+
+def memory_shape(name: str, tiny: bool) -> dict[str, int]:
+    if tiny:
+        return TINY_SHAPES.get(name, TINY_SHAPE)
+    return SHAPES.get(name, {"batch": 2, "seq": 1024})
+
+
+def _build(name: str, shape: dict[str, Any], device: str, settings: Settings, **overrides: Any):
+    torch.manual_seed(0)
+    return models.build(
+        name, device=device, dtype=settings.dtype, tiny=settings.tiny, **shape, **overrides
+    )
+
+
+def _planner(
+    name: str, shape: dict[str, Any], model: nn.Module, inputs: tuple, settings: Settings, **kw: Any
+) -> Planner:
+    """A planner from a trace of a meta copy of the model (of the real model with --trace-real)."""
+    if settings.trace_real:
+        graph = remat.trace(model, *inputs, device=settings.device.type, autocast=settings.autocast)
+    else:
+        meta, meta_inputs = _build(name, shape, "meta", settings, **kw)
+        graph = remat.trace(meta, *meta_inputs, autocast=settings.autocast)
+    return Planner(graph, settings.profile)
+
+
+def _eager(
+    row: Row,
+    model: nn.Module,
+    inputs: tuple,
+    planner: Planner,
+    settings: Settings,
+    name: str,
+    budget: int | str,
+) -> Variant:
+    """The plan of strategy `name` (budgeted ones at `budget`) applied to `model`, measured."""
+    strategy = strategies.get(name, "eager")
+    budget_bytes = planner.budget_bytes(budget)
+    if strategy.budgeted:
+        p = planner.plan(budget_bytes, name)
+    else:
+        p = planner.solve(strategy, budget_bytes)
+    if not p.appliable:
+        raise Skipped("reference only: remat cannot apply this plan")
+    row.plan = p.strategy
+    row.predicted_peak_bytes = p.predicted_peak_bytes - planner.base_bytes
+    row.predicted_held_bytes = p.held_bytes
+    setup = functools.partial(_plan_applied, model, p)
+    step = Step(model, settings.autocast, settings.device.type)
+    with setup():
+        _measured(row, measure(step, *inputs, loss_fn=loss_of), "held")
+    return Variant(row, step, setup)
+
+
+def _persistent_bytes(graph: Graph) -> int:
+    """What a compiled graph has before the step: parameters, buffers and inputs (not the
+    gradient of its outputs, which the step makes)."""
+    return sum(
+        s.nbytes for s in graph.storages.values() if s.allocated_at is None and s.kind != "grad"
+    )
+
+
+def _compiled(
+    row: Row,
+    model: nn.Module,
+    inputs: tuple,
+    settings: Settings,
+    strategy: str,
+    budget: int | str | None,
+) -> Variant:
+    """`remat.compile(model)` with `strategy` at `budget`, measured (its first call compiles)."""
+    compiled = remat.compile(model, budget=budget, strategy=strategy, profile=settings.profile)
+    step = Step(compiled, settings.autocast, settings.device.type)
+    m = measure(step, *inputs, loss_fn=loss_of)
+    plans, graphs = plans_of(compiled), compiled.remat_backend.graphs
+    # A compiled plan is "optimal" exactly when it is the min-cut (`remat.compiled.decide`).
+    row.plan = ", ".join("min-cut" if p.status == "optimal" else "budgeted save set" for p in plans)
+    row.predicted_peak_bytes = max(
+        p.predicted_peak_bytes - _persistent_bytes(g) for p, g in zip(plans, graphs, strict=True)
+    )
+    row.predicted_held_bytes = sum(p.held_bytes for p in plans)
+    if len(plans) != 1:
+        row.note = f"{len(plans)} graphs: the largest peak of any, the sum of their saves"
+    _measured(row, m, "saved")
+    return Variant(row, step)
+
+
+def memory_part(
+    name: str, names: Sequence[str], settings: Settings, compiled: bool, progress: Progress
+) -> list[Row]:
+    """Every strategy in `names`, then remat.compile's variants, on model `name`."""
+    shape = memory_shape(name, settings.tiny)
+    progress(f"memory: {name} {shape}: tracing")
+    model, inputs = _build(name, shape, str(settings.device), settings)
+    planner = _planner(name, shape, model, inputs, settings)
+    rows = []
+    for s in names:
+        budgeted = strategies.get(s, "eager").budgeted
+        row = Row("memory", name, f"{s}@{settings.budget}" if budgeted else s)
+        progress(f"memory: {name}: {row.variant}")
+        _attempt(
+            row, lambda r, s=s: _eager(r, model, inputs, planner, settings, s, settings.budget)
+        )
+        rows.append(row)
+    if compiled:
+        for strategy, budget in COMPILED:
+            row = Row("memory", name, f"compile:{strategy}" + (f"@{budget}" if budget else ""))
+            progress(f"memory: {name}: {row.variant}")
+            torch._dynamo.reset()
+            _attempt(
+                row,
+                lambda r, s=strategy, b=budget: _compiled(r, model, inputs, settings, s, b),
+            )
+            rows.append(row)
+        torch._dynamo.reset()
+    return rows
+
+
+def _torch_compiled(row: Row, model: nn.Module, inputs: tuple, settings: Settings) -> Variant:
+    """torch.compile with its own partitioner at `TORCH_BUDGET` (read when the first call
+    compiles), measured."""
+    from torch._functorch import config as functorch_config
+
+    step = Step(torch.compile(model, dynamic=False), settings.autocast, settings.device.type)
+    with functorch_config.patch(activation_memory_budget=TORCH_BUDGET):
+        _measured(row, measure(step, *inputs, loss_fn=loss_of), "saved")
+    row.plan = "torch's min-cut partitioner"
+    return Variant(row, step)
+
+
+def _absolute_peak(row: Row) -> int | None:
+    """The row's measured peak with what was live before the step (None if unmeasured): the
+    terms of a compiled plan's budget, whose graph has the same parameters and inputs."""
+    if row.measured_peak_bytes is None or row.start_bytes is None:
+        return None
+    return row.start_bytes + row.measured_peak_bytes
+
+
+def speed_part(
+    name: str,
+    shape: dict[str, Any],
+    overrides: dict[str, Any],
+    settings: Settings,
+    rounds: int,
+    compiled: bool,
+    progress: Progress,
+) -> list[Row]:
+    """Each speed variant measured once, then timed in `rounds` interleaved rounds."""
+    progress(f"speed: {name} {shape}: tracing")
+    model, inputs = _build(name, shape, str(settings.device), settings, **overrides)
+    planner = _planner(name, shape, model, inputs, settings, **overrides)
+    rows: list[Row] = []
+    variants: list[Variant | None] = []
+
+    def add(variant: str, measure_row: Callable[[Row], Variant]) -> Row:
+        row = Row("speed", name, variant)
+        progress(f"speed: {name}: {variant}")
+        variants.append(_attempt(row, measure_row))
+        rows.append(row)
+        return row
+
+    def eager(strategy: str, budget: int | str) -> Callable[[Row], Variant]:
+        return lambda r: _eager(r, model, inputs, planner, settings, strategy, budget)
+
+    for s in SPEED_EAGER:
+        add(s, eager(s, settings.budget))
+    add(f"auto@{settings.budget}", eager("auto", settings.budget))
+    full = rows[SPEED_EAGER.index("full")]
+    if full.measured_peak_bytes is not None:  # the same measured peak, in the planner's terms
+        add("auto@full's peak", eager("auto", planner.base_bytes + full.measured_peak_bytes))
+    if compiled:
+        twin = copy.deepcopy(model)  # compiled variants never see the eager plans' patches
+        torch._dynamo.reset()
+        theirs = add(
+            f"torch.compile@{TORCH_BUDGET:g}", lambda r: _torch_compiled(r, twin, inputs, settings)
+        )
+        torch_peak = _absolute_peak(theirs)
+        if torch_peak is not None:
+            add(
+                "compile:auto@torch's peak",
+                lambda r: _compiled(r, twin, inputs, settings, "auto", torch_peak),
+            )
+    timed = [v for v in variants if v is not None]
+    try:
+        _interleaved_rounds(timed, inputs, rounds, progress)
+    finally:
+        torch._dynamo.reset()
+    base = rows[0].median_seconds if rows[0].variant == "store_all" else None
+    for row in rows:
+        if base and row.median_seconds:
+            row.time_ratio = row.median_seconds / base
+    return rows
+
+
+def _interleaved_rounds(
+    variants: list[Variant], inputs: tuple, rounds: int, progress: Progress
+) -> None:
+    """Append one step time per round to each variant's row: round r times one step of every
+    variant, each set up just before and torn down just after, starting at variant r; the first
+    round warms each variant with one untimed step. A compiled variant may not recompile while
+    timed; a variant that fails keeps its error and leaves the later rounds."""
+    from torch._dynamo import config as dynamo_config
+
+    for r in range(rounds):
+        progress(f"speed: round {r + 1}/{rounds}")
+        for k in range(len(variants)):
+            v = variants[(r + k) % len(variants)]
+            if v.row.error:
+                continue
+            try:
+                with v.setup(), dynamo_config.patch(error_on_recompile=True):
+                    v.row.step_seconds += time_steps(
+                        v.step, *inputs, steps=1, warmup=1 if r == 0 else 0, loss_fn=loss_of
+                    )
+            except Exception as e:
+                v.row.error = f"while timing: {type(e).__name__}: {e}"
+
+
+def _stderr_progress() -> Progress:
+    start = time.perf_counter()
+
+    def progress(text: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {text}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _note(row: Row) -> str:
+    text = f"error: {row.error}" if row.error else row.note
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], lines: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(" --- " for _ in header) + "|",
+        *("| " + " | ".join(cells) + " |" for cells in lines),
+    ]
+
+
+def markdown(result: dict[str, Any], rows: list[Row]) -> str:
+    """The report: a memory table (peaks above the step's start) and a speed table."""
+    settings = result["settings"]
+    out = [
+        f"## remat on {result['device']} (torch {result['torch']}, remat {result['remat']}, "
+        f"{settings['precision']})",
+    ]
+    memory = [r for r in rows if r.part == "memory"]
+    if memory:
+        out += [
+            "",
+            "### Memory: peak above the step's start, predicted and measured",
+            "",
+            *_table(
+                [
+                    "model",
+                    "variant",
+                    "plan",
+                    "predicted peak",
+                    "measured peak",
+                    "measured / predicted",
+                    "held or saved",
+                    "predicted",
+                    "measured",
+                    "note",
+                ],
+                [
+                    [
+                        r.model,
+                        r.variant,
+                        r.plan,
+                        _bytes(r.predicted_peak_bytes),
+                        _bytes(r.measured_peak_bytes),
+                        _ratio(r.peak_ratio),
+                        r.held or "-",
+                        _bytes(r.predicted_held_bytes),
+                        _bytes(r.measured_held_bytes),
+                        _note(r),
+                    ]
+                    for r in memory
+                ],
+            ),
+        ]
+    speed = [r for r in rows if r.part == "speed"]
+    if speed:
+        out += [
+            "",
+            f"### Speed: {settings['speed_model']} {settings['speed_shape']}, "
+            f"{settings['rounds']} interleaved rounds",
+            "",
+            *_table(
+                [
+                    "variant",
+                    "plan",
+                    "step (median)",
+                    "min - max",
+                    "vs store_all",
+                    "predicted peak",
+                    "measured peak",
+                    "measured / predicted",
+                    "note",
+                ],
+                [
+                    [
+                        r.variant,
+                        r.plan,
+                        _ms(r.median_seconds),
+                        f"{_ms(min(r.step_seconds))} - {_ms(max(r.step_seconds))}"
+                        if r.step_seconds
+                        else "-",
+                        _ratio(r.time_ratio),
+                        _bytes(r.predicted_peak_bytes),
+                        _bytes(r.measured_peak_bytes),
+                        _ratio(r.peak_ratio),
+                        _note(r),
+                    ]
+                    for r in speed
+                ],
+            ),
+        ]
+    return "\n".join(out) + "\n"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="the models' tiny presets")
+    parser.add_argument("--rounds", type=int, default=9, help="timing rounds (default: 9)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="memory-part models")
+    parser.add_argument(
+        "--strategies", nargs="+", default=list(STRATEGIES), help="memory-part eager strategies"
+    )
+    parser.add_argument(
+        "--parts", nargs="+", default=["memory", "speed"], choices=["memory", "speed"]
+    )
+    parser.add_argument("--budget", default="50%", help="of budgeted strategies (default: 50%%)")
+    parser.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        help="default: bf16-mixed on cuda, fp32 on cpu",
+    )
+    parser.add_argument("--speed-model", default=SPEED_MODEL)
+    parser.add_argument("--speed-batch", type=int, help="default: 1 (4 with --tiny)")
+    parser.add_argument("--speed-seq", type=int, help="default: 4096 (128 with --tiny)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field of the speed model, e.g. --set n_layers=8 (repeatable)",
+    )
+    parser.add_argument(
+        "--trace-real",
+        action="store_true",
+        help="trace the real model on --device (its autocast op lists) instead of a meta copy",
+    )
+    parser.add_argument("--skip-compiled", action="store_true", help="eager variants only")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON and .md")
+    parser.add_argument("--md", type=Path, help="markdown file (default: beside the JSON)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the parts asked for, write the JSON and the markdown, print the markdown; 2 without
+    the device, 1 when any row failed."""
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            f"gpu_validate: --device cuda, but this torch ({torch.__version__}) sees no CUDA "
+            "device; run on a GPU machine, or pass --device cpu (with --tiny) to check the script",
+            file=sys.stderr,
+        )
+        return 2
+    progress = _stderr_progress()
+    device = torch.device(args.device)
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    progress(f"calibrating the cost profile of {label}")
+    settings = Settings(
+        device=device,
+        precision=args.precision or ("bf16-mixed" if device.type == "cuda" else "fp32"),
+        profile=calibrate_profile(args.device),
+        tiny=args.tiny,
+        budget=args.budget,
+        trace_real=args.trace_real,
+    )
+    default_shape = TINY_SHAPE if args.tiny else {"batch": 1, "seq": 4096}
+    speed_shape = {
+        "batch": args.speed_batch or default_shape["batch"],
+        "seq": args.speed_seq or default_shape["seq"],
+    }
+    compiled = not args.skip_compiled
+    rows: list[Row] = []
+    if "memory" in args.parts:
+        for name in args.models:
+            rows += memory_part(name, args.strategies, settings, compiled, progress)
+    if "speed" in args.parts:
+        rows += speed_part(
+            args.speed_model,
+            speed_shape,
+            _parse_overrides(args.set),
+            settings,
+            args.rounds,
+            compiled,
+            progress,
+        )
+    result = {
+        "device": label,
+        "torch": torch.__version__,
+        "remat": remat.__version__,
+        "settings": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "precision": settings.precision,
+            "profile": asdict(settings.profile),
+            "memory_shapes": {n: memory_shape(n, args.tiny) for n in args.models},
+            "speed_shape": speed_shape,
+        },
+        "rows": [r.to_dict() for r in rows],
+    }
+    stem = f"gpu-validate-{_slug(label)}" + ("-tiny" if args.tiny else "")
+    if len(args.parts) == 1:
+        stem += f"-{args.parts[0]}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{stem}.json"
+    md_path = args.md or args.out / f"{stem}.md"
+    json_path.write_text(json.dumps(result, indent=2))
+    text = markdown(result, rows)
+    md_path.write_text(text)
+    print(text)
+    failed = [r for r in rows if r.error]
+    progress(f"written {json_path} and {md_path}; {len(failed)} of {len(rows)} rows failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
