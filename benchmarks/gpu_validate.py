@@ -17,9 +17,11 @@ measured, timed in interleaved rounds: each round times one step of every varian
 starting one variant later than the round before, so that a slow spell of the machine lands on
 every variant alike.
 
-Writes results/gpu-validate-<device>.json (every row, the device, torch's version, the settings)
-and the markdown tables (also printed); progress goes to stderr. A row that fails keeps its
-error and the run goes on; the exit status is then 1.
+Writes results/gpu-validate-<device>[-tiny][-<part>].json (every row, the device, torch's
+version, the settings) and .md (the tables, also printed); progress goes to stderr. A row that
+fails keeps its error and the run goes on; the exit status is then 1. A full run compiles 14
+times: where one command may only run minutes, split it with --parts, --models or
+--skip-compiled.
 """
 
 from __future__ import annotations
@@ -48,8 +50,7 @@ from remat.bench import _plan_applied
 from remat.cli import _parse_overrides
 from remat.compiled import plans_of
 from remat.cost import DeviceProfile
-from remat.errors import InfeasibleBudget, NoBlocksError
-from remat.fit import PRECISIONS
+from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.graph import Graph
 from remat.measure import Measurement, calibrate_profile, measure, time_steps
 from remat.trace import default_loss
@@ -81,6 +82,13 @@ SPEED_MODEL = "llama-3.2-1b"
 SPEED_EAGER = ("store_all", "full", "selective:megatron", "selective:torchtitan")
 TORCH_BUDGET = 0.5  # torch.compile's activation_memory_budget in the speed part
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Precision: (the dtype parameters are built in, the autocast dtype of forward and loss), as in
+#: `remat fit`; bf16-mixed holds fp32 parameters and gradients.
+PRECISIONS: dict[str, tuple[str, torch.dtype | None]] = {
+    "fp32": ("fp32", None),
+    "bf16": ("bf16", None),
+    "bf16-mixed": ("fp32", torch.bfloat16),
+}
 
 Progress = Callable[[str], None]
 Setup = Callable[[], AbstractContextManager[Any]]
@@ -297,8 +305,11 @@ def memory_part(
     """Every strategy in `names`, then remat.compile's variants, on model `name`."""
     shape = memory_shape(name, settings.tiny)
     progress(f"memory: {name} {shape}: tracing")
-    model, inputs = _build(name, shape, str(settings.device), settings)
-    planner = _planner(name, shape, model, inputs, settings)
+    try:
+        model, inputs = _build(name, shape, str(settings.device), settings)
+        planner = _planner(name, shape, model, inputs, settings)
+    except Exception as e:
+        return [Row("memory", name, "trace", error=f"{type(e).__name__}: {e}")]
     rows = []
     for s in names:
         budgeted = strategies.get(s, "eager").budgeted
@@ -353,8 +364,11 @@ def speed_part(
 ) -> list[Row]:
     """Each speed variant measured once, then timed in `rounds` interleaved rounds."""
     progress(f"speed: {name} {shape}: tracing")
-    model, inputs = _build(name, shape, str(settings.device), settings, **overrides)
-    planner = _planner(name, shape, model, inputs, settings, **overrides)
+    try:
+        model, inputs = _build(name, shape, str(settings.device), settings, **overrides)
+        planner = _planner(name, shape, model, inputs, settings, **overrides)
+    except Exception as e:
+        return [Row("speed", name, "trace", error=f"{type(e).__name__}: {e}")]
     rows: list[Row] = []
     variants: list[Variant | None] = []
 
@@ -582,6 +596,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:  # before any work: a typo should not cost a GPU run
+        for name in args.strategies:
+            strategies.get(name, "eager")
+        args.overrides = _parse_overrides(args.set)
+    except RematError as e:
+        parser.error(str(e))
     return args
 
 
@@ -622,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += speed_part(
             args.speed_model,
             speed_shape,
-            _parse_overrides(args.set),
+            args.overrides,
             settings,
             args.rounds,
             compiled,

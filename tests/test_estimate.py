@@ -237,6 +237,24 @@ def test_the_sharded_optimizer_step_runs_on_the_shards(gpt2_graph):
         assert est.peak_bytes == max(expected, max(b for _, b in est.timeline))
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_fsdp2_mixed_precision_keeps_fp32_shards_of_a_bf16_step(gpt2_graph, n):
+    """`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: the step is traced in bf16;
+    weights, grads and AdamW state are fp32 shards, 16 bytes a parameter over n ranks; what is
+    gathered is bf16; a block's grads go to the reduce-scatter as an fp32 copy."""
+    graph, count = _tiny_gpt2("bf16", False)
+    plain = estimate(graph, optimizer="adamw", shard=n)
+    mixed = estimate(graph, optimizer="adamw", shard=n, master_scale=2)
+    per_rank = mixed.param_bytes + mixed.grad_bytes + mixed.optimizer_state_bytes
+    assert per_rank == pytest.approx(16 * count / n, abs=8)
+    assert mixed.param_bytes == math.ceil(2 * graph.param_bytes / n)
+    assert mixed.gathered_param_bytes == plain.gathered_param_bytes  # bf16, as traced
+    assert mixed.activation_bytes == plain.activation_bytes
+    assert mixed.peak_bytes > plain.peak_bytes
+    with pytest.raises(RematError, match="shard >= 2"):
+        estimate(graph, optimizer="adamw", master_scale=2)
+
+
 def test_a_model_without_blocks_is_one_unit_gathered_whole():
     g = _graph()
     est = estimate(g, optimizer="adamw", shard=2)

@@ -144,3 +144,28 @@ def test_the_search_traces_a_few_steps_not_every_candidate(capacity_for_batch_3)
     # the asked step, two batch and three sequence anchors, and one trace per distinct answer
     answers = {r.max_batch for r in report.rows} | {r.max_seq for r in report.rows}
     assert report.traces <= 1 + 2 + 3 + len(answers)
+
+
+def test_fsdp2_mixed_precision_needs_ranks_and_drops_autocasts_weight_copies():
+    def build(batch: int, seq: int):
+        return models.build("gpt2", batch=batch, seq=seq, tiny=True, device="meta", dtype="bf16")
+
+    setup = {"batch": 2, "seq": 64, "optimizer": "adamw", "reserve": 0}
+    setup["strategies_to_fit"] = ("store_all",)
+    with pytest.raises(remat.RematError, match="--shard"):
+        fit(build, model="gpt2", gpu=_gpu(1 << 30), precision="bf16-fsdp", **setup)
+    peaks = {
+        precision: fit(
+            build if precision == "bf16-fsdp" else _build,
+            model="gpt2",
+            gpu=_gpu(1 << 30),
+            precision=precision,
+            shard=4,
+            **setup,
+        )
+        .rows[0]
+        .peak_bytes
+        for precision in ("bf16-mixed", "bf16-fsdp")
+    }
+    # same fp32 shards; bf16 gathered units instead of fp32 ones plus autocast's bf16 copies
+    assert peaks["bf16-fsdp"] < peaks["bf16-mixed"]

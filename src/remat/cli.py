@@ -556,7 +556,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     gpu = custom_gpu(args.capacity, args.gpu) if args.capacity else get_gpu(args.gpu)
     _writable(args.html, "--html")
     overrides = _parse_overrides(args.set)
-    dtype = PRECISIONS[args.precision][0]  # argparse allows only these
+    dtype = PRECISIONS[args.precision].param_dtype  # argparse allows only these
 
     def build(batch: int, seq: int):
         return models.build(
@@ -699,8 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--precision",
         default="bf16-mixed",
-        choices=["fp32", "bf16", "bf16-mixed"],
-        help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward (default: %(default)s)",
+        choices=["fp32", "bf16", "bf16-mixed", "bf16-fsdp"],
+        help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward; bf16: everything "
+        "in bf16; bf16-fsdp (with --shard): FSDP2's MixedPrecisionPolicy, bf16 gathered weights "
+        "and compute over fp32 shards of weights, grads and state (default: %(default)s)",
     )
     ft.add_argument(
         "--optimizer",

@@ -269,6 +269,7 @@ def shard_step(
     sim: Simulation,
     shard: int,
     optimizer: Optimizer = None,
+    master_scale: int = 1,
 ) -> Sharding:
     """Per-rank memory of the simulated step `sim` (store-all or any plan's: positions are read from
     `sim.schedule`) when the model is sharded FSDP2 / ZeRO-3 style over `shard` ranks.
@@ -294,13 +295,20 @@ def shard_step(
       reduce-scatter input; the root unit's stay whole until the end of the backward;
     - the optimizer step runs on the shards: its transient is the optimizer's on 1/`shard` of the
       parameters.
+
+    `master_scale`: the bytes of the sharded (master) parameters, gradients and optimizer state
+    per traced parameter byte. 1 when the trace holds the master dtype; 2 for FSDP2's
+    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` over fp32 parameters, traced in
+    bf16: bf16 gathered parameters and compute, fp32 shards, and each block's gradients cast to an
+    fp32 reduce-scatter input.
     """
-    n = shard
+    n, m = shard, master_scale
     memory = OPTIMIZER_MEMORY[optimizer]
     param_total = graph.param_bytes
     t_bytes, t_elems = trainable_param_bytes(graph), trainable_param_elements(graph)
-    state = memory.state_bytes(t_bytes, t_elems)
-    saving = (param_total - _ceil_div(param_total, n)) + (state - _ceil_div(state, n))
+    state = memory.state_bytes(t_bytes, t_elems)  # as the unsharded simulation holds it
+    master_state = memory.state_bytes(t_bytes * m, t_elems)
+    saving = (param_total - _ceil_div(param_total * m, n)) + (state - _ceil_div(master_state, n))
 
     blocks = graph.blocks
     by_block: dict[str, int] = defaultdict(int)
@@ -330,8 +338,8 @@ def shard_step(
         block_grads += delta[p]
         kind, i = sim.schedule[p]
         backward = kind != "op" or graph.ops[i].phase == "backward"
-        transient = gathered + (unsharded_grads if backward else 0)
-        timeline.append(live - saving - (block_grads - _ceil_div(block_grads, n)) + transient)
+        transient = gathered + (unsharded_grads * m if backward else 0)
+        timeline.append(live - saving - (block_grads - _ceil_div(block_grads * m, n)) + transient)
 
     grads_at_end = sum(
         graph.storages[sid].nbytes
@@ -345,14 +353,14 @@ def shard_step(
         + state
         + held_at_end
         - saving
-        - (grads_at_end - _ceil_div(grads_at_end, n))
-        + memory.step_temp_bytes(_ceil_div(t_bytes, n), _ceil_div(t_elems, n))
+        - (grads_at_end - _ceil_div(grads_at_end * m, n))
+        + memory.step_temp_bytes(_ceil_div(t_bytes * m, n), _ceil_div(t_elems, n))
     )
     return Sharding(
         shard=n,
-        param_bytes=_ceil_div(param_total, n),
-        grad_bytes=_ceil_div(graph.grad_bytes, n),
-        optimizer_state_bytes=_ceil_div(state, n),
+        param_bytes=_ceil_div(param_total * m, n),
+        grad_bytes=_ceil_div(graph.grad_bytes * m, n),
+        optimizer_state_bytes=_ceil_div(master_state, n),
         gathered_param_bytes=gathered,
         unsharded_grad_bytes=unsharded_grads,
         timeline=tuple(timeline),
@@ -360,7 +368,9 @@ def shard_step(
     )
 
 
-def estimate(graph: Graph, optimizer: Optimizer = None, shard: int = 1) -> MemoryEstimate:
+def estimate(
+    graph: Graph, optimizer: Optimizer = None, shard: int = 1, master_scale: int = 1
+) -> MemoryEstimate:
     """Activation bytes and the peak of the whole step (store-all: no recomputation).
 
     `optimizer`: one of `OPTIMIZERS` (see `OPTIMIZER_MEMORY` for what each keeps and allocates in
@@ -373,7 +383,7 @@ def estimate(graph: Graph, optimizer: Optimizer = None, shard: int = 1) -> Memor
     then per rank (`shard_step` says exactly what is divided and what FSDP adds: the all-gathered
     parameters of the root unit and of two blocks, the unsharded grads of one block). This is
     arithmetic on top of the traced single-device step: no collective is traced. `shard=1` is the
-    single-device step, unchanged."""
+    single-device step, unchanged. `master_scale` (with `shard` > 1): see `shard_step`."""
     if optimizer not in OPTIMIZER_MEMORY:
         choices = ", ".join(["None", *(repr(o) for o in OPTIMIZERS)])
         raise RematError(f"optimizer must be one of {choices}, got {optimizer!r}")
@@ -392,6 +402,11 @@ def estimate(graph: Graph, optimizer: Optimizer = None, shard: int = 1) -> Memor
         "shard": shard,
     }
     if shard == 1:
+        if master_scale != 1:
+            raise RematError(
+                "master_scale is FSDP2's mixed precision (fp32 shards of bf16-traced parameters): "
+                "it needs shard >= 2"
+            )
         timeline = step.timeline
         at_end = (
             persistent
@@ -402,7 +417,7 @@ def estimate(graph: Graph, optimizer: Optimizer = None, shard: int = 1) -> Memor
         )
         step_peak = at_end + memory.step_temp_bytes(trainable, elements)
     else:
-        sharded = shard_step(graph, step, shard, optimizer)
+        sharded = shard_step(graph, step, shard, optimizer, master_scale)
         timeline, step_peak = sharded.timeline, sharded.optimizer_step_bytes
         fields.update(
             param_bytes=sharded.param_bytes,

@@ -33,12 +33,27 @@ from remat.planner import Planner
 from remat.sizes import SizeModel, same_graph
 from remat.units import format_bytes
 
-Precision = Literal["fp32", "bf16", "bf16-mixed"]
-PRECISIONS: dict[str, tuple[str, torch.dtype | None]] = {
-    # name: (the dtype parameters are built in, the autocast dtype of the forward)
-    "fp32": ("fp32", None),
-    "bf16": ("bf16", None),
-    "bf16-mixed": ("fp32", torch.bfloat16),
+Precision = Literal["fp32", "bf16", "bf16-mixed", "bf16-fsdp"]
+
+
+@dataclass(frozen=True)
+class PrecisionSetup:
+    """How a precision is traced and held: the dtype parameters are built in, the autocast dtype
+    of the forward, and the bytes of the sharded master copy per traced parameter byte."""
+
+    param_dtype: str
+    autocast: torch.dtype | None = None
+    master_scale: int = 1
+
+
+PRECISIONS: dict[str, PrecisionSetup] = {
+    "fp32": PrecisionSetup("fp32"),
+    "bf16": PrecisionSetup("bf16"),
+    # fp32 parameters and gradients, the forward under torch.autocast(bf16)
+    "bf16-mixed": PrecisionSetup("fp32", torch.bfloat16),
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered parameters
+    # and compute (traced in bf16, no autocast), fp32 shards of parameters, gradients and state
+    "bf16-fsdp": PrecisionSetup("bf16", None, master_scale=2),
 }
 #: The strategies a fit compares: no recomputation, the usual two, and remat's choice.
 FIT_STRATEGIES = ("store_all", "full", "selective:megatron", "selective:torchtitan", "auto")
@@ -63,6 +78,7 @@ class FitRow:
     max_seq: int | None
     plan: str = ""  # the plan behind the peak: what auto chose, or the lowest-peak one
     note: str = ""
+    apply: str = ""  # the one line that makes this plan for the model (before any FSDP wrapping)
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,7 @@ class _Steps:
         shard: int,
         progress: Callable[[str], None] | None,
     ) -> None:
-        self.build, self.gpu, self.precision = build, gpu, precision
+        self.build, self.gpu, self.setup = build, gpu, PRECISIONS[precision]
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
@@ -136,7 +152,7 @@ class _Steps:
             from remat.trace import trace
 
             model, inputs = self.build(batch, seq)
-            self.traced[key] = trace(model, *inputs, autocast=PRECISIONS[self.precision][1])
+            self.traced[key] = trace(model, *inputs, autocast=self.setup.autocast)
         return self.traced[key]
 
     def planner(self, batch: int, seq: int) -> Planner:
@@ -189,9 +205,15 @@ class _Steps:
         """`plan`'s peak per rank: its simulation with parameters, gradients and optimizer state
         sharded over `shard` ranks (`remat.estimate.shard_step`), the optimizer step included."""
         shard = self.shard if shard is None else shard
-        if shard == 1:
+        if shard == 1 and self.setup.master_scale == 1:
             return plan.predicted_peak_bytes
-        sharded = shard_step(planner.graph, planner.simulate(plan.regions), shard, self.optimizer)
+        sharded = shard_step(
+            planner.graph,
+            planner.simulate(plan.regions),
+            shard,
+            self.optimizer,
+            self.setup.master_scale,
+        )
         return max(max(sharded.timeline), sharded.optimizer_step_bytes)
 
     def fixed_plans(self, planner: Planner) -> Iterator[Any]:
@@ -285,7 +307,12 @@ def _fit_row(
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     planner = steps.planner(batch, seq)
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
-    floor = estimate(planner.graph, optimizer=steps.optimizer, shard=steps.shard).fixed_bytes
+    floor = estimate(
+        planner.graph,
+        optimizer=steps.optimizer,
+        shard=steps.shard,
+        master_scale=steps.setup.master_scale,
+    ).fixed_bytes
     if floor > usable:  # parameters, gradients and optimizer state alone: no size fits
         return FitRow(
             name,
@@ -351,6 +378,7 @@ def _fit_row(
     best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
     return FitRow(
         strategy=name,
+        apply=_apply_line(p, steps),
         plan=p.strategy,
         peak_bytes=peak,
         fits=peak <= usable,
@@ -358,6 +386,19 @@ def _fit_row(
         max_batch=best_batch,
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
         note=f"max seq: {limits[-1]}" if limits else "",
+    )
+
+
+def _apply_line(p: Any, steps: _Steps) -> str:
+    """The `remat.auto` call that makes plan `p` on the user's model: a fixed strategy by name; a
+    budgeted plan by the whole-model budget it was solved at (under sharding, not the per-rank
+    capacity), with the optimizer and cost profile it was judged with."""
+    name = p.strategy.split(" ")[0]
+    if not strategies.get(name, "eager").budgeted:
+        return f'remat.auto(model, *inputs, strategy="{name}", budget="100%")'
+    return (
+        f"remat.auto(model, *inputs, budget={p.budget_bytes}, optimizer={steps.optimizer!r}, "
+        f'profile="{steps.gpu.profile}")'
     )
 
 
@@ -390,6 +431,11 @@ def fit(
         raise RematError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if shard < 1:
         raise RematError(f"shard={shard}: the number of ranks must be at least 1")
+    if shard == 1 and PRECISIONS[precision].master_scale != 1:
+        raise RematError(
+            f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
+            "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
+        )
     start = time.perf_counter()
     usable = usable_bytes(gpu, reserve)
     steps = _Steps(build, gpu, precision, optimizer, shard, progress)
@@ -423,12 +469,13 @@ def fit(
 
 def _ranks_to_fit(steps: _Steps, batch: int, seq: int, usable: int) -> int | None:
     """The fewest ranks (a power of two, up to 1024) over which sharding parameters, gradients and
-    optimizer state brings the lowest-peak plan within `usable` per rank: arithmetic on the
+    optimizer state brings a plan within `usable` per rank (per rank, since the unsharded
+    optimizer step can hide every activation from the whole-model judge): arithmetic on the
     traced step, as `estimate(shard=N)` is."""
     planner = steps.planner(batch, seq)
-    lowest = planner.lowest_peak()
+    plans = [*steps.fixed_plans(planner), planner.lowest_peak()]
     for ranks in (2**k for k in range(1, 11)):
-        if ranks > steps.shard and steps.rank_peak(planner, lowest, ranks) <= usable:
+        if ranks > steps.shard and any(steps.rank_peak(planner, p, ranks) <= usable for p in plans):
             return ranks
     return None
 
@@ -454,7 +501,8 @@ def advice(report: FitReport) -> tuple[str, ...]:
         return (
             f"{best.plan} fits ({format_bytes(best.peak_bytes)} of {usable}) at "
             f"+{best.overhead:.1%} predicted step time: the cheapest plan that fits. Apply it "
-            f"with `remat.auto(model, *inputs, budget={report.usable_bytes})`.",
+            f"with `{best.apply}`"
+            + (", then wrap with fully_shard as usual." if report.shard > 1 else "."),
         )
     lowest = min((r for r in report.rows if r.peak_bytes is not None), key=lambda r: r.peak_bytes)
     lines = [
