@@ -324,3 +324,13 @@ def test_a_block_strategy_on_a_model_without_blocks_exits_2(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--model", "flat_models:make", "--strategy", "sqrt"]) == 2
     assert "no numbered submodules" in capsys.readouterr().err
+
+
+def test_report_with_a_gpu_adds_the_fit_table(tmp_path, capsys):
+    path = tmp_path / "report.html"
+    args = ["report", "--model", "gpt2", "--tiny", "--optimizer", "adamw", "--html", str(path)]
+    assert main([*args, "--capacity", "2GiB"]) == 0
+    with_fit = path.read_text()
+    assert main(args) == 0
+    without = path.read_text()
+    assert "max batch" in with_fit and "max batch" not in without

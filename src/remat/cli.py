@@ -325,6 +325,9 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
     if args.html:
         from remat.html import write_report
 
+        fitted = None
+        if getattr(args, "gpu", None) or getattr(args, "capacity", None):
+            fitted = _fit_report(args, console, args.dtype, shard=1).table_rows()
         with console.status("writing the HTML report ..."):
             write_report(
                 args.html,
@@ -332,6 +335,7 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
                 title=_title(args, planner),
                 budget_bytes=budget_bytes,
                 chosen=chosen,
+                fit_rows=fitted,
             )
     if args.json:
         d = plan_dict(chosen, **context)
@@ -545,37 +549,45 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
+def _fit_report(args: argparse.Namespace, console: Console, precision: str, shard: int):
+    """`remat.fit` of the model the arguments name on `--gpu` (or `--capacity`)."""
     from remat import models
     from remat.fit import PRECISIONS, fit
     from remat.gpus import custom_gpu, get_gpu
-    from remat.units import format_bytes
 
-    gpu = custom_gpu(args.capacity, args.gpu) if args.capacity else get_gpu(args.gpu)
-    _writable(args.html, "--html")
+    gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
     overrides = _parse_overrides(args.set)
-    dtype = PRECISIONS[args.precision].param_dtype  # argparse allows only these
+    dtype = PRECISIONS[precision].param_dtype
 
     def build(batch: int, seq: int):
         return models.build(
             args.model, batch=batch, seq=seq, dtype=dtype, tiny=args.tiny, **overrides
         )
 
+    optimizer = getattr(args, "optimizer", None)
     with console.status("tracing ...") as status:
-        report = fit(
+        return fit(
             build,
             model=args.model,
             batch=args.batch,
             seq=args.seq,
             gpu=gpu,
-            precision=args.precision,
-            optimizer=None if args.optimizer == "none" else args.optimizer,
-            shard=args.shard,
-            reserve=args.reserve,
+            precision=precision,
+            optimizer=None if optimizer == "none" else optimizer,
+            shard=shard,
+            reserve=getattr(args, "reserve", None),
             progress=lambda text: status.update(text),
         )
+
+
+def cmd_fit(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from remat.units import format_bytes
+
+    _writable(args.html, "--html")
+    report = _fit_report(args, console, args.precision, args.shard)
+    gpu = report.gpu
     if args.html:
         from remat.html import write_report
 
@@ -583,8 +595,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         write_report(
             args.html,
             planner,
-            title=f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on "
-            f"{gpu.name}",
+            title=f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}",
             budget_bytes=report.usable_bytes,
             fit_rows=report.table_rows(),
         )
@@ -593,7 +604,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         return 0
     title = (
         f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
-        f"{report.optimizer or 'no optimizer'}, on {gpu.name}"
+        f"{report.optimizer or 'no optimizer'}, on {gpu}"
         + (f", sharded over {args.shard} ranks (per-rank figures)" if args.shard > 1 else "")
     )
     table = Table(title=title, title_justify="left")
@@ -612,7 +623,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         f"usable {format_bytes(report.usable_bytes)} = capacity "
         f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)} "
         "(CUDA context + allocator fragmentation; --reserve); step time: predicted recompute on "
-        f"the {gpu.profile} profile; max seq in steps of 64; "
+        f"the {report.profile} profile; max seq in steps of 64; "
         f"{report.traces} step{'s' if report.traces != 1 else ''} traced in {report.seconds:.0f} s"
     )
     console.print(table)
@@ -759,7 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser(
         "report",
         help="write one self-contained HTML report of a step: timeline, breakdown, frontier, plan",
-        epilog="example:\n  remat report --model gpt2 --tiny --html report.html",
+        epilog="examples:\n  remat report --model gpt2 --tiny --html report.html\n"
+        "  remat report --model gpt2 --seq 1024 --gpu l4 --optimizer adamw --html report.html",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(rp)
@@ -767,6 +779,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_arg(rp)
     _add_optimizer_arg(rp)
     rp.add_argument("--html", metavar="REPORT.html", required=True, help="where to write it")
+    rp.add_argument(
+        "--gpu",
+        help="add the fit table for this GPU (h100, h200, a100-40gb, a100-80gb, l4, rtx4090, "
+        "mi300x) at --batch, --seq, --dtype and --optimizer; `remat fit --html` for mixed "
+        "precision and sharding",
+    )
+    rp.add_argument("--capacity", help="add the fit table for a GPU of this memory, e.g. 24GiB")
     rp.set_defaults(func=cmd_plan, strategy="auto", json=False, explain=False, out=None, plot=None)
     be = sub.add_parser(
         "bench", help="apply each strategy to the real model and measure peak, time and gradients"

@@ -89,6 +89,7 @@ class FitReport:
     batch: int
     seq: int
     gpu: str
+    profile: str  # the cost profile step times are predicted on
     capacity_bytes: int
     reserve_bytes: int
     usable_bytes: int
@@ -451,6 +452,7 @@ def fit(
         batch=batch,
         seq=seq,
         gpu=gpu.name,
+        profile=gpu.profile,
         capacity_bytes=gpu.capacity_bytes,
         reserve_bytes=gpu.capacity_bytes - usable,
         usable_bytes=usable,
