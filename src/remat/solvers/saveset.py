@@ -83,7 +83,7 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     backward_outputs = {tensors[t].storage for t in graph.info.get("backward_outputs", ())}
     persistent = {sid for sid, s in storages.items() if s.kind in PERSISTENT_KINDS}
 
-    wanted = {values[v].op for v in saved if values[v].op is not None}
+    wanted = {graph.op_by_name[values[v].op].index for v in saved if values[v].op is not None}
     wanted |= {tensors[t].producer for t in graph.info.get("forward_outputs", ())} - {None}
     forward = _ancestors(graph, wanted)
     replayed = {graph.op_by_name[values[v].op].index for v in recomputed}
