@@ -205,6 +205,8 @@ def test_bench_compiled_times_every_variant_without_recompiling(tiny_mlp):
         assert r.time_ratio == pytest.approx(r.step_seconds / 0.5)
         assert r.within_noise is False  # a tiny step is far below the made-up eager range
         assert r.grad_max_abs_diff <= 1e-6 and "recompiled" not in r.note, r
+        assert r.grad_vs_compiled_rel_diff <= 1e-6  # op by op: the same gradients as torch's
+    assert rows[0].strategy == "torch.compile@1" and rows[0].grad_vs_compiled_rel_diff == 0.0
 
 
 def test_bench_needs_a_timing_round(tiny_mlp):

@@ -66,6 +66,9 @@ class BenchRow:
             store_all's own row is True. None where there is no time or no reference range.
         grad_max_abs_diff: largest absolute difference from store_all's parameter gradients.
         grad_max_rel_diff: that difference over the largest store_all gradient magnitude.
+        grad_vs_compiled_rel_diff: for compiled rows, the same relative difference from
+            torch.compile's default (`torch.compile@1`): what remat's partitioner changes beyond
+            what compiling alone does (fused kernels sum in another order). None for eager rows.
         note: why a row has no measurement, or what it ran (plan strategy, compiler, ...).
     """
 
@@ -80,6 +83,7 @@ class BenchRow:
     within_noise: bool | None = None
     grad_max_abs_diff: float | None = None
     grad_max_rel_diff: float | None = None
+    grad_vs_compiled_rel_diff: float | None = None
     note: str = ""
 
     @property
@@ -361,6 +365,7 @@ def bench_compiled(
 
     _check_rounds(steps)
     reference = gradients(model, inputs)
+    compiled_reference: dict[str, torch.Tensor] | None = None
     rows: list[BenchRow] = []
     runs: list[tuple[str, RematBackend, float | None]] = [
         (
@@ -395,7 +400,7 @@ def bench_compiled(
             )
             try:
                 with patch:
-                    diff, rel = _max_diff(gradients(compiled, inputs), reference)
+                    grads = gradients(compiled, inputs)
             except Exception as e:
                 infeasible = remat_error_cause(e, InfeasibleBudget)
                 if infeasible is None:
@@ -408,6 +413,8 @@ def bench_compiled(
                     )
                 )
                 continue
+            diff, rel = _max_diff(grads, reference)
+            compiled_reference = compiled_reference or grads  # torch.compile@1, the first row
             m = measure(compiled, *inputs, steps=1)
             plans = backend.plans
             timed.append((len(rows), compiled, backend, len(plans)))
@@ -421,6 +428,7 @@ def bench_compiled(
                     else None,
                     grad_max_abs_diff=diff,
                     grad_max_rel_diff=rel,
+                    grad_vs_compiled_rel_diff=_max_diff(grads, compiled_reference)[1],
                     note=f"{compiler}; predicted recompute "
                     f"{sum(p.recompute_seconds for p in plans) * 1e3:.2f} ms, held "
                     f"{sum(p.held_bytes for p in plans)} B",

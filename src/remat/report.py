@@ -208,6 +208,9 @@ def bench_table(rows, title: str) -> Table:
         if rel and r.grad_max_abs_diff:  # a compiled row's rounding: say how large it is
             notes.append(f"\n{r.strategy}: ", style="bold")
             notes.append(f"grad diff {r.grad_max_abs_diff:.1e} = {rel:.1e} of max |g|")
+            vs_compiled = getattr(r, "grad_vs_compiled_rel_diff", None)
+            if vs_compiled is not None and r.strategy != "torch.compile@1":
+                notes.append(f"; {vs_compiled:.1e} from torch.compile@1's")
     t.caption = Text.assemble(
         "ratio = median step / store_all's median; ~ = within noise of store_all "
         "(their min-max ranges overlap); grad diff = max |g - g_store_all|",
