@@ -39,12 +39,14 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from math import prod
 
 from remat.errors import StatefulModuleError
 from remat.graph import Graph, ModuleCall, Op, Saved, Storage
 
 #: `torch.utils.checkpoint` (preserve_rng_state=True) keeps a copy of the CPU generator's state per
-#: region call in its frame, until the frame dies: `torch.get_rng_state().numel()` bytes.
+#: region call in its frame, until the frame dies: `torch.get_rng_state().numel()` bytes. Its replay
+#: runs inside `torch.random.fork_rng`, which holds one more copy (the state to restore) meanwhile.
 CPU_RNG_STATE_BYTES = 5056
 
 
@@ -132,18 +134,44 @@ def make_region(
 #: Matmul kernels copy a broadcast (expanded) operand to dense memory inside the kernel.
 _DENSE_OPERAND_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
+#: Binary arithmetic ops whose result has the inputs' common dtype. On CPU, TensorIterator makes a
+#: temporary copy of each input of another dtype in the common dtype before the loop
+#: (`TensorIteratorBase::compute_types`, `promote_inputs_to_common_dtype`); CUDA casts in the loop.
+_PROMOTING_OPS = frozenset({"add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_"})
+
+#: Ops whose CPU kernel multiplies by their bool mask (aten/src/ATen/native/Dropout.cpp:
+#: `input.mul(mask).mul_(scale)` and `grad * mask * scale`), so TensorIterator copies the mask to
+#: the float operand's dtype first: one temporary of that operand's bytes. (The backward's
+#: `grad * mask` intermediate, freed after `* scale`, is the same size and replaces the copy.)
+#: CUDA's fused dropout kernels read the bool mask directly and allocate nothing more.
+_BOOL_MASK_OPS = frozenset({"native_dropout", "native_dropout_backward"})
+
 
 def kernel_workspace_bytes(graph: Graph, op: Op) -> int:
     """Scratch a CPU kernel allocates and frees inside one op, which no traced tensor shows.
 
     Measured on the CPU allocator (docs/memory-model.md): oneDNN's `convolution_backward` reorders
     the input and its gradient into blocked layouts (2 x input bytes); `mm`-class kernels make a
-    dense copy of a broadcast operand (the expanded gradient of a `sum` loss, for one).
+    dense copy of a broadcast operand (the expanded gradient of a `sum` loss, for one); binary
+    arithmetic with an operand of another dtype than its result copies that operand to the
+    result's dtype, which dropout's CPU kernels do inside with their bool mask.
     """
+    tensors = graph.tensors
     if op.short == "convolution_backward":
-        return 2 * graph.tensors[op.inputs[1]].nbytes
+        return 2 * tensors[op.inputs[1]].nbytes
     if op.short in _DENSE_OPERAND_OPS:
-        return sum(graph.tensors[t].nbytes for t in op.inputs if graph.tensors[t].expanded)
+        return sum(tensors[t].nbytes for t in op.inputs if tensors[t].expanded)
+    if op.short in _BOOL_MASK_OPS:
+        return tensors[op.inputs[0]].nbytes
+    if op.short in _PROMOTING_OPS and op.outputs:
+        out = tensors[op.outputs[0]]
+        itemsize = out.nbytes // max(prod(out.shape), 1)
+        return sum(
+            prod(tensors[t].shape) * itemsize
+            for t in op.inputs
+            # A 0-dim operand (a wrapped Python number) costs a few bytes: not counted.
+            if tensors[t].shape and tensors[t].dtype != out.dtype
+        )
     return 0
 
 
@@ -338,8 +366,9 @@ def storage_lives(
 ) -> tuple[dict[int, int], list[Life]]:
     """Each storage allocated during the step -> the position after which its first life ends,
     and every life on `schedule`: each storage's first life (from its op until both the program
-    and its holders let go), a second life for a storage a replay makes again, and each region's
-    frame overhead (RNG state, BatchNorm snapshot) from its region's first op until it dies."""
+    and its holders let go), a second life for a storage a replay makes again, each region's
+    frame overhead (RNG state, BatchNorm snapshot) from its region's first op until it dies, and
+    the RNG state `fork_rng` keeps while a random region's replay runs."""
     end = len(graph.ops)
     held_until = dict(analysis.autograd_holds)
     # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
@@ -355,22 +384,43 @@ def storage_lives(
         program = end if s.released_after is None else s.released_after
         death = max(program, held_until.get(s.id, -1))
         region = analysis.region_of_op[s.allocated_at]
+        replay_death = -1
         if s.allocated_at in analysis.kept_ops:
             rep = analysis.replays[region]
-            # The policy's cache holds a kept op's outputs until the replay reaches the op; from
-            # there the holders of the region's nodes that saved it do, until those nodes ran.
+            # The policy's cache holds a kept op's outputs until the replay reaches the op and
+            # takes them back; from there they live as a replayed op's outputs would.
             reached = rep.trigger is not None and s.allocated_at <= rep.stop_at
-            death = max(death, rep.trigger if reached else rep.frame_until)
-            if reached:
-                death = max(death, rep.holders.get(s.id, -1))
-        deaths[s.id] = schedule.after(death)
+            if not reached:
+                death = max(death, rep.frame_until)
+            elif s.id in rep.holders:
+                death = max(death, rep.holders[s.id])
+            else:
+                replay_death = _handed_over_until(program, rep, schedule)
+        deaths[s.id] = max(schedule.after(death), replay_death)
         lives.append((schedule.position_of_op[s.allocated_at], deaths[s.id], s.nbytes))
         if s.allocated_at in schedule.replay_position:
             lives.append(_replayed_life(s, program, analysis.replays[region], schedule))
     for rep in analysis.replays:
         first = schedule.position_of_op[rep.region.first_op]
         lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))
+        replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
+        if rep.region.random and replayed:
+            lives.append((replayed[0], replayed[-1], CPU_RNG_STATE_BYTES))
     return deaths, lives
+
+
+def _handed_over_until(program: int, rep: RegionReplay, schedule: Schedule) -> int:
+    """The position until which a kept op's output that no region node saved lives, once the
+    replay has reached the op and taken it from the cache: the last replayed op up to the one
+    after which the program dropped it (the replay's last, if it stops before), or the position
+    before the replay when the program dropped it before any replayed op."""
+    replayed = [i for i in rep.ops if i in schedule.replay_position]
+    if not replayed:  # every op up to the early stop is kept: the replay runs no op of its own
+        return schedule.after(rep.trigger) if rep.trigger is not None else len(schedule.order)
+    last = bisect_right(replayed, program) - 1
+    if last < 0:
+        return schedule.replay_position[replayed[0]] - 1
+    return schedule.replay_position[replayed[last]]
 
 
 def _replayed_life(s: Storage, program: int, rep: RegionReplay, schedule: Schedule) -> Life:
