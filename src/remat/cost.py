@@ -22,14 +22,34 @@ from remat.graph import Graph, Op
 class DeviceProfile:
     """What the roofline needs to know of a device: FLOP/s of its matrix units for the training
     dtype (`peak_flops`), FLOP/s of everything else (`vector_flops`), and memory bandwidth in
-    bytes/s."""
+    bytes/s; and what eager checkpointing itself costs on the host, which no op's roofline shows:
+
+    - `region_seconds`: per checkpointed region and step, `torch.utils.checkpoint`'s own work (its
+      frame, the pack and unpack hook of every tensor the region saves, setting up the replay);
+    - `policy_op_seconds`: per op that a region with a selective-checkpoint policy runs, in its
+      forward and again in its replay (kept ops included: they hand over their cached output):
+      the policy's dispatch mode and the policy function are Python, called once per op.
+
+    Both are added to a plan's predicted recompute time (`checkpoint_overhead_seconds`), so that
+    between plans of near-equal recompute the planner does not pick the one whose checkpointing
+    costs more than it saves."""
 
     name: str
     peak_flops: float
     vector_flops: float
     bandwidth: float
+    region_seconds: float = 0.0
+    policy_op_seconds: float = 0.0
 
 
+#: Checkpointing's own host cost (`DeviceProfile.region_seconds`, `policy_op_seconds`) is left at 0
+#: in the shipped profiles: their op times are rooflines without per-op launch cost, so a small
+#: model's predicted step is microseconds and a fixed host cost would swamp it (the `+10%` budget
+#: would always mean store_all). `remat.measure.calibrate_profile()` measures both on the machine at
+#: hand; this project's shared 2-core VM measured ~1.0-1.1 ms per region and 22 us per op for
+#: torch's selective-checkpoint mode alone, 39 us with remat's policy and module-scope hooks
+#: (docs/benchmarks.md, issue 11 item 7). A GPU host runs the same Python on a faster core, partly
+#: overlapped with the kernels: about 0.3 ms and 10 us, as an upper bound.
 PROFILES: dict[str, DeviceProfile] = {
     # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run
     # `remat.measure.calibrate_profile()` to measure the machine at hand.
@@ -123,6 +143,16 @@ def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
             f"{', '.join(sorted(PROFILES))}, or pass a DeviceProfile "
             "(remat.measure.calibrate_profile() measures one)"
         ) from None
+
+
+def checkpoint_overhead_seconds(
+    profile: DeviceProfile | str, regions: int, policy_ops: int
+) -> float:
+    """Host seconds that checkpointing adds to a step beyond recomputing ops: `regions`
+    checkpointed regions, and `policy_ops` ops run under a selective policy (a selective region's
+    forward ops plus the ops its replay reaches)."""
+    p = get_profile(profile)
+    return regions * p.region_seconds + policy_ops * p.policy_op_seconds
 
 
 def is_view(op: Op) -> bool:

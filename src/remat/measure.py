@@ -247,8 +247,9 @@ def saved_tensor_bytes(
 def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     """Measure `device` instead of trusting `remat.cost.PROFILES`: the median of a few runs of a
     square matmul (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul`
-    (2 FLOPs an element) for the vector rate, and of a 64 MiB copy (bytes read + written) for the
-    bandwidth. Takes well under 3 s on a 2-core CPU."""
+    (2 FLOPs an element) for the vector rate, of a 64 MiB copy (bytes read + written) for the
+    bandwidth, and of a checkpointed chain of tiny ops for what checkpointing itself costs on the
+    host (`_checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
     # Imported here, not at the top: the measurement of a training step shares no code with the
     # graph side of remat, and only this function needs the profile type.
     from remat.cost import DeviceProfile
@@ -274,9 +275,71 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     dst = torch.empty_like(src)
     moved = 2 * src.numel() * src.element_size()
     bandwidth = moved / _median_seconds(lambda: dst.copy_(src), dev, reps=5)
+    region, per_op = _checkpoint_overheads(dev)
     return DeviceProfile(
-        f"{device} (calibrated)", peak_flops=peak, vector_flops=vector, bandwidth=bandwidth
+        f"{device} (calibrated)",
+        peak_flops=peak,
+        vector_flops=vector,
+        bandwidth=bandwidth,
+        region_seconds=region,
+        policy_op_seconds=per_op,
     )
+
+
+def _checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tuple[float, float]:
+    """Host seconds that non-reentrant `checkpoint` adds per region, and that a selective policy
+    adds per op, beyond the ops' own work: a chain of `ops` `sin`s on 16 elements (each saves its
+    input, as a transformer block's ops do; their arithmetic is negligible) is timed forward and
+    backward plain, forward alone, under `checkpoint`, and under `checkpoint` with a selective
+    policy that recomputes everything. The region costs what checkpointing adds beyond one more
+    forward; the policy, per op it sees (every op in the forward and again in the replay), what it
+    adds beyond plain checkpointing. Rounds are interleaved; each figure is a median, at least 0."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    x = torch.rand(16, device=dev, requires_grad=True)
+    seen: dict[Any, int] = {}
+
+    def chain_of_ops(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops):
+            t = torch.sin(t)
+        return t
+
+    def policy(ctx, func, *args, **kwargs):  # as light as remat.eager's: a lookup, a count
+        seen[func] = seen.get(func, 0) + 1
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def contexts():
+        return create_selective_checkpoint_contexts(policy)
+
+    runs: dict[str, Callable[[], object]] = {
+        "plain": lambda: chain_of_ops(x).sum().backward(),
+        "forward": lambda: chain_of_ops(x),
+        "checkpoint": lambda: (
+            checkpoint(chain_of_ops, x, use_reentrant=False, preserve_rng_state=False)
+            .sum()
+            .backward()
+        ),
+        "policy": lambda: (
+            checkpoint(
+                chain_of_ops, x, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
+            )
+            .sum()
+            .backward()
+        ),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.enable_grad():
+        for _ in range(reps):
+            for name, fn in runs.items():
+                times[name].append(_median_seconds(fn, dev, reps=3))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    region = med["checkpoint"] - med["plain"] - med["forward"]
+    per_op = (med["policy"] - med["checkpoint"]) / (2 * ops)
+    return max(region, 0.0), max(per_op, 0.0)
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:

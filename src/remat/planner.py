@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from remat import strategies
-from remat.cost import DeviceProfile, get_profile, op_seconds_all
+from remat.cost import DeviceProfile, checkpoint_overhead_seconds, get_profile, op_seconds_all
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.estimate import MemoryEstimate, Optimizer, estimate
 from remat.graph import Graph, ModuleCall
@@ -27,7 +27,7 @@ from remat.plans import (
     overhead_share,
     resolve_budget,
 )
-from remat.schedule import Region, Simulation, make_region, simulate
+from remat.schedule import Region, Simulation, analyse_regions, make_region, simulate
 from remat.solvers import chain as chain_model
 from remat.solvers.selective import POLICIES, without_mutated
 from remat.strategies import Strategy
@@ -244,6 +244,23 @@ class Planner:
     def simulate(self, regions: tuple[Region, ...]) -> Simulation:
         return simulate(self.graph, regions, base_bytes=self.base_bytes)
 
+    def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
+        """What checkpointing itself costs per region on the profile (beyond the ops it
+        recomputes): `region_seconds` each, plus `policy_op_seconds` for every op a selective
+        region runs under its policy, in the forward and in the replay up to its early stop."""
+        if not regions or not (self.profile.region_seconds or self.profile.policy_op_seconds):
+            return [0.0] * len(regions)
+        out = []
+        for replay in analyse_regions(self.graph, regions).replays:
+            r = replay.region
+            policy_ops = 0
+            if r.keep_keys:
+                policy_ops = r.last_op - r.first_op + 1
+                if replay.trigger is not None and replay.stop_at is not None:
+                    policy_ops += replay.stop_at - r.first_op + 1
+            out.append(checkpoint_overhead_seconds(self.profile, 1, policy_ops))
+        return out
+
     def make_plan(
         self,
         regions: tuple[Region, ...],
@@ -255,7 +272,8 @@ class Planner:
         appliable: bool = True,
         **details: Any,
     ) -> Plan:
-        """The plan of `regions`, judged by the exact simulation."""
+        """The plan of `regions`, judged by the exact simulation; its recompute time includes
+        what checkpointing itself costs on the profile (`region_overheads`)."""
         p = build_plan(
             self.graph,
             regions,
@@ -268,6 +286,7 @@ class Planner:
             status=status,
             appliable=appliable,
             details=details,
+            overhead_seconds=sum(self.region_overheads(regions)),
         )
         if self.optimizer_step_peak > p.predicted_peak_bytes:
             p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
@@ -370,7 +389,8 @@ class Planner:
         last_forward = len(self.graph.forward_ops) - 1
         out: dict[str, BlockMetrics] = {}
         for option in BLOCK_OPTIONS:
-            sim = self.simulate(() if option == "store" else self.every_block(option))
+            regions = () if option == "store" else self.every_block(option)
+            sim = self.simulate(regions)
             end_of_forward = sim.schedule.index(("op", last_forward))
             kept = [0] * n
             for sid, death in sim.deaths.items():
@@ -403,6 +423,8 @@ class Planner:
             seconds = [0.0] * n
             for i in sim.recompute_ops:
                 seconds[block_of_op[i]] += self.op_seconds[i]
+            for region, overhead in zip(regions, self.region_overheads(regions), strict=True):
+                seconds[block_of_op[region.first_op]] += overhead
             out[option] = BlockMetrics(
                 kept=tuple(kept),
                 backward=tuple(

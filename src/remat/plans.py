@@ -308,8 +308,11 @@ def build_plan(
     status: PlanStatus = "fixed",
     appliable: bool = True,
     details: dict[str, Any] | None = None,
+    overhead_seconds: float = 0.0,
 ) -> Plan:
-    """Simulate `regions` and describe the plan: what stays, what is recomputed, at what cost."""
+    """Simulate `regions` and describe the plan: what stays, what is recomputed, at what cost.
+    `recompute_seconds` is the recomputed ops' time plus `overhead_seconds`, what checkpointing
+    itself costs (`remat.cost.checkpoint_overhead_seconds`)."""
     sim = simulate(graph, regions, base_bytes=base_bytes)
     replayed = set(sim.recompute_ops)
     recomputed = sorted(
@@ -332,7 +335,7 @@ def build_plan(
         predicted_peak_bytes=sim.peak_bytes,
         held_bytes=sim.held_bytes,
         recompute_flops=sum(graph.ops[i].flops for i in sim.recompute_ops),
-        recompute_seconds=sum(op_seconds[i] for i in sim.recompute_ops),
+        recompute_seconds=sum(op_seconds[i] for i in sim.recompute_ops) + overhead_seconds,
         forward_flops=sum(op.flops for op in graph.forward_ops),
         profile=profile,
         reason=reason,
