@@ -334,3 +334,10 @@ def test_report_with_a_gpu_adds_the_fit_table(tmp_path, capsys):
     assert main(args) == 0
     without = path.read_text()
     assert "max batch" in with_fit and "max batch" not in without
+
+
+def test_report_fit_table_refuses_a_dtype_fit_does_not_have(tmp_path, capsys):
+    path = tmp_path / "report.html"
+    args = ["report", "--model", "gpt2", "--tiny", "--dtype", "fp16", "--gpu", "h100"]
+    assert main([*args, "--html", str(path)]) == 2
+    assert "--dtype fp32 or bf16" in capsys.readouterr().err and not path.exists()

@@ -281,6 +281,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from remat import strategies
 
     strategies.get(args.strategy, "eager")  # bad input fails before the trace
+    if getattr(args, "gpu", None) or getattr(args, "capacity", None):
+        _report_precision(args)
     _writable(args.out, "--out")
     _writable(args.plot, "--plot")
     _writable(args.html, "--html")
@@ -327,7 +329,7 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
 
         fitted = None
         if getattr(args, "gpu", None) or getattr(args, "capacity", None):
-            fitted = _fit_report(args, console, args.dtype, shard=1).table_rows()
+            fitted = _fit_report(args, console, _report_precision(args), shard=1).table_rows()
         with console.status("writing the HTML report ..."):
             write_report(
                 args.html,
@@ -547,6 +549,18 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     _show_bench(planner, demo, console)
     console.print(f"[bold]results in {out}/[/bold]: plan.json, pareto.png, bench.json, bench.png")
     return 0
+
+
+def _report_precision(args: argparse.Namespace) -> str:
+    """The fit precision of `remat report --gpu`: the model's --dtype, where fit has it."""
+    from remat.fit import PRECISIONS
+
+    if args.dtype not in PRECISIONS:
+        raise RematError(
+            f"the report's fit table runs at --dtype fp32 or bf16, not {args.dtype}; "
+            "`remat fit --precision ...` covers mixed precision"
+        )
+    return args.dtype
 
 
 def _fit_report(args: argparse.Namespace, console: Console, precision: str, shard: int):

@@ -1,10 +1,9 @@
 """`remat.fit`: does a training step fit a GPU, with which strategy, at what batch and sequence?
 
-Every answer comes from traced steps, not from a formula. Peaks of one strategy grow with the batch
-as an affine function (every activation has the batch as a factor; parameters, gradients and
-optimizer state do not) and with the sequence as a quadratic at most (attention scores), so a few
-traces place the answer, and traces at the answer and one past it confirm it: the step at the
-answer fits, one more does not.
+Every answer comes from traced steps, not from a formula. A step's graph is affine in the batch and
+at most quadratic in the sequence (attention scores), so a few traces give the graph at any size
+(`remat.sizes.SizeModel`), the search runs on those, and a trace at the answer confirms it: the
+traced graph there must equal the interpolated one, whose step fits while one more does not.
 
 Precision as users train: `fp32`; `bf16` (parameters, gradients and optimizer state in bf16);
 `bf16-mixed` (fp32 master parameters and gradients, the forward under `torch.autocast(bf16)`, whose
@@ -176,6 +175,9 @@ class _Steps:
         """The size model along `axis` (at `fixed` of the other), now through traces at `sizes`: a
         line through two batch sizes, a parabola through three sequence lengths; none when a
         size cannot be built."""
+        current = self.models.get((axis, fixed))
+        if current is not None and current.sizes == tuple(sorted(sizes)):
+            return  # every strategy's search starts from the same anchors
         at = (lambda n: (n, fixed)) if axis == "batch" else (lambda n: (fixed, n))
         try:
             graphs = {n: self.trace(*at(n)) for n in sizes}
@@ -224,6 +226,11 @@ class _Steps:
                 with contextlib.suppress(NoBlocksError):
                     yield planner.solve(fixed, planner.estimate.peak_bytes)
 
+    def candidates(self, planner: Planner) -> list[Any]:
+        """The plans judged per rank where the whole-model judge cannot rank them: the fixed
+        ones and the lowest-peak one."""
+        return [*self.fixed_plans(planner), planner.lowest_peak()]
+
     def auto(self, planner: Planner, usable: int) -> tuple[int, Any]:
         """remat's plan per rank: the least-recompute plan whose per-rank peak fits `usable`, by
         the planner's own solvers on a whole-model budget moved by what sharding saves (and
@@ -240,8 +247,7 @@ class _Steps:
             if peak <= usable:
                 return peak, p
             budget -= peak - usable
-        found = [*self.fixed_plans(planner), planner.lowest_peak()]
-        peaks = [(self.rank_peak(planner, p), p) for p in found]
+        peaks = [(self.rank_peak(planner, p), p) for p in self.candidates(planner)]
         fitting = [(peak, p) for peak, p in peaks if peak <= usable]
         if fitting:
             return min(fitting, key=lambda x: (x[1].recompute_seconds, x[0]))
@@ -424,8 +430,8 @@ def fit(
     `build(batch, seq)` returns (model, inputs) on the meta device in the precision's parameter
     dtype (`PRECISIONS`). For each strategy: the per-rank peak at (batch, seq), whether it fits
     the GPU's usable memory (capacity less `reserve`), the predicted recompute on the GPU's cost
-    profile, and the largest batch at `seq` and sequence at `batch` that fit (confirmed by traces
-    at the answer and one step past it)."""
+    profile, and the largest batch at `seq` and sequence at `batch` that fit (searched on size
+    models, confirmed by a trace at the answer)."""
     import time
 
     if precision not in PRECISIONS:
@@ -475,7 +481,7 @@ def _ranks_to_fit(steps: _Steps, batch: int, seq: int, usable: int) -> int | Non
     optimizer step can hide every activation from the whole-model judge): arithmetic on the
     traced step, as `estimate(shard=N)` is."""
     planner = steps.planner(batch, seq)
-    plans = [*steps.fixed_plans(planner), planner.lowest_peak()]
+    plans = steps.candidates(planner)
     for ranks in (2**k for k in range(1, 11)):
         if ranks > steps.shard and any(steps.rank_peak(planner, p, ranks) <= usable for p in plans):
             return ranks
