@@ -169,3 +169,22 @@ def test_fsdp2_mixed_precision_needs_ranks_and_drops_autocasts_weight_copies():
     }
     # same fp32 shards; bf16 gathered units instead of fp32 ones plus autocast's bf16 copies
     assert peaks["bf16-fsdp"] < peaks["bf16-mixed"]
+
+
+def test_advice_names_fsdp2_mixed_precision_when_no_rank_count_fits_autocast():
+    from remat.fit import FitReport, FitRow, advice
+
+    row = FitRow("full", 200 << 30, False, 0.25, None, None, plan="full")
+    common = {"model": "m", "batch": 1, "seq": 8192, "gpu": "h100-80gb", "profile": "h100"}
+    sizes = {"capacity_bytes": 80 << 30, "reserve_bytes": 5 << 30, "usable_bytes": 75 << 30}
+    for precision, shard, named in (("bf16-mixed", 8, True), ("bf16-mixed", 1, False)):
+        report = FitReport(
+            **common,
+            **sizes,
+            precision=precision,
+            optimizer="adamw",
+            shard=shard,
+            rows=(row,),
+            advice=(),
+        )
+        assert ("--precision bf16-fsdp" in " ".join(advice(report))) is named

@@ -528,6 +528,12 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"sharded over {ranks} ranks (FSDP2 / ZeRO-3: parameters, gradients and optimizer "
             f"state split, activations per rank as traced) the lowest plan fits: --shard {ranks}."
         )
+    elif report.precision == "bf16-mixed" and report.shard > 1:
+        lines.append(
+            "no number of ranks fits under torch.autocast: it keeps a bf16 copy of every layer's "
+            "weights through the forward, which sharding does not divide. FSDP2's mixed precision "
+            "(MixedPrecisionPolicy(param_dtype=bf16)) has no such copies: --precision bf16-fsdp."
+        )
     else:
         lines.append(
             f"shard parameters, gradients and optimizer state over more ranks (now "
