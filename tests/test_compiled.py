@@ -99,8 +99,9 @@ class _Article(nn.Module):
 @needs_cxx
 def test_the_articles_cut_fits_a_budget_of_store_alls_peak():
     """At "100%" (store-all's predicted peak) the min-cut is feasible and saves exactly add_2: the
-    cut that saves memory traffic does not cost memory, predicted or measured (256x256, issue 11).
-    Store-all's peak counts the forward ops that only feed backward (sin, neg here)."""
+    cut that saves memory traffic costs no memory under inductor, predicted (from inductor's own
+    plan) and measured (256x256, issue 11). Both peak at the step's end, when AccumulateGrad has
+    copied the one gradient buffer inductor returns for a, b, c and d into four `.grad`s."""
     leaves = [torch.randn(256, 256, requires_grad=True) for _ in range(4)]
     for strategy in ("mincut", "auto"):
         torch._dynamo.reset()
@@ -109,8 +110,84 @@ def test_the_articles_cut_fits_a_budget_of_store_alls_peak():
         (plan,) = plans_of(compiled)
         assert [s.name for s in plan.saved] == ["add_2"]
         assert plan.predicted_peak_bytes <= plan.details["store_all_peak_bytes"]
-        assert plan.predicted_peak_bytes == plan.budget_bytes
+        assert plan.budget_bytes == plan.details["store_all_peak_bytes"]
         assert measured.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
+
+
+# -- the peak under inductor comes from inductor's own buffer plan -----------------------------------
+@needs_cxx
+@pytest.mark.parametrize(
+    ("name", "budgets"),
+    [("gpt2", ["100%", "85%", "70%", "65%", "60%"]), ("llama-3.2-1b", ["100%", "60%"])],
+)
+def test_inductor_predicted_peak_is_within_3_percent_and_never_above_the_budget(name, budgets):
+    """Issue 11 item 1: the plan's peak is read from inductor's generated code (fusion, buffer
+    reuse, its own kernel order), so it follows what inductor allocates: within 3% of the measured
+    step at every budget (the op-by-op count was 16-18% low on llama), the measured peak within
+    the budget, and peaks never growing as the budget shrinks."""
+    model, inputs = _build(name, batch=4, seq=64)
+    measured_peaks = []
+    for budget in budgets:
+        torch._dynamo.reset()
+        compiled = remat.compile(model, budget=budget, strategy="auto")
+        measured = remat.measure(compiled, *inputs)
+        (plan,) = plans_of(compiled)
+        assert plan.details["peak_model"] == "inductor"
+        assert measured.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.03)
+        assert measured.peak_bytes <= plan.budget_bytes
+        measured_peaks.append(measured.peak_bytes)
+    assert measured_peaks == sorted(measured_peaks, reverse=True)
+    assert measured_peaks[-1] < measured_peaks[0]
+
+
+_WRAPPER = """
+import torch
+from torch._inductor.async_compile import AsyncCompile
+empty_strided_cpu = torch._C._dynamo.guards._empty_strided_cpu
+reinterpret_tensor = torch._C._dynamo.guards._reinterpret_tensor
+async_compile = AsyncCompile()
+kernel = async_compile.cpp_pybinding(["float*"], "never compiled")
+async_compile.wait(globals())
+def call(args):
+    x, = args
+    args.clear()
+    buf0 = empty_strided_cpu((256,), (1,), torch.float32)
+    kernel(x, buf0)
+    buf1 = buf0; del buf0  # reuse
+    buf2 = empty_strided_cpu((512,), (1,), torch.float32)
+    del x
+    buf3 = reinterpret_tensor(buf2, (256,), (1,), 256)
+    del buf2
+    return (buf1, buf3)
+"""
+
+
+def test_replay_counts_inductors_allocations_reuses_and_frees():
+    """The replay runs inductor's wrapper as written, kernels doing nothing: a buffer reused in
+    place costs nothing new, an input the wrapper deletes (and nothing else holds) dies there."""
+    from remat.inductor_plan import replay
+
+    args = [torch.empty(1024, device="meta")]
+    result = replay(_WRAPPER, args)
+    assert result.peak_bytes == 1024 + 2048  # buf0, then buf2 while x is still alive
+    assert result.end_bytes == 1024 + 2048 - 4096  # x freed; buf1 and buf2's storage returned
+
+
+@needs_cxx
+def test_an_unreadable_inductor_plan_falls_back_to_the_op_by_op_count(monkeypatch):
+    from remat import inductor_plan
+
+    def moved(*args, **kwargs):
+        raise RuntimeError("a torch internal moved")
+
+    monkeypatch.setattr(inductor_plan, "step_peak", moved)
+    leaves = [torch.randn(64, 64, requires_grad=True) for _ in range(4)]
+    compiled = remat.compile(_Article(), budget="100%", strategy="mincut")
+    with pytest.warns(UserWarning, match="could not read inductor's buffer plan"):
+        compiled(*leaves).sum().backward()
+    (plan,) = plans_of(compiled)
+    assert plan.details["peak_model"] == "op-by-op"
+    assert [s.name for s in plan.saved] == ["add_2"]
 
 
 # -- gradients and saved bytes of zoo models under inductor -----------------------------------------
@@ -293,6 +370,12 @@ def test_unknown_strategy_and_compiler_are_named():
         remat.backend(strategy="fastest")
     with pytest.raises(remat.RematError, match="compiler 'tvm' is unknown"):
         remat.backend(compiler="tvm")
+    with pytest.raises(remat.RematError, match="peak_model 'inductor' does not fit compiler"):
+        remat.backend(compiler="aot_eager", peak_model="inductor")
+    with pytest.raises(remat.RematError, match="peak_model 'exact' does not fit"):
+        remat.backend(peak_model="exact")
+    assert remat.backend().peak_model == "inductor"
+    assert remat.backend(compiler="aot_eager").peak_model == "op-by-op"
 
 
 def test_compiled_plan_explains_itself_and_round_trips_json():

@@ -27,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from math import prod
 from typing import Any, TypeVar
 
 import torch
@@ -44,11 +46,21 @@ from remat.errors import RematError
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
 from remat.plans import Plan, PlanStatus, SavedTensor, resolve_budget
 from remat.solvers.mincut import JointProblem, joint_problem, mincut
-from remat.solvers.saveset import SaveSet, describe_save_set, save_set_within
+from remat.solvers.saveset import (
+    PeakModel,
+    SaveSet,
+    describe_save_set,
+    joint_peak,
+    save_set_within,
+)
 from remat.trace import dtype_name, storage_key, storage_nbytes
 from remat.units import format_bytes
 
 COMPILERS = ("inductor", "aot_eager")
+#: How a compiled plan's peak is predicted: from inductor's own generated code (exact up to
+#: kernels' internal scratch; one code generation per save set tried), or op by op (instant;
+#: exact under aot_eager, 0-18% off under inductor's fusion).
+PEAK_MODELS = ("inductor", "op-by-op")
 
 _RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -228,14 +240,23 @@ def joint_graph(joint: fx.Graph, node_info: Any, num_fwd_outputs: int) -> JointG
 def compiled_op_seconds(graph: Graph, profile: DeviceProfile) -> list[float]:
     """Seconds of recomputing each op inside a fused backward kernel: compute-intensive ops
     (matmuls, convolutions, attention) at their roofline time, views free, everything else at its
-    arithmetic alone, since under a fusing compiler its memory traffic is what the cut prices."""
+    arithmetic alone, at least one vector operation per element it reads or writes (FLOP
+    counters count none for pointwise ops), since under a fusing compiler it runs inside its
+    consumer's kernel and its memory traffic is what the cut prices. Measured on this CPU under
+    inductor (benchmarks/fused_recompute_cost.py): a pointwise op fused into a chain costs
+    0.2-2 ns an element, against ~2 ns an element for a round trip to memory."""
     roofline = op_seconds_all(graph, profile)
+    tensors = graph.tensors
     return [
         roofline[op.index]
         if is_matmul(op)
         else 0.0
         if is_view(op)
-        else op.flops / profile.vector_flops
+        else max(
+            op.flops,
+            max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0),
+        )
+        / profile.vector_flops
         for op in graph.ops
     ]
 
@@ -250,6 +271,7 @@ class JointContext:
     must_save: frozenset[str]  # op names tagged MUST_SAVE
     must_recompute: frozenset[str]  # op names tagged MUST_RECOMPUTE or PREFER_RECOMPUTE
     profile: DeviceProfile
+    peak_model: PeakModel = joint_peak
 
     @cached_property
     def op_seconds(self) -> list[float]:
@@ -275,7 +297,9 @@ class JointContext:
     def store_all(self) -> SaveSet:
         """Everything backward reads saved: the reference for budgets given as a share."""
         problem = self.problem()
-        return describe_save_set(self.graph, problem, set(problem.needed), self.op_seconds)
+        return describe_save_set(
+            self.graph, problem, set(problem.needed), self.op_seconds, self.peak_model
+        )
 
     @cached_property
     def min_cut(self) -> SaveSet:
@@ -287,13 +311,22 @@ class JointContext:
         except RematError as err:
             raise RematError(f"compiled graph: {err}") from None
         return describe_save_set(
-            self.graph, problem, _indices(problem, list(cut.saved)), self.op_seconds
+            self.graph,
+            problem,
+            _indices(problem, list(cut.saved)),
+            self.op_seconds,
+            self.peak_model,
         )
 
     def cheapest_within(self, budget_bytes: int | None) -> SaveSet:
         """The cheapest save set (recompute + traffic) whose predicted peak fits the budget."""
         return save_set_within(
-            self.graph, self.problem(), self.op_seconds, self.profile.bandwidth, budget_bytes
+            self.graph,
+            self.problem(),
+            self.op_seconds,
+            self.profile.bandwidth,
+            budget_bytes,
+            self.peak_model,
         )
 
     @property
@@ -311,10 +344,15 @@ def _indices(problem: JointProblem, names: list[str]) -> set[int]:
 
 
 def decide(
-    jg: JointGraph, strategy: str, budget: int | str | None, profile: DeviceProfile
+    jg: JointGraph,
+    strategy: str,
+    budget: int | str | None,
+    profile: DeviceProfile,
+    peak_model: PeakModel = joint_peak,
 ) -> tuple[SaveSet, Plan]:
-    """remat's save set for one joint graph by the registered `strategy`, and its plan."""
-    joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile)
+    """remat's save set for one joint graph by the registered `strategy`, and its plan; peaks
+    (and budgets given as a share) by `peak_model`."""
+    joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile, peak_model)
     budget_bytes = (
         None
         if budget is None
@@ -323,7 +361,8 @@ def decide(
     solve = strategies.get(strategy, "compile").solve_compiled
     chosen = solve(joint, budget_bytes)
     status = "optimal" if chosen is joint.__dict__.get("min_cut") else "feasible"
-    return chosen, _plan(jg, chosen, strategy, budget_bytes, profile, joint.store_all, status)
+    plan = _plan(jg, chosen, strategy, budget_bytes, profile, joint.store_all, status)
+    return chosen, plan
 
 
 def _plan(
@@ -387,6 +426,56 @@ def _replaced(module: Any, name: str, value: Any) -> Iterator[None]:
         setattr(module, name, original)
 
 
+class _UnreadablePlan(Exception):
+    """Inductor's plan for a save set could not be generated or replayed (a torch internal
+    changed, an op without a meta kernel): the decision falls back to the op-by-op model."""
+
+
+class _InductorPeaks:
+    """A `PeakModel` from inductor's own buffer plan (remat.inductor_plan): the save set is
+    partitioned by torch's pipeline, both graphs are code-generated by inductor and replayed on
+    meta tensors. Memoised per save set: each reading is a code generation (seconds)."""
+
+    def __init__(
+        self,
+        root: fx.GraphModule,
+        joint: fx.Graph,
+        joint_inputs: Any,
+        partition_kwargs: dict[str, Any],
+        jg: JointGraph,
+    ):
+        self.root = root
+        self.joint = joint
+        self.joint_inputs = joint_inputs
+        self.partition_kwargs = partition_kwargs
+        self.jg = jg
+        self.cache: dict[tuple[str, ...], int] = {}
+
+    def __call__(
+        self, graph: Graph, problem: JointProblem, saved: set[int], recomputed: list[int]
+    ) -> int:
+        from remat import inductor_plan
+
+        names = tuple(
+            self.jg.node_of_value[problem.values[v].name].name for v in sorted(saved)
+        ) + tuple(n.name for n in self.jg.saved_symbols)
+        if names not in self.cache:
+            try:
+                forward, backward = inductor_plan.partition(
+                    self.root, self.joint, self.joint_inputs, names, self.partition_kwargs
+                )
+                step = inductor_plan.step_peak(
+                    forward,
+                    backward,
+                    self.partition_kwargs["num_fwd_outputs"],
+                    self.partition_kwargs.get("static_lifetime_input_indices") or [],
+                )
+            except Exception as err:  # noqa: BLE001 - any failure means: no inductor plan here
+                raise _UnreadablePlan(f"{type(err).__name__}: {err}") from err
+            self.cache[names] = step.peak_bytes
+        return self.cache[names]
+
+
 try:  # torch >= 2.9 lets inductor take a custom partitioner
     from torch._inductor.custom_graph_pass import CustomPartitionerFn as _PartitionerBase
 except ImportError:  # pragma: no cover - older torch: only compiler="aot_eager"
@@ -410,12 +499,39 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
 
         def choose(joint: fx.Graph, node_info: Any, memory_budget: float = 1) -> list[fx.Node]:
             jg = joint_graph(joint, node_info, num_fwd_outputs)
-            if backend.strategy == "torch":
-                nodes = torch_choice(joint, node_info, memory_budget=memory_budget)
-                chosen, plan = _priced(jg, nodes, backend.profile, memory_budget)
+            peaks = (
+                _InductorPeaks(gm, joint, joint_inputs, kwargs, jg)
+                if backend.peak_model == "inductor"
+                else None
+            )
+
+            def decision(peak_model: PeakModel) -> tuple[list[fx.Node], Plan]:
+                if backend.strategy == "torch":
+                    nodes = torch_choice(joint, node_info, memory_budget=memory_budget)
+                    _, plan = _priced(jg, nodes, backend.profile, memory_budget, peak_model)
+                    return nodes, plan
+                chosen, plan = decide(
+                    jg, backend.strategy, backend.budget, backend.profile, peak_model
+                )
+                return [jg.node_of_value[n] for n in chosen.saved] + jg.saved_symbols, plan
+
+            if peaks is None:
+                nodes, plan = decision(joint_peak)
+                plan.details["peak_model"] = "op-by-op"
             else:
-                chosen, plan = decide(jg, backend.strategy, backend.budget, backend.profile)
-                nodes = [jg.node_of_value[n] for n in chosen.saved] + jg.saved_symbols
+                try:
+                    nodes, plan = decision(peaks)
+                    plan.details["peak_model"] = "inductor"
+                    plan.details["inductor_plans_read"] = len(peaks.cache)
+                except _UnreadablePlan as unreadable:
+                    warnings.warn(
+                        f"remat could not read inductor's buffer plan ({unreadable}); this "
+                        "graph's peaks are counted op by op, which under inductor's fusion is an "
+                        "estimate, not inductor's own plan",
+                        stacklevel=2,
+                    )
+                    nodes, plan = decision(joint_peak)
+                    plan.details["peak_model"] = "op-by-op"
             backend.graphs.append(jg.graph)
             backend.plans.append(plan)
             return nodes
@@ -428,14 +544,18 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
 
 
 def _priced(
-    jg: JointGraph, nodes: list[fx.Node], profile: DeviceProfile, memory_budget: float
+    jg: JointGraph,
+    nodes: list[fx.Node],
+    profile: DeviceProfile,
+    memory_budget: float,
+    peak_model: PeakModel = joint_peak,
 ) -> tuple[SaveSet, Plan]:
     """Torch's own save set, priced and described by remat's model (for side-by-side rows)."""
-    joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile)
+    joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile, peak_model)
     problem = joint.problem()
     name_of = {node: name for name, node in jg.node_of_value.items()}
     chosen = _indices(problem, [name_of[n] for n in nodes if n in name_of])
-    save_set = describe_save_set(jg.graph, problem, chosen, joint.op_seconds)
+    save_set = describe_save_set(jg.graph, problem, chosen, joint.op_seconds, peak_model)
     plan = _plan(
         jg, save_set, f"torch@{memory_budget:g}", None, profile, joint.store_all, "feasible"
     )
@@ -451,6 +571,7 @@ class RematBackend:
     strategy: str = "auto"
     profile: str | DeviceProfile = "cpu"
     compiler: str = "inductor"
+    peak_model: str | None = None  # None: "inductor" under inductor, else "op-by-op"
     plans: list[Plan] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)
 
@@ -461,6 +582,15 @@ class RematBackend:
             raise RematError(
                 f"compiler {self.compiler!r} is unknown: choose 'inductor' (fused kernels) or "
                 "'aot_eager' (the same graphs run op by op, for debugging)"
+            )
+        if self.peak_model is None:
+            self.peak_model = "inductor" if self.compiler == "inductor" else "op-by-op"
+        if self.peak_model not in PEAK_MODELS or (
+            self.peak_model == "inductor" and self.compiler != "inductor"
+        ):
+            raise RematError(
+                f"peak_model {self.peak_model!r} does not fit compiler {self.compiler!r}: choose "
+                "'inductor' (inductor's own buffer plan, under compiler='inductor') or 'op-by-op'"
             )
         self.profile = get_profile(self.profile)
 
@@ -497,6 +627,7 @@ def backend(
     strategy: str = "auto",
     profile: str | DeviceProfile = "cpu",
     compiler: str = "inductor",
+    peak_model: str | None = None,
 ) -> RematBackend:
     """A torch.compile backend with remat's partitioner: `torch.compile(model, backend=...)`.
 
@@ -506,6 +637,10 @@ def backend(
     article's least-traffic cut; no budget), `milp` (least recompute + traffic time within the
     budget), `auto` (the min-cut when it fits, else `milp`): `remat.strategies.available("compile")`.
     `profile` names the cost profile (cpu, a100, h100, h200) or is a `DeviceProfile`.
+    `peak_model`: how each candidate save set's peak is predicted: `"inductor"` (the default under
+    inductor) reads inductor's own buffer plan, one code generation of both graphs per save set
+    tried (seconds each; compiling takes that much longer); `"op-by-op"` counts each op's output
+    (instant, the only choice under aot_eager, where it is exact).
 
     Errors: the backend runs lazily, on the compiled model's first call, inside dynamo, and dynamo
     re-raises what a backend raises as `torch._dynamo.exc.BackendCompilerFailed`, so
@@ -516,7 +651,9 @@ def backend(
     `min_feasible_bytes`. `remat.compile` does this for you: it re-raises the remat error itself.
     With `torch._dynamo.config.suppress_errors = True`, dynamo raises nothing: it logs the error
     and runs that graph eagerly, without remat's plan (and adds no plan for it)."""
-    return RematBackend(budget=budget, strategy=strategy, profile=profile, compiler=compiler)
+    return RematBackend(
+        budget=budget, strategy=strategy, profile=profile, compiler=compiler, peak_model=peak_model
+    )
 
 
 def compile(
@@ -525,6 +662,7 @@ def compile(
     strategy: str = "auto",
     profile: str | DeviceProfile = "cpu",
     compiler: str = "inductor",
+    peak_model: str | None = None,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """`torch.compile(model)` with remat's partitioner (see `backend`). The decisions appear, one
@@ -536,7 +674,13 @@ def compile(
     dynamo's `BackendCompilerFailed` rather than wrapped in it. The result is still torch's
     compiled module (an `OptimizedModule`: same parameters, state_dict keys, attributes and
     train/eval); only its `forward` is wrapped."""
-    chosen = backend(budget=budget, strategy=strategy, profile=profile, compiler=compiler)
+    chosen = backend(
+        budget=budget,
+        strategy=strategy,
+        profile=profile,
+        compiler=compiler,
+        peak_model=peak_model,
+    )
     compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     if isinstance(compiled, nn.Module):
