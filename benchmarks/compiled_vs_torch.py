@@ -21,8 +21,7 @@ from torch._functorch import config as functorch_config
 import remat
 from remat import models
 from remat.bench import gradients
-from remat.compiled import compiled_op_seconds
-from remat.cost import get_profile
+from remat.cost import fused_op_seconds_all, get_profile
 from remat.solvers.mincut import joint_problem
 from remat.solvers.saveset import cheapest_save_set, describe_save_set
 from remat.units import format_bytes
@@ -51,7 +50,7 @@ def main() -> None:
         (theirs,) = watcher.plans
         graph = watcher.graphs[0]
         problem = joint_problem(graph, None)
-        op_seconds = compiled_op_seconds(graph, profile)
+        op_seconds = fused_op_seconds_all(graph, profile)
         held = theirs.details["held_activation_bytes"]
         chosen = cheapest_save_set(
             graph, problem, op_seconds, profile.bandwidth, held, traffic_weight=0.0

@@ -12,6 +12,7 @@ import remat
 from remat.cost import (
     PROFILES,
     DeviceProfile,
+    fused_op_seconds_all,
     get_profile,
     is_matmul,
     op_bytes_moved,
@@ -55,6 +56,27 @@ def test_matmul_is_compute_bound_and_pointwise_memory_bound_on_h100(mlp_graph):
     assert op_seconds(mlp_graph, gelu, h100) == pytest.approx(gelu_bytes / h100.bandwidth)
 
 
+def test_fused_recompute_costs_arithmetic_not_traffic(mlp_graph):
+    """Inside a fused kernel (the compiled path) a pointwise op costs its arithmetic: one vector
+    operation an element, `transcendental_ops` for GELU and the like; no memory round trip. A
+    matmul keeps its roofline; a view stays free."""
+    h100 = PROFILES["h100"]
+    fused = fused_op_seconds_all(mlp_graph, h100)
+    roofline = op_seconds_all(mlp_graph, h100)
+    mm, gelu, t = (_op(mlp_graph, name) for name in ("addmm", "gelu", "t"))
+    assert fused[mm.index] == roofline[mm.index]
+    assert fused[t.index] == 0.0
+    elements = 8192 * 4096
+    assert fused[gelu.index] == pytest.approx(
+        elements * h100.transcendental_ops / h100.vector_flops
+    )
+    assert fused[gelu.index] < roofline[gelu.index]  # cheaper than GELU's 128 MiB round trip
+    cpu = PROFILES["cpu"]
+    assert fused_op_seconds_all(mlp_graph, cpu)[gelu.index] == pytest.approx(
+        elements * cpu.transcendental_ops / cpu.vector_flops
+    )
+
+
 def test_op_seconds_all_matches_op_seconds(mlp_graph):
     times = op_seconds_all(mlp_graph, "a100")
     assert len(times) == len(mlp_graph.ops)
@@ -93,3 +115,4 @@ def test_calibrate_profile_measures_plausible_rates():
     rates = (p.peak_flops, p.vector_flops, p.bandwidth)
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert p.peak_flops > p.vector_flops
+    assert p.transcendental_ops > 1.5  # sin/exp/tanh cost more than an add, on any machine

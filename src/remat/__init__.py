@@ -58,7 +58,7 @@ __all__ = [
     "trace",
     "verify",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
 def __getattr__(name: str):

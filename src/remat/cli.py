@@ -838,8 +838,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compiler",
         default="inductor",
         choices=["inductor", "aot_eager"],
-        help="with --compile: inductor (fused kernels; compiling takes a while on CPU) or "
-        "aot_eager (the same partition run op by op) (default: %(default)s)",
+        help="with --compile: inductor (fused kernels; compiling takes a while on CPU, and "
+        "remat's rows read inductor's own buffer plan for every save set they try, one code "
+        "generation each) or aot_eager (the same partition run op by op) (default: %(default)s)",
     )
     be.add_argument("--json", metavar="OUT.json", help="write the rows as JSON")
     be.add_argument(

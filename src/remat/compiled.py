@@ -31,7 +31,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from math import prod
 from typing import Any, TypeVar
 
 import torch
@@ -41,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from remat import strategies
-from remat.cost import DeviceProfile, get_profile, is_matmul, is_view, op_seconds_all
+from remat.cost import DeviceProfile, fused_op_seconds_all, get_profile, is_matmul
 from remat.errors import RematError
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
 from remat.plans import Plan, PlanStatus, SavedTensor, resolve_budget
@@ -237,30 +236,6 @@ def joint_graph(joint: fx.Graph, node_info: Any, num_fwd_outputs: int) -> JointG
     )
 
 
-def compiled_op_seconds(graph: Graph, profile: DeviceProfile) -> list[float]:
-    """Seconds of recomputing each op inside a fused backward kernel: compute-intensive ops
-    (matmuls, convolutions, attention) at their roofline time, views free, everything else at its
-    arithmetic alone, at least one vector operation per element it reads or writes (FLOP
-    counters count none for pointwise ops), since under a fusing compiler it runs inside its
-    consumer's kernel and its memory traffic is what the cut prices. Measured on this CPU under
-    inductor (benchmarks/fused_recompute_cost.py): a pointwise op fused into a chain costs
-    0.2-2 ns an element, against ~2 ns an element for a round trip to memory."""
-    roofline = op_seconds_all(graph, profile)
-    tensors = graph.tensors
-    return [
-        roofline[op.index]
-        if is_matmul(op)
-        else 0.0
-        if is_view(op)
-        else max(
-            op.flops,
-            max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0),
-        )
-        / profile.vector_flops
-        for op in graph.ops
-    ]
-
-
 @dataclass
 class JointContext:
     """One joint graph prepared for a compiled strategy's `solve_compiled`: its `Graph`, the user's
@@ -275,7 +250,7 @@ class JointContext:
 
     @cached_property
     def op_seconds(self) -> list[float]:
-        return compiled_op_seconds(self.graph, self.profile)
+        return fused_op_seconds_all(self.graph, self.profile)
 
     def rules(self, ban_matmuls: bool) -> tuple[Callable[[Op], bool], Callable[[Op], bool]]:
         """Which ops may not be recomputed and which may not be saved: the user's tags, and with

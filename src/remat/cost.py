@@ -13,6 +13,7 @@ measure the machine at hand instead of trusting `PROFILES`, use `remat.measure.c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from remat.errors import UnknownProfileError
 from remat.graph import Graph, Op
@@ -32,7 +33,11 @@ class DeviceProfile:
 
     Both are added to a plan's predicted recompute time (`checkpoint_overhead_seconds`), so that
     between plans of near-equal recompute the planner does not pick the one whose checkpointing
-    costs more than it saves."""
+    costs more than it saves.
+
+    `transcendental_ops`: vector operations one element of a transcendental op (exp, sin, tanh,
+    erf, sigmoid, GELU, SiLU, ...) costs, for the compiled path's price of a pointwise op
+    recomputed inside a fused kernel (`fused_op_seconds_all`)."""
 
     name: str
     peak_flops: float
@@ -40,6 +45,7 @@ class DeviceProfile:
     bandwidth: float
     region_seconds: float = 0.0
     policy_op_seconds: float = 0.0
+    transcendental_ops: float = 4.0
 
 
 #: Checkpointing's own host cost (`DeviceProfile.region_seconds`, `policy_op_seconds`) is left at 0
@@ -53,7 +59,14 @@ class DeviceProfile:
 PROFILES: dict[str, DeviceProfile] = {
     # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run
     # `remat.measure.calibrate_profile()` to measure the machine at hand.
-    "cpu": DeviceProfile("cpu", peak_flops=1e11, vector_flops=2e10, bandwidth=2e10),
+    # transcendental_ops: 10, measured on this project's 2-core VM: calibrate_profile's eager
+    # sin/exp/tanh cost 8.4-9.8 vector operations an element, one more sin/exp/tanh in a chain
+    # inductor fused cost 1.36 ns an element against 0.113 ns a vector operation, i.e. 12
+    # (benchmarks/fused_recompute_cost.py). GPUs keep the default 4: their special-function
+    # units run at a quarter to an eighth of the FP32 rate (calibrate_profile measures it).
+    "cpu": DeviceProfile(
+        "cpu", peak_flops=1e11, vector_flops=2e10, bandwidth=2e10, transcendental_ops=10.0
+    ),
     # Dense (no sparsity) BF16 tensor-core peak, FP32 CUDA-core rate as the vector rate, and HBM
     # bandwidth, from NVIDIA's datasheets: "NVIDIA A100 Tensor Core GPU" (A100 80GB SXM),
     # "NVIDIA H100 Tensor Core GPU" (H100 SXM) and "NVIDIA H200 Tensor Core GPU" (H200 SXM).
@@ -118,6 +131,36 @@ MATMUL_OPS = frozenset(
         "linear",
         "matmul",
         "mm",
+    }
+)
+#: Pointwise ops (by short name) whose elements cost several vector operations each: exponentials,
+#: logarithms, trigonometric and error functions, and the activations built on them.
+TRANSCENDENTAL_OPS = frozenset(
+    {
+        "cos",
+        "elu",
+        "erf",
+        "erfc",
+        "erfinv",
+        "exp",
+        "exp2",
+        "expm1",
+        "gelu",
+        "gelu_backward",
+        "log",
+        "log10",
+        "log1p",
+        "log2",
+        "logit",
+        "mish",
+        "pow",
+        "sigmoid",
+        "silu",
+        "silu_backward",
+        "sin",
+        "softplus",
+        "tan",
+        "tanh",
     }
 )
 #: Prefixes of the fused attention kernels (SDPA and its flash / memory-efficient backends, forward
@@ -198,4 +241,29 @@ def op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
         moved = sum(nbytes[t] for t in set(op.inputs) | set(op.outputs))
         rate = p.peak_flops if matmul else p.vector_flops
         out[op.index] = max(op.flops / rate, moved / p.bandwidth)
+    return out
+
+
+def fused_op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
+    """Seconds of recomputing each op inside a fused kernel (the compiled path): compute-intensive
+    ops (matmuls, convolutions, attention) at their roofline time, views free, any other op at its
+    arithmetic alone: one vector operation per element it reads or writes (FLOP counters count
+    none for pointwise ops), `profile.transcendental_ops` for an exponential, sine, tanh, erf or an
+    activation built on them. Under a fusing compiler such an op runs inside its consumer's kernel;
+        its memory traffic is what the min-cut prices. Measured under inductor on this project's CPU
+    (benchmarks/fused_recompute_cost.py, docs/compiled.md): one more add or mul in a fused chain
+    costs 0.002 ns an element (nothing: the kernel is memory-bound; eager, 0.26 ns, a round trip
+    to memory), one more sin/exp/tanh 1.36 ns (more than eager's 0.98: not free under fusion),
+    and an inductor matmul (an extern kernel) runs at 97% of the calibrated roofline."""
+    p = get_profile(profile)
+    roofline = op_seconds_all(graph, p)
+    tensors = graph.tensors
+    out = [0.0] * len(graph.ops)
+    for op in graph.ops:
+        if is_matmul(op):
+            out[op.index] = roofline[op.index]
+        elif not is_view(op):
+            elements = max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0)
+            weight = p.transcendental_ops if op.short in TRANSCENDENTAL_OPS else 1.0
+            out[op.index] = max(op.flops, elements * weight) / p.vector_flops
     return out

@@ -247,7 +247,8 @@ def saved_tensor_bytes(
 def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     """Measure `device` instead of trusting `remat.cost.PROFILES`: the median of a few runs of a
     square matmul (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul`
-    (2 FLOPs an element) for the vector rate, of a 64 MiB copy (bytes read + written) for the
+    (2 FLOPs an element) for the vector rate, of `sin`, `exp` and `tanh` on the same data for
+    what a transcendental element costs in vector operations, of a 64 MiB copy (bytes read + written) for the
     bandwidth, and of a checkpointed chain of tiny ops for what checkpointing itself costs on the
     host (`_checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
     # Imported here, not at the top: the measurement of a training step shares no code with the
@@ -271,6 +272,14 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
 
     vector = 2 * m * loops / _median_seconds(pointwise, dev, reps=5)
 
+    def transcendental() -> None:
+        for _ in range(loops):
+            torch.sin(x, out=w)
+            torch.exp(x, out=w)
+            torch.tanh(x, out=w)
+
+    transcendental_ops = vector * _median_seconds(transcendental, dev, reps=5) / (3 * m * loops)
+
     src = torch.rand(1 << 24, device=dev)
     dst = torch.empty_like(src)
     moved = 2 * src.numel() * src.element_size()
@@ -283,6 +292,7 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
         bandwidth=bandwidth,
         region_seconds=region,
         policy_op_seconds=per_op,
+        transcendental_ops=max(transcendental_ops, 1.0),
     )
 
 
