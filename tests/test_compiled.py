@@ -122,7 +122,7 @@ def test_the_articles_cut_fits_a_budget_of_store_alls_peak():
 )
 def test_inductor_predicted_peak_is_within_3_percent_and_never_above_the_budget(name, budgets):
     """Issue 11 item 1: the plan's peak is read from inductor's generated code (fusion, buffer
-    reuse, its own kernel order), so it follows what inductor allocates: within 3% of the measured
+    reuse, its own kernel order), so it follows what inductor allocates: within 1% of the measured
     step at every budget (the op-by-op count was 16-18% low on llama), the measured peak within
     the budget, and peaks never growing as the budget shrinks."""
     model, inputs = _build(name, batch=4, seq=64)
@@ -133,7 +133,8 @@ def test_inductor_predicted_peak_is_within_3_percent_and_never_above_the_budget(
         measured = remat.measure(compiled, *inputs)
         (plan,) = plans_of(compiled)
         assert plan.details["peak_model"] == "inductor"
-        assert measured.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.03)
+        # issue 11 asks for 3%; inductor's plan plus the kernels' scratch gives 8 bytes here
+        assert measured.peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
         assert measured.peak_bytes <= plan.budget_bytes
         measured_peaks.append(measured.peak_bytes)
     assert measured_peaks == sorted(measured_peaks, reverse=True)
@@ -445,3 +446,36 @@ def test_compiled_module_still_behaves_like_torchs():
         torch.testing.assert_close(g, r)
     (plan,) = plans_of(compiled)
     assert plan.strategy == "compile:auto"
+
+
+@pytest.mark.parametrize("seq", [64, 256])
+def test_kernel_scratch_rule_equals_what_cpu_flash_attention_backward_allocates(seq):
+    """The CPU flash-attention backward allocates per-thread tiles after its outputs, which its
+    meta kernel does not: the rule the inductor replay adds must equal what the CPU allocator
+    sees inside the op beyond the three gradients (measured by the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from remat.inductor_plan import kernel_scratch_bytes
+    from remat.measure import _walk
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    q, k, v = (torch.randn(2, 4, seq, 16, requires_grad=True) for _ in range(3))
+    out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.backward(grad)
+    events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    # The op's own `at::empty` calls: its gradients come from `zeros`, a non-contiguous
+    # gradient's copy from `contiguous`; what is left is the kernel's scratch.
+    scratch = sum(
+        e.extra_fields.alloc_size
+        for e in events
+        if e.tag == torch._C._profiler._EventType.Allocation
+        and e.extra_fields.alloc_size > 0
+        and e.parent is not None
+        and e.parent.name == "aten::empty"
+        and e.parent.parent is not None
+        and e.parent.parent.name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+    assert scratch > 0
+    assert scratch == kernel_scratch_bytes(op, (grad, q.detach(), k.detach()))

@@ -139,8 +139,25 @@ class _Allocations(TorchDispatchMode):
         self._collect()
         for t in _tensors(out):
             self.now += self._track(t)
-        self.peak = max(self.peak, self.now)
+        self.peak = max(self.peak, self.now + kernel_scratch_bytes(func, args))
         return out
+
+
+def kernel_scratch_bytes(func: Any, args: Sequence[Any]) -> int:
+    """Scratch an extern kernel allocates and frees inside itself, after its outputs, which its
+    meta kernel does not show. CPU flash-attention backward (fp32): per thread, the attention
+    tile and its gradient (q_split x kv_split floats each, ATen's split heuristic: q_split 32,
+    64 from 192 tokens, 256 from 768; kv_split 512), and one q_split row of floats; measured
+    exact for 1 and 2 threads, seq 64-2048, head dims 16 and 64 (docs/compiled.md)."""
+    if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        query, key = args[1], args[2]
+        if query.dtype != torch.float32:
+            return 0  # reduced precision adds buffers of its own, not measured here
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
+        kv_split = min(512, kv_len)
+        return 4 * (torch.get_num_threads() * 2 * q_split * kv_split + q_split)
+    return 0
 
 
 def _tensors(out: Any) -> Iterator[torch.Tensor]:
