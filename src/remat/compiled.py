@@ -336,8 +336,7 @@ def decide(
     solve = strategies.get(strategy, "compile").solve_compiled
     chosen = solve(joint, budget_bytes)
     status = "optimal" if chosen is joint.__dict__.get("min_cut") else "feasible"
-    plan = _plan(jg, chosen, strategy, budget_bytes, profile, joint.store_all, status)
-    return chosen, plan
+    return chosen, _plan(jg, chosen, strategy, budget_bytes, profile, joint.store_all, status)
 
 
 def _plan(

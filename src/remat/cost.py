@@ -250,18 +250,17 @@ def fused_op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[flo
     arithmetic alone: one vector operation per element it reads or writes (FLOP counters count
     none for pointwise ops), `profile.transcendental_ops` for an exponential, sine, tanh, erf or an
     activation built on them. Under a fusing compiler such an op runs inside its consumer's kernel;
-        its memory traffic is what the min-cut prices. Measured under inductor on this project's CPU
+    its memory traffic is what the min-cut prices. Measured under inductor on this project's CPU
     (benchmarks/fused_recompute_cost.py, docs/compiled.md): one more add or mul in a fused chain
     costs 0.002 ns an element (nothing: the kernel is memory-bound; eager, 0.26 ns, a round trip
     to memory), one more sin/exp/tanh 1.36 ns (more than eager's 0.98: not free under fusion),
     and an inductor matmul (an extern kernel) runs at 97% of the calibrated roofline."""
     p = get_profile(profile)
-    roofline = op_seconds_all(graph, p)
     tensors = graph.tensors
     out = [0.0] * len(graph.ops)
     for op in graph.ops:
         if is_matmul(op):
-            out[op.index] = roofline[op.index]
+            out[op.index] = op_seconds(graph, op, p)
         elif not is_view(op):
             elements = max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0)
             weight = p.transcendental_ops if op.short in TRANSCENDENTAL_OPS else 1.0

@@ -23,6 +23,8 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from remat.trace import storage_key
+
 
 class _Generated(BaseException):
     """Carries inductor's wrapper source out of the compile (a BaseException, so no `except
@@ -284,7 +286,9 @@ def step_peak(
         donated_inputs=_donated(forward, backward, num_fwd_outputs),
     )
     with _disable_current_modes():  # plain meta tensors, not the partitioner's fake ones
-        return _replay_step(fw_source, bw_source, forward, backward, num_fwd_outputs)
+        return _replay_step(
+            fw_source, bw_source, forward, backward, fw_inputs, bw_inputs, num_fwd_outputs
+        )
 
 
 def _replay_step(
@@ -292,13 +296,13 @@ def _replay_step(
     bw_source: str,
     forward: fx.GraphModule,
     backward: fx.GraphModule,
+    fw_inputs: list[Any],
+    bw_inputs: list[Any],
     num_fwd_outputs: int,
 ) -> StepPeak:
-    fw_inputs = _placeholder_values(forward)
     fw_out = _output_values(forward)
-    bw_inputs = _placeholder_values(backward)
-    primal_keys = {_storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
-    user_keys = {_storage_key(v) for v in fw_out[:num_fwd_outputs] if isinstance(v, torch.Tensor)}
+    primal_keys = {storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
+    user_keys = {storage_key(v) for v in fw_out[:num_fwd_outputs] if isinstance(v, torch.Tensor)}
 
     args, bases = _meta_arguments(fw_inputs)
     persistent = sum(b.nbytes for b in bases.values())
@@ -308,14 +312,14 @@ def _replay_step(
 
     args, bases = _meta_arguments(bw_inputs)
     tangents = sum(
-        bases[_storage_key(v)].nbytes
+        bases[storage_key(v)].nbytes
         for n, v in zip(_placeholders(backward), bw_inputs, strict=True)
         if isinstance(v, torch.Tensor) and n.name.startswith("tangents")
     )
     held = [
         a
         for a, v in zip(args, bw_inputs, strict=True)
-        if isinstance(v, torch.Tensor) and _storage_key(v) in primal_keys | user_keys
+        if isinstance(v, torch.Tensor) and storage_key(v) in primal_keys | user_keys
     ]
     del bases
     bw = replay(bw_source, args)
@@ -370,12 +374,6 @@ def _donated(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs:
     return [i for i, n in enumerate(_placeholders(backward)) if n.name in names]
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    from remat.trace import storage_key
-
-    return storage_key(t)
-
-
 def _meta_arguments(values: Sequence[Any]) -> tuple[list[Any], dict[int, torch.Tensor]]:
     """Meta tensors standing for `values` (fake tensors): one meta storage per fake storage, so
     a view and its base share one, as at run time."""
@@ -385,7 +383,7 @@ def _meta_arguments(values: Sequence[Any]) -> tuple[list[Any], dict[int, torch.T
         if not isinstance(v, torch.Tensor):
             args.append(v)
             continue
-        key = _storage_key(v)
+        key = storage_key(v)
         if key not in bases:
             nbytes = v.untyped_storage().nbytes()
             bases[key] = torch.empty(nbytes, dtype=torch.uint8, device="meta")

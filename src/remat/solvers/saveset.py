@@ -176,24 +176,41 @@ def describe_save_set(
         raise RematError(
             "not a valid save set: backward needs a value it can neither read nor recompute"
         )
-    reached = {u for v in recomputed for u in values[v].inputs} | set(problem.needed)
-    saved = {v for v in saved if v in reached}
+    saved = _reached(problem, saved, recomputed)
     storages = graph.storages
     kept = {values[v].storage for v in saved}
-    ops = list(dict.fromkeys(values[v].op for v in sorted(recomputed)))
+    ops = _recomputed_ops(problem, recomputed)
     peak = peak_model(graph, problem, saved, recomputed)
     return SaveSet(
         saved=tuple(values[v].name for v in sorted(saved)),
-        recomputed=tuple(ops),
+        recomputed=ops,
         held_bytes=sum(
             storages[m].nbytes for m in kept if storages[m].kind not in ("param", "buffer")
         ),
-        held_activation_bytes=sum(
-            storages[m].nbytes for m in kept if storages[m].kind not in PERSISTENT_KINDS
-        ),
+        held_activation_bytes=_held_activation_bytes(graph, problem, saved),
         traffic_bytes=sum(values[v].cost for v in saved),
         recompute_seconds=sum(op_seconds[graph.op_by_name[o].index] for o in ops),
         peak_bytes=peak,
+    )
+
+
+def _recomputed_ops(problem: JointProblem, recomputed: list[int]) -> tuple[str, ...]:
+    """The forward ops backward re-runs to recompute the values `recomputed`, each once."""
+    return tuple(dict.fromkeys(problem.values[v].op for v in sorted(recomputed)))
+
+
+def _reached(problem: JointProblem, saved: set[int], recomputed: list[int]) -> set[int]:
+    """`saved` less the values backward never reads, directly or to recompute."""
+    values = problem.values
+    reached = {u for v in recomputed for u in values[v].inputs} | set(problem.needed)
+    return {v for v in saved if v in reached}
+
+
+def _held_activation_bytes(graph: Graph, problem: JointProblem, saved: set[int]) -> int:
+    """Bytes of the storages of `saved` that exist only because they are saved (no inputs)."""
+    storages = {problem.values[v].storage for v in saved}
+    return sum(
+        graph.storages[m].nbytes for m in storages if graph.storages[m].kind not in PERSISTENT_KINDS
     )
 
 
@@ -304,7 +321,7 @@ def candidate_save_sets(
         raise RematError(
             "no save set obeys the rules (a needed value can be neither saved nor recomputed)"
         )
-    top_held = _held_activation_bytes(graph, problem, top)
+    top_held = _held_activation_bytes(graph, problem, _valid(problem, top))
     found = [top]
     if not problem.unsaveable & set(problem.needed):  # saving all backward reads: store-all
         found.append(set(problem.needed))
@@ -312,23 +329,14 @@ def candidate_save_sets(
         chosen = cheapest_save_set(graph, problem, op_seconds, bandwidth, top_held * k // rungs)
         if chosen is not None:
             found.append(chosen)
-    unique = dict.fromkeys(frozenset(_reached(problem, saved)) for saved in found)
+    unique = dict.fromkeys(frozenset(_valid(problem, saved)) for saved in found)
     return [set(saved) for saved in unique]
 
 
-def _reached(problem: JointProblem, saved: set[int]) -> set[int]:
-    """`saved` less the values backward never reads, directly or to recompute."""
-    recomputed = recomputed_values(problem, saved) or []
-    values = problem.values
-    reached = {u for v in recomputed for u in values[v].inputs} | set(problem.needed)
-    return {v for v in saved if v in reached}
-
-
-def _held_activation_bytes(graph: Graph, problem: JointProblem, saved: set[int]) -> int:
-    storages = {problem.values[v].storage for v in _reached(problem, saved)}
-    return sum(
-        graph.storages[m].nbytes for m in storages if graph.storages[m].kind not in PERSISTENT_KINDS
-    )
+def _valid(problem: JointProblem, saved: set[int]) -> set[int]:
+    """A solver's save set less the values backward never reads (as `describe_save_set` drops
+    them)."""
+    return _reached(problem, saved, recomputed_values(problem, saved) or [])
 
 
 def save_set_within(
@@ -339,8 +347,8 @@ def save_set_within(
     budget_bytes: int | None,
     peak_model: PeakModel = joint_peak,
 ) -> SaveSet:
-    """The cheapest candidate save set (recompute + traffic seconds; lower peak on a tie) whose
-    predicted peak fits `budget_bytes`; None: the cheapest of all. Candidates are priced by
+    """The cheapest candidate save set (recompute + traffic seconds; fewer saved values on a tie)
+    whose predicted peak fits `budget_bytes`; None: the cheapest of all. Candidates are priced by
     `peak_model` cheapest first and only until one fits (a peak model may be costly: inductor's
     is a code generation). Raises InfeasibleBudget with the lowest predicted peak of any
     candidate when none fits."""
@@ -351,8 +359,8 @@ def save_set_within(
         return describe_save_set(graph, problem, top, op_seconds, peak_model)
 
     def seconds(saved: set[int]) -> float:
-        ops = {problem.values[v].op for v in recomputed_values(problem, saved) or []}
-        recompute = sum(op_seconds[graph.op_by_name[o].index] for o in ops if o is not None)
+        ops = _recomputed_ops(problem, recomputed_values(problem, saved) or [])
+        recompute = sum(op_seconds[graph.op_by_name[o].index] for o in ops)
         return recompute + sum(problem.values[v].cost for v in saved) / bandwidth
 
     candidates = candidate_save_sets(graph, problem, op_seconds, bandwidth)
