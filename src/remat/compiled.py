@@ -50,6 +50,7 @@ from remat.solvers.saveset import (
     SaveSet,
     describe_save_set,
     joint_peak,
+    loss_bytes,
     save_set_within,
 )
 from remat.trace import dtype_name, storage_key, storage_nbytes
@@ -443,6 +444,7 @@ class _InductorPeaks:
                     backward,
                     self.partition_kwargs["num_fwd_outputs"],
                     self.partition_kwargs.get("static_lifetime_input_indices") or [],
+                    loss_bytes(graph),
                 )
             except Exception as err:  # noqa: BLE001 - any failure means: no inductor plan here
                 raise _UnreadablePlan(f"{type(err).__name__}: {err}") from err

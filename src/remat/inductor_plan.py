@@ -211,17 +211,19 @@ def _reinterpret(t: torch.Tensor, size: Any, stride: Any, offset: int) -> torch.
 class StepPeak:
     """The predicted peak of a compiled training step from inductor's plans: the inputs and
     parameters (`persistent_bytes`), the forward graph's run, then what it returned, the dense
-    tangents and the backward graph's run, then the copies AccumulateGrad makes of gradients
-    returned in a shared buffer."""
+    tangents and the loss with its seed gradient (`loss_bytes`, outside the graphs) and the
+    backward graph's run, then the copies AccumulateGrad makes of gradients returned in a shared
+    buffer."""
 
     persistent_bytes: int
     forward: Replay
     tangent_bytes: int
+    loss_bytes: int
     backward: Replay
 
     @property
     def peak_bytes(self) -> int:
-        after_forward = self.forward.end_bytes + self.tangent_bytes
+        after_forward = self.forward.end_bytes + self.tangent_bytes + self.loss_bytes
         after_backward = after_forward + self.backward.end_bytes
         return self.persistent_bytes + max(
             self.forward.peak_bytes,
@@ -263,6 +265,7 @@ def step_peak(
     backward: fx.GraphModule,
     num_fwd_outputs: int,
     static_input_idxs: Sequence[int],
+    loss_bytes: int = 0,
 ) -> StepPeak:
     """Inductor's forward and backward wrappers for these graphs, replayed on meta tensors as one
     training step: parameters and inputs held throughout, the forward's user outputs until the
@@ -287,7 +290,14 @@ def step_peak(
     )
     with _disable_current_modes():  # plain meta tensors, not the partitioner's fake ones
         return _replay_step(
-            fw_source, bw_source, forward, backward, fw_inputs, bw_inputs, num_fwd_outputs
+            fw_source,
+            bw_source,
+            forward,
+            backward,
+            fw_inputs,
+            bw_inputs,
+            num_fwd_outputs,
+            loss_bytes,
         )
 
 
@@ -299,6 +309,7 @@ def _replay_step(
     fw_inputs: list[Any],
     bw_inputs: list[Any],
     num_fwd_outputs: int,
+    loss_bytes: int,
 ) -> StepPeak:
     fw_out = _output_values(forward)
     primal_keys = {storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
@@ -324,7 +335,7 @@ def _replay_step(
     del bases
     bw = replay(bw_source, args)
     del held
-    return StepPeak(persistent, fw, tangents, bw)
+    return StepPeak(persistent, fw, tangents, loss_bytes, bw)
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from math import prod
 
 import numpy as np
 from scipy import optimize
@@ -95,8 +96,24 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     for sid in {tensors[t].storage for op in graph.backward_ops for t in op.inputs}:
         if storages[sid].kind == "grad" and storages[sid].allocated_at is None:
             live[sid] = storages[sid].nbytes  # the tangents backward starts from
-    keep = persistent | forward_outputs | backward_outputs
+    live[_LOSS] = loss_bytes(graph)
+    keep = persistent | forward_outputs | backward_outputs | {_LOSS}
     return _run(graph, backward, live, keep, peak)
+
+
+#: `joint_peak`'s key for the loss outside the graph (storage ids are never negative).
+_LOSS = -1
+
+
+def loss_bytes(graph: Graph) -> int:
+    """What the step holds outside the compiled graph while backward runs: the scalar loss the
+    user computed from its outputs and the scalar gradient autograd seeds backward with, one
+    element each of the first output's dtype (a loss for `.backward()` is a scalar)."""
+    outputs = graph.info.get("forward_outputs", ())
+    if not outputs:
+        return 0
+    first = graph.tensors[outputs[0]]
+    return 2 * first.nbytes // max(prod(first.shape), 1)
 
 
 def _ancestors(graph: Graph, wanted: set[int]) -> list[Op]:
