@@ -31,7 +31,7 @@ def rows_for(model_type: str, batch: int, seq: int) -> list[str]:
     reference = gradients(model, (), loss_fn=_loss, **inputs)
     try:
         graph = remat.trace(model, loss_fn=_loss, **inputs)
-    except remat.TraceError as e:  # mixture-of-experts kernels: trace on the real tensors
+    except remat.TraceError as e:  # an op fake tensors cannot run: trace on the real tensors
         if not e.fake_tensor_failure:
             raise
         graph = remat.trace(model, loss_fn=_loss, device="cpu", **inputs)

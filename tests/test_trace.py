@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import resource
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import remat
 from remat.errors import TraceError
@@ -259,3 +261,50 @@ def test_a_mixed_precision_plan_applies_with_the_gradients_of_no_checkpointing()
             remat.remove(model)
     for name, grad in reference.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=0, msg=name)
+
+
+_GROUPED = {  # (a shape, b shape, offs): the four layouts of torch._grouped_mm
+    "2d x 3d": ((12, 16), (3, 16, 8), (4, 8, 12)),  # tokens sorted by expert x each expert
+    "3d x 2d": ((3, 8, 16), (16, 12), (4, 8, 12)),
+    "2d x 2d": ((8, 48), (48, 4), (16, 32, 48)),  # an experts' weight gradient: K split by expert
+    "3d x 3d": ((3, 8, 16), (3, 16, 4), None),
+}
+
+
+def _groups_matmul(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """The same product, one ordinary matmul per group."""
+    if offs is None:
+        return torch.bmm(a, b)
+    bounds = list(itertools.pairwise([0, *offs.tolist()]))
+    if a.dim() == 2 and b.dim() == 3:
+        return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(bounds)])
+    if a.dim() == 3:
+        return torch.cat([a[g] @ b[:, s:e] for g, (s, e) in enumerate(bounds)], dim=1)
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in bounds])
+
+
+@pytest.mark.parametrize("layout", _GROUPED)
+def test_a_grouped_matmul_costs_the_flops_of_its_groups_matmuls_and_traces_on_fake_tensors(layout):
+    """Mixture-of-experts layers run their experts as one `_grouped_mm`, for which torch's flop
+    counter has no formula (it would be free to recompute) and whose meta kernel refuses fp32
+    (a fake trace of fp32 experts failed). Both traces must count what the per-group matmuls
+    count, and the fake one must save what autograd saves."""
+    a_shape, b_shape, ends = _GROUPED[layout]
+    offs = None if ends is None else torch.tensor(ends, dtype=torch.int32)
+    a = torch.randn(a_shape, requires_grad=True)
+    b = torch.randn(b_shape, requires_grad=True)
+
+    def step(a, b):
+        return torch._grouped_mm(a, b, offs) * 2
+
+    torch.testing.assert_close(step(a, b), _groups_matmul(a, b, offs) * 2, rtol=1e-5, atol=1e-5)
+    with FlopCounterMode(display=False) as counter:
+        _groups_matmul(a, b, offs)
+    expected = counter.get_total_flops()
+    for device in ("meta", "cpu"):
+        graph = remat.trace(step, a, b, device=device)
+        (op,) = [op for op in graph.forward_ops if op.short == "_grouped_mm"]
+        assert op.flops == expected, (device, op.flops, expected)
+        (out,) = [graph.tensors[t] for t in op.outputs]
+        assert out.dtype == "float32", (device, out.dtype)
+        assert graph.activation_bytes == _autograd_saved_bytes(step, a, b), device

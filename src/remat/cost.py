@@ -122,6 +122,7 @@ VIEW_OPS = frozenset(
 MATMUL_OPS = frozenset(
     {
         "_convolution",
+        "_grouped_mm",
         "addbmm",
         "addmm",
         "baddbmm",
