@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -238,6 +239,11 @@ class _Tracer(TorchDispatchMode):
         self.nodes: dict[int, _NodeRecord] = {}
         self.node_objs: list[Any] = []
         self.pending_grad_fn: list[tuple[int, torch.Tensor, Any]] = []
+        #: After an op writes a view in place, autograd replays the view to give it its new
+        #: grad_fn, through this mode on fake tensors (not on real ones): view ops on the written
+        #: view's base (or on their own replayed views) from the same Python call are that
+        #: replay, not the program's, and are not recorded. (base and replayed ids, call site)
+        self.view_replay: tuple[set[int], tuple[int, int]] | None = None
         self.current_node: int | None = None
         self.saved: dict[int, _SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
@@ -306,11 +312,25 @@ class _Tracer(TorchDispatchMode):
         from the one seen inside the op, or until the next recorded op replaces them."""
         unresolved = []
         for index, t, before in self.pending_grad_fn:
-            if t.grad_fn is None or t.grad_fn is before:
+            grad_fn = self.read_grad_fn(t)
+            if grad_fn is None or grad_fn is before:
                 unresolved.append((index, t, before))
             elif self.ops[index].node is None:
-                self.ops[index].node = self.node_id(t.grad_fn, forward_op=index)
+                self.ops[index].node = self.node_id(grad_fn, forward_op=index)
         self.pending_grad_fn = unresolved
+
+    def read_grad_fn(self, t: torch.Tensor) -> Any:
+        """`t.grad_fn`, with recording paused. Reading it on a view whose base was written in
+        place makes autograd replay the view (on fake tensors, through this mode) under the
+        view's lock; recording that replay would read the view's `grad_fn` again, a deadlock.
+        For the same reason an op that writes a view in place is attributed through the base's
+        `grad_fn` (its `CopySlices`, the node that runs in backward): autograd replays the view
+        while it rebases its history, after the op returns."""
+        paused, self.paused = self.paused, True
+        try:
+            return t.grad_fn
+        finally:
+            self.paused = paused
 
     def node_id(self, node: Any, forward_op: int | None = None) -> int:
         meta = node.metadata
@@ -353,6 +373,14 @@ class _Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
+        call = sys._getframe(1)
+        call_site = (id(call), call.f_lasti)
+        if self.view_replay is not None:
+            bases, site = self.view_replay
+            if func.is_view and args and id(args[0]) in bases and call_site == site:
+                out = func(*args, **kwargs)
+                bases.add(id(out))
+                return out
         self.before_event()
         try:
             out = self.run_op(func, args, kwargs)
@@ -382,7 +410,7 @@ class _Tracer(TorchDispatchMode):
                 fake_tensor_failure=True,
             )
             raise error from e
-        self.record(func, args, kwargs, out)
+        self.record(func, args, kwargs, out, call_site)
         return out
 
     def run_op(self, func, args: tuple, kwargs: dict) -> Any:
@@ -399,10 +427,11 @@ class _Tracer(TorchDispatchMode):
             return func(*args, **kwargs)
         return fake_kernel(*args, **kwargs)
 
-    def record(self, func, args, kwargs, out) -> None:
+    def record(self, func, args, kwargs, out, call_site: tuple[int, int] | None = None) -> None:
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:
             return
+        self.view_replay = None
         index = len(self.ops)
         inputs = [
             self.tensor_id(t)
@@ -435,7 +464,13 @@ class _Tracer(TorchDispatchMode):
             )
         )
         if self.phase == "forward":
-            self.pending_grad_fn = [(index, t, t.grad_fn) for t in outs]
+            args_ids = {id(a) for a in pytree.tree_leaves((args, kwargs))}
+            written_views = [t for t in outs if t._is_view() and id(t) in args_ids]
+            if written_views and call_site is not None:
+                self.view_replay = ({id(t._base) for t in written_views}, call_site)
+            written = {id(t) for t in written_views}
+            holders = [t._base if id(t) in written else t for t in outs]
+            self.pending_grad_fn = [(index, h, self.read_grad_fn(h)) for h in holders]
 
     # -- saved tensor hooks ----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:

@@ -39,6 +39,14 @@ TINY = {
     "num_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    # partial rotary (GPT-J, CodeGen) and multi-head latent attention (DeepSeek): no wider than
+    # the smaller heads
+    "rotary_dim": 8,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
     "vocab_size": 512,
 }
 _POSITIONS = ("n_positions", "max_position_embeddings")
