@@ -373,8 +373,8 @@ class _Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
-        call = sys._getframe(1)
-        call_site = (id(call), call.f_lasti)
+        call = sys._getframe().f_back  # None on autograd's device threads (no Python below)
+        call_site = None if call is None else (id(call), call.f_lasti)
         if self.view_replay is not None:
             bases, site = self.view_replay
             if func.is_view and args and id(args[0]) in bases and call_site == site:
