@@ -248,9 +248,9 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     """Measure `device` instead of trusting `remat.cost.PROFILES`: the median of a few runs of a
     square matmul (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul`
     (2 FLOPs an element) for the vector rate, of `sin`, `exp` and `tanh` on the same data for
-    what a transcendental element costs in vector operations, of a 64 MiB copy (bytes read + written) for the
-    bandwidth, and of a checkpointed chain of tiny ops for what checkpointing itself costs on the
-    host (`_checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
+    what a transcendental element costs in vector operations, of a 64 MiB copy (bytes read +
+    written) for the bandwidth, and of a checkpointed chain of tiny ops for what checkpointing
+    itself costs on the host (`_checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
     # Imported here, not at the top: the measurement of a training step shares no code with the
     # graph side of remat, and only this function needs the profile type.
     from remat.cost import DeviceProfile

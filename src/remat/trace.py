@@ -322,10 +322,7 @@ class _Tracer(TorchDispatchMode):
     def read_grad_fn(self, t: torch.Tensor) -> Any:
         """`t.grad_fn`, with recording paused. Reading it on a view whose base was written in
         place makes autograd replay the view (on fake tensors, through this mode) under the
-        view's lock; recording that replay would read the view's `grad_fn` again, a deadlock.
-        For the same reason an op that writes a view in place is attributed through the base's
-        `grad_fn` (its `CopySlices`, the node that runs in backward): autograd replays the view
-        while it rebases its history, after the op returns."""
+        view's lock; recording that replay would read the view's `grad_fn` again, a deadlock."""
         paused, self.paused = self.paused, True
         try:
             return t.grad_fn
@@ -433,11 +430,8 @@ class _Tracer(TorchDispatchMode):
             return
         self.view_replay = None
         index = len(self.ops)
-        inputs = [
-            self.tensor_id(t)
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        ]
+        arg_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = [self.tensor_id(t) for t in arg_tensors]
         outputs = [self.tensor_id(t, "activation", producer=index) for t in outs]
         module, prefix = self.scope()
         short = func._overloadpacket.__name__
@@ -464,11 +458,13 @@ class _Tracer(TorchDispatchMode):
             )
         )
         if self.phase == "forward":
-            args_ids = {id(a) for a in pytree.tree_leaves((args, kwargs))}
-            written_views = [t for t in outs if t._is_view() and id(t) in args_ids]
-            if written_views and call_site is not None:
-                self.view_replay = ({id(t._base) for t in written_views}, call_site)
-            written = {id(t) for t in written_views}
+            # A view written in place gets its grad_fn from autograd's replay of the view after
+            # the op returns: attribute the op through the base's (its CopySlices, the node that
+            # runs in backward), and do not record the replay.
+            arg_ids = {id(t) for t in arg_tensors}
+            written = {id(t) for t in outs if t._is_view() and id(t) in arg_ids}
+            if written and call_site is not None:
+                self.view_replay = ({id(t._base) for t in outs if id(t) in written}, call_site)
             holders = [t._base if id(t) in written else t for t in outs]
             self.pending_grad_fn = [(index, h, self.read_grad_fn(h)) for h in holders]
 
