@@ -18,7 +18,6 @@ import numpy as np
 
 from remat.errors import InfeasibleBudget
 from remat.graph import Graph
-from remat.schedule import kernel_workspace_bytes
 from remat.solvers.chain import (
     Chain,
     ChainPlan,
@@ -27,6 +26,7 @@ from remat.solvers.chain import (
     chain_recompute_seconds,
 )
 from remat.solvers.milp import BlockProblem, MilpResult, block_peak_bytes, block_recompute_seconds
+from remat.targets import scratch_bytes
 
 Segment = tuple[int, int, bool]
 
@@ -201,6 +201,6 @@ def store_all_timeline(graph: Graph, base_bytes: int) -> list[int]:
             for sid, d in death.items()
             if graph.storages[sid].allocated_at <= i <= d
         )
-        + kernel_workspace_bytes(graph, op)
+        + scratch_bytes(graph, op)
         for i, op in enumerate(graph.ops)
     ]

@@ -29,6 +29,7 @@ CORE_MODULES = [
     "remat.cost",
     "remat.estimate",
     "remat.schedule",
+    "remat.targets",
     "remat.plans",
     "remat.units",
     "remat.errors",

@@ -39,15 +39,18 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from math import prod
 
 from remat.errors import StatefulModuleError
 from remat.graph import Graph, ModuleCall, Op, Saved, Storage
+from remat.targets import get_target, scratch_bytes
 
-#: `torch.utils.checkpoint` (preserve_rng_state=True) keeps a copy of the CPU generator's state per
-#: region call in its frame, until the frame dies: `torch.get_rng_state().numel()` bytes. Its replay
-#: runs inside `torch.random.fork_rng`, which holds one more copy (the state to restore) meanwhile.
-CPU_RNG_STATE_BYTES = 5056
+
+def rng_state_bytes(graph: Graph) -> int:
+    """The device memory `torch.utils.checkpoint` (preserve_rng_state=True) holds per random
+    region: a copy of the RNG state in its frame until the frame dies, and one more while its
+    replay runs inside `torch.random.fork_rng`. On the CPU the generator's state
+    (`targets.CPU_RNG_STATE_BYTES`); on a CUDA target none, both states live on the host."""
+    return get_target(graph.info.get("target")).rng_state_bytes
 
 
 #: A kept op as the real run can find it: (module path, aten target, occurrence of that target in
@@ -129,50 +132,6 @@ def make_region(
         keep_keys=tuple(k for k, op in zip(keys, ops, strict=True) if op.name in keep),
         random=random,
     )
-
-
-#: Matmul kernels copy a broadcast (expanded) operand to dense memory inside the kernel.
-_DENSE_OPERAND_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-
-#: Binary arithmetic ops whose result has the inputs' common dtype. On CPU, TensorIterator makes a
-#: temporary copy of each input of another dtype in the common dtype before the loop
-#: (`TensorIteratorBase::compute_types`, `promote_inputs_to_common_dtype`); CUDA casts in the loop.
-_PROMOTING_OPS = frozenset({"add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_"})
-
-#: Ops whose CPU kernel multiplies by their bool mask (aten/src/ATen/native/Dropout.cpp:
-#: `input.mul(mask).mul_(scale)` and `grad * mask * scale`), so TensorIterator copies the mask to
-#: the float operand's dtype first: one temporary of that operand's bytes. (The backward's
-#: `grad * mask` intermediate, freed after `* scale`, is the same size and replaces the copy.)
-#: CUDA's fused dropout kernels read the bool mask directly and allocate nothing more.
-_BOOL_MASK_OPS = frozenset({"native_dropout", "native_dropout_backward"})
-
-
-def kernel_workspace_bytes(graph: Graph, op: Op) -> int:
-    """Scratch a CPU kernel allocates and frees inside one op, which no traced tensor shows.
-
-    Measured on the CPU allocator (docs/memory-model.md): oneDNN's `convolution_backward` reorders
-    the input and its gradient into blocked layouts (2 x input bytes); `mm`-class kernels make a
-    dense copy of a broadcast operand (the expanded gradient of a `sum` loss, for one); binary
-    arithmetic with an operand of another dtype than its result copies that operand to the
-    result's dtype, which dropout's CPU kernels do inside with their bool mask.
-    """
-    tensors = graph.tensors
-    if op.short == "convolution_backward":
-        return 2 * tensors[op.inputs[1]].nbytes
-    if op.short in _DENSE_OPERAND_OPS:
-        return sum(tensors[t].nbytes for t in op.inputs if tensors[t].expanded)
-    if op.short in _BOOL_MASK_OPS:
-        return tensors[op.inputs[0]].nbytes
-    if op.short in _PROMOTING_OPS and op.outputs:
-        out = tensors[op.outputs[0]]
-        itemsize = out.nbytes // max(prod(out.shape), 1)
-        return sum(
-            prod(tensors[t].shape) * itemsize
-            for t in op.inputs
-            # A 0-dim operand (a wrapped Python number) costs a few bytes: not counted.
-            if tensors[t].shape and tensors[t].dtype != out.dtype
-        )
-    return 0
 
 
 @dataclass(frozen=True)
@@ -271,6 +230,7 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
         if op.node is not None:
             first_backward_op.setdefault(op.node, op.index)
     calls = {(m.path, m.first_op): m for m in graph.modules}
+    rng_bytes = rng_state_bytes(graph)
     replays = []
     for r, reg in enumerate(regions):
         saves = [sv for _, sv in region_saves.get(r, ())]
@@ -290,9 +250,7 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
                 holders=holders,
                 frame_until=max((release(sv.node) for sv in saves), default=end),
                 frame_inputs=_frame_inputs(graph, calls.get((reg.modules[0], reg.first_op))),
-                overhead_bytes=(
-                    CPU_RNG_STATE_BYTES * reg.random + batchnorm_snapshot_bytes(graph, reg)
-                ),
+                overhead_bytes=(rng_bytes * reg.random + batchnorm_snapshot_bytes(graph, reg)),
                 trigger=trigger,
                 stop_at=stop_at,
                 ops=tuple(i for i in replayed if i not in kept_ops),
@@ -405,7 +363,7 @@ def storage_lives(
         lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))
         replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
         if rep.region.random and replayed:
-            lives.append((replayed[0], replayed[-1], CPU_RNG_STATE_BYTES))
+            lives.append((replayed[0], replayed[-1], rng_state_bytes(graph)))
     return deaths, lives
 
 
@@ -439,7 +397,7 @@ def live_bytes(
     graph: Graph, order: Sequence[tuple[str, int]], lives: Iterable[Life], base_bytes: int
 ) -> list[int]:
     """Live bytes while each position of `order` runs: `base_bytes`, every life that spans the
-    position, and the scratch of the op's kernel (`kernel_workspace_bytes`)."""
+    position, and the scratch of the op's kernel on the graph's target (`targets.scratch_bytes`)."""
     total = len(order)
     delta = [0] * (total + 2)
     for first, last, nbytes in lives:
@@ -448,7 +406,7 @@ def live_bytes(
     timeline, current = [], base_bytes
     for position, (_, i) in enumerate(order):
         current += delta[position]
-        timeline.append(current + kernel_workspace_bytes(graph, graph.ops[i]))
+        timeline.append(current + scratch_bytes(graph, graph.ops[i]))
     return timeline
 
 

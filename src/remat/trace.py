@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat import hfcompat
+from remat import emulate, hfcompat
 from remat.caches import CachesOff
 from remat.errors import TraceError
 from remat.graph import (
@@ -53,6 +53,7 @@ from remat.graph import (
     StorageKind,
     Tensor,
 )
+from remat.targets import CPU, Target, get_target
 
 
 def _heads_as_query(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
@@ -218,9 +219,10 @@ class _SavedRecord:
 
 
 class _Tracer(TorchDispatchMode):
-    def __init__(self, *, real: bool):
+    def __init__(self, *, real: bool, target: Target = CPU):
         super().__init__()
         self.real = real
+        self.target = target
         self.paused = False
         self.phase: Phase = "forward"
         self.scopes: list[str] = [""]
@@ -411,7 +413,11 @@ class _Tracer(TorchDispatchMode):
         return out
 
     def run_op(self, func, args: tuple, kwargs: dict) -> Any:
-        meta_dtype, fake_kernel = _FAKE_KERNELS.get(func._overloadpacket.__name__, (None, None))
+        packet = func._overloadpacket.__name__
+        target_kernel = None if self.real else emulate.fake_kernel(self.target, packet)
+        if target_kernel is not None:
+            return target_kernel(func, args, kwargs)
+        meta_dtype, fake_kernel = _FAKE_KERNELS.get(packet, (None, None))
         if (
             self.real
             or fake_kernel is None
@@ -637,6 +643,7 @@ def trace(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     device: str = "meta",
     autocast: torch.dtype | None = None,
+    target: Target | str | None = None,
     **kwargs: Any,
 ) -> Graph:
     """Trace one training step of `fn(*args, **kwargs)`: forward, `loss_fn(output)` (default: the sum
@@ -644,9 +651,20 @@ def trace(
     of the model's size; `device="cpu"` (or "cuda") runs on the real tensors, which must be there.
 
     `autocast=torch.bfloat16` runs the forward and the loss under `torch.autocast` (mixed
-    precision: fp32 parameters, bf16 compute, as `bf16-mixed` training does), with the op lists
-    of the CPU autocast for fake and CPU traces and of CUDA's for a CUDA trace."""
+    precision: fp32 parameters, bf16 compute, as `bf16-mixed` training does).
+
+    `target`: the device the step is predicted for (`remat.targets`): "cpu" (default: the CPU's
+    kernels and autocast lists, exact on this machine), "cuda" (an sm90 GPU), "cuda:sm80" or a
+    `Target`: a fake trace then runs the CUDA kernels' choices (fused dropout and RMSNorm, fp32
+    normalisation statistics, the SDPA backend of that GPU, CUDA autocast's op lists) and its
+    graph's scratch is priced with CUDA's kernels (`graph.info["target"]`)."""
     real = device != "meta"
+    target = get_target(target)
+    if target.is_cuda and real:
+        raise TraceError(
+            f"target {target.describe()!r} is traced on fake tensors (device='meta'): the CUDA "
+            f"kernels' choices are emulated on fake CPU tensors, not run on real {device} ones"
+        )
     module = fn if isinstance(fn, nn.Module) else None
     inputs_need_grad = any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
@@ -675,7 +693,7 @@ def trace(
                 "or trace with device='meta'."
             )
 
-    tracer = _Tracer(real=real)
+    tracer = _Tracer(real=real, target=target)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
     # A real trace runs dropout & co. for real: restore the caller's CPU (and CUDA) random streams.
     rng = contextlib.nullcontext()
@@ -690,7 +708,13 @@ def trace(
         )
         rng = torch.random.fork_rng(devices=cuda_devices)
     as_real = hfcompat.as_real_run(kwargs) if not real else contextlib.nullcontext()
-    with rng, as_real, fake_mode if fake_mode is not None else contextlib.nullcontext():
+    dispatch = emulate.installed(target, autocast, "cuda" if device.startswith("cuda") else "cpu")
+    with (
+        rng,
+        as_real,
+        dispatch as target_dispatch,
+        fake_mode if fake_mode is not None else contextlib.nullcontext(),
+    ):
         if real:
             leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
             state = {**leaves, **{n: b.clone() for n, b in buffers.items()}}
@@ -710,13 +734,8 @@ def trace(
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
         caches_off = CachesOff(module) if module is not None else None
         try:
-            mixed = (
-                torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=autocast)
-                if autocast is not None
-                else contextlib.nullcontext()
-            )
             with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
-                with mixed:
+                with target_dispatch.autocast():
                     if module is not None:
                         output = torch.func.functional_call(
                             module, state, tuple(call_args), call_kwargs, strict=False
@@ -755,6 +774,8 @@ def trace(
             ),
             "loss": "custom" if loss_fn is not None else "sum",
             "autocast": None if autocast is None else dtype_name(autocast),
+            "target": target.name,
+            "target_detail": target.describe(),
         }
         graph = tracer.graph(info)
         del output, loss

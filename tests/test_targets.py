@@ -1,0 +1,276 @@
+"""A CUDA target traces the kernels a GPU runs, on fake CPU tensors (remat.targets, remat.emulate).
+
+The CUDA rules are pinned two ways: against torch's own CUDA dispatch on this machine (fake CUDA
+tensors run forward without autograd: CUDA autocast's casts and the CUDA meta kernels' outputs
+are observable there), and by small cases whose bytes are stated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import emulate, models, schedule, strategies, targets
+from remat.errors import RematError, TraceError
+from remat.estimate import estimate
+from remat.targets import AttentionCall, select_attention
+
+
+class _Record(TorchDispatchMode):
+    """Every aten op that reaches the backend: (op, input dtypes, output dtypes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.prim.device.default:
+            ins = tuple(str(t.dtype) for t in _tensors((args, kwargs)))
+            self.ops.append((str(func), ins, tuple(str(t.dtype) for t in _tensors(out))))
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+# The ops a transformer's forward and loss reach through autocast, one call each. SDPA and
+# rms_norm are left out: their CUDA kernels are not in this CPU build (fake CUDA tensors take the
+# composite paths), so the reroutes are tested on their own below.
+_CALLS = {
+    "linear": lambda x, w, i: F.linear(x, w),
+    "matmul": lambda x, w, i: x @ w,
+    "bmm": lambda x, w, i: torch.bmm(x, x.transpose(1, 2)),
+    "softmax": lambda x, w, i: torch.softmax(x, -1),
+    "softmax with dtype": lambda x, w, i: torch.softmax(x, -1, dtype=torch.float16),
+    "log_softmax": lambda x, w, i: F.log_softmax(x, -1),
+    "cross_entropy": lambda x, w, i: F.cross_entropy(x.flatten(0, 1), i),
+    "layer_norm": lambda x, w, i: F.layer_norm(x, (8,)),
+    "group_norm": lambda x, w, i: F.group_norm(x, 2),
+    "sum": lambda x, w, i: x.sum(),
+    "sum dim": lambda x, w, i: x.sum(-1),
+    "exp": lambda x, w, i: torch.exp(x),
+    "pow": lambda x, w, i: x.pow(2),
+    "rsqrt": lambda x, w, i: torch.rsqrt(x),
+    "cumsum": lambda x, w, i: torch.cumsum(x, -1),
+    "norm": lambda x, w, i: torch.norm(x),
+    "addcmul (promote)": lambda x, w, i: torch.addcmul(x, x.half(), x),
+    "cat (only CPU autocast lists it)": lambda x, w, i: torch.cat([x, x.bfloat16()]),
+    "mse_loss": lambda x, w, i: F.mse_loss(x, x),
+    "gelu (no policy)": lambda x, w, i: F.gelu(x),
+}
+
+
+def _cuda_autocast_ops(call, dtype: torch.dtype) -> list:
+    """The backend ops `call` issues on fake CUDA tensors under CUDA autocast (no autograd)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x, w = torch.empty(2, 4, 8, device="cuda"), torch.empty(8, 8, device="cuda")
+        i = torch.zeros(8, dtype=torch.long, device="cuda")
+        prior = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        torch.autocast_increment_nesting()
+        try:
+            with _Record() as record:
+                call(x, w, i)
+        finally:
+            torch.autocast_decrement_nesting()
+            torch.clear_autocast_cache()
+            torch.set_autocast_enabled("cuda", prior[0])
+            torch.set_autocast_dtype("cuda", prior[1])
+    return record.ops
+
+
+def _emulated_ops(call, dtype: torch.dtype) -> list:
+    """The same on fake CPU tensors with the CUDA target's autocast installed."""
+    with (
+        emulate.installed(targets.cuda(), dtype) as dispatch,
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        x, w = torch.empty(2, 4, 8), torch.empty(8, 8)
+        i = torch.zeros(8, dtype=torch.long)
+        with dispatch.autocast(), _Record() as record:
+            call(x, w, i)
+    return record.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(_CALLS))
+def test_cuda_autocast_emulation_casts_as_torchs_cuda_autocast(name, dtype):
+    assert _emulated_ops(_CALLS[name], dtype) == _cuda_autocast_ops(_CALLS[name], dtype)
+
+
+def test_cuda_autocast_table_lists_exactly_the_ops_torch_registers_for_autocast_cuda():
+    registered = {
+        name.removeprefix("aten::")
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+        and torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA")
+    }
+    listed = {n for names in targets.CUDA_AUTOCAST.values() for n in names}
+    assert listed | set(targets.CUDA_AUTOCAST_BANNED) == registered
+
+
+def test_the_cpu_autocast_is_restored_after_a_cuda_target_trace():
+    """The CUDA policies are installed for one trace only: CPU autocast's own lists come back
+    (under CPU autocast, softmax stays bf16 and cat promotes)."""
+    model, inputs = models.build("llama-3.2-1b", tiny=True)
+    remat.trace(model, *inputs, target="cuda", autocast=torch.bfloat16)
+    with FakeTensorMode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.empty(2, 8, dtype=torch.bfloat16)
+        assert torch.softmax(x, -1).dtype == torch.bfloat16
+        assert F.linear(torch.empty(2, 8), torch.empty(4, 8)).dtype == torch.bfloat16
+        dropout = _Record()
+        with dropout:
+            F.dropout(torch.empty(4, 8), 0.5, True)
+    assert not any("native_dropout" in op for op, _, _ in dropout.ops)
+
+
+class _Norms(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x) * 2
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor, target: str) -> int:
+    graph = remat.trace(model, x, target=target)
+    return sum(graph.storages[s].nbytes for s in graph.saved_storages)
+
+
+def test_cuda_layer_norm_keeps_fp32_statistics_where_the_cpu_keeps_the_input_dtype():
+    """bf16 LayerNorm over (64, 512) rows: the saved mean and rstd are 64 fp32 values each on
+    CUDA (512 B), 64 bf16 values on the CPU (256 B); the input (64 KiB) and weight are saved on
+    both."""
+    model = _Norms(nn.LayerNorm(512)).to(torch.bfloat16)
+    x = torch.empty(64, 512, dtype=torch.bfloat16, device="meta")
+    assert _saved_bytes(model, x, "cuda") - _saved_bytes(model, x, "cpu") == 2 * 64 * (4 - 2)
+    with FakeTensorMode():
+        stats = torch.ops.aten.native_layer_norm(
+            torch.empty(64, 512, dtype=torch.bfloat16, device="cuda"), [512], None, None, 1e-5
+        )
+    assert [t.dtype for t in stats[1:]] == [torch.float32] * 2  # torch's CUDA meta agrees
+
+
+def test_cuda_dropout_saves_a_bool_mask_where_the_cpu_saves_a_float_one():
+    """Dropout of 1024 x 1024 fp32 activations: CUDA's fused kernel saves a 1 MiB bool mask, the
+    CPU path a 4 MiB float mask."""
+    model = _Norms(nn.Dropout(0.1))
+    x = torch.empty(1024, 1024, device="meta", requires_grad=True)
+    assert _saved_bytes(model, x, "cuda") == 1024 * 1024
+    assert _saved_bytes(model, x, "cpu") == 4 * 1024 * 1024
+
+
+def test_cuda_rms_norm_runs_the_fused_kernel_saving_its_input_and_an_fp32_rstd():
+    """nn.RMSNorm over bf16 (256, 1024): `_fused_rms_norm` saves the input (512 KiB), the weight
+    (a parameter: not an activation) and rstd, 256 fp32 values (1 KiB)."""
+    model = _Norms(nn.RMSNorm(1024)).to(torch.bfloat16)
+    x = torch.empty(256, 1024, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    graph = remat.trace(model, x, target="cuda")
+    assert [op.short for op in graph.forward_ops if "rms" in op.short] == ["_fused_rms_norm"]
+    assert "_fused_rms_norm_backward" in {op.short for op in graph.backward_ops}
+    assert graph.activation_bytes == 256 * 1024 * 2 + 256 * 4 + _mul_saves(graph)
+
+
+def _mul_saves(graph) -> int:
+    """Bytes saved by the `* 2` after the norm (a scalar multiply saves nothing)."""
+    return sum(
+        graph.storages[s].nbytes
+        for s in graph.saved_storages
+        if graph.producer_op(s) is not None and graph.producer_op(s).short == "mul"
+    )
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return y.transpose(1, 2).reshape(b, t, c)
+
+
+def test_cuda_flash_attention_saves_its_outputs_and_allocates_fp32_accumulators_in_backward():
+    """bf16 attention, batch 2, 8 heads of 64, 300 tokens, on an H100: flash saves q, k, v (views
+    of the projection), its output and the fp32 log-sum-exp (2 x 8 x 300 x 4 B); its backward
+    allocates softmax_d (2 x 8 x 384 x 4 B: 300 rounded to 128) and dq_accum (2 x 384 x 8 x 64
+    x 4 B), scratch the simulation adds to the backward op's live bytes."""
+    model = _Attention(512, 8).to(torch.bfloat16)
+    x = torch.empty(2, 300, 512, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    graph = remat.trace(model, x, target="cuda")
+    forward = graph.op_by_name["_scaled_dot_product_flash_attention_0"]
+    lse = graph.tensors[forward.outputs[1]]
+    assert (lse.shape, lse.dtype) == ((2, 8, 300), "float32")
+    saved = {graph.tensors[sv.tensor].shape for sv in graph.saved if sv.node is not None}
+    assert {(2, 8, 300, 64), (2, 8, 300)} <= saved
+    backward = next(
+        op
+        for op in graph.backward_ops
+        if op.short == "_scaled_dot_product_flash_attention_backward"
+    )
+    assert targets.scratch_bytes(graph, backward) == 4 * 2 * 8 * 384 * (1 + 64)
+
+
+def test_the_attention_backend_follows_torchs_selection_for_the_gpu():
+    def call(dtype="bfloat16", mask=False, heads_kv=8, head_dim=128, dropout=0.0):
+        return AttentionCall(
+            dtype=dtype,
+            head_dim_qk=head_dim,
+            head_dim_v=head_dim,
+            seq_q=4096,
+            seq_k=4096,
+            heads_q=8,
+            heads_kv=heads_kv,
+            has_mask=mask,
+            dropout=dropout,
+            is_causal=not mask,
+            requires_grad=True,
+        )
+
+    h100, a100, v100 = targets.cuda((9, 0)), targets.cuda((8, 0)), targets.cuda((7, 0))
+    assert select_attention(h100, call()) == "flash"
+    assert select_attention(a100, call(dropout=0.1)) == "flash"
+    assert select_attention(h100, call(dtype="float32")) == "efficient"  # flash: half only
+    assert select_attention(h100, call(mask=True)) == "efficient"  # flash takes no mask
+    assert select_attention(h100, call(dtype="float32", heads_kv=2)) == "math"  # GQA in fp32
+    assert select_attention(h100, call(heads_kv=2)) == "flash"  # flash reads grouped K/V
+    assert select_attention(v100, call(dtype="float16")) == "efficient"  # flash needs sm80
+    assert select_attention(v100, call()) == "math"  # no bf16 kernels before sm80
+    assert select_attention(targets.cuda((8, 9)), call(head_dim=200)) == "efficient"
+    assert select_attention(targets.cuda((9, 0), "cudnn-first"), call()) == "cudnn"
+    assert select_attention(targets.cuda((9, 0), "math"), call()) == "math"
+
+
+def test_a_cuda_target_is_traced_on_fake_tensors_only():
+    model = nn.Linear(4, 4)
+    with pytest.raises(TraceError, match="fake tensors"):
+        remat.trace(model, torch.randn(2, 4), device="cpu", target="cuda")
+    with pytest.raises(RematError, match="unknown target"):
+        remat.trace(model, torch.empty(2, 4, device="meta"), target="tpu")
+
+
+def test_a_checkpointed_cuda_region_holds_no_device_rng_state():
+    """The RNG state checkpoint keeps per random region is host memory on a CUDA target."""
+    model, inputs = models.build("gpt2", tiny=True, dropout=0.1)
+    for target, rng in (("cpu", targets.CPU_RNG_STATE_BYTES), ("cuda", 0)):
+        graph = remat.trace(model, *inputs, target=target)
+        planner = remat.Planner(graph)
+        full = planner.solve(strategies.get("full"), planner.estimate.peak_bytes)
+        overheads = schedule.analyse_regions(graph, full.regions).replays
+        assert {rep.overhead_bytes for rep in overheads} == {rng}
+        assert graph.info["target"] == target
+    assert estimate(graph).peak_bytes > 0
