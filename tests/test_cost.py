@@ -89,12 +89,13 @@ def test_get_profile():
     custom = DeviceProfile("mine", 1.0, 1.0, 1.0)
     assert get_profile(custom) is custom
     with pytest.raises(
-        UnknownProfileError, match="a100, a100-40gb, cpu, h100, h200, l4, mi300x, rtx4090"
+        UnknownProfileError,
+        match="a100, a100-40gb, cpu, h100, h100-pcie, h200, l4, mi300x, rtx4090, v100",
     ):
         get_profile("tpu")
 
 
-@pytest.mark.parametrize("name", ["a100-40gb", "l4", "rtx4090", "mi300x"])
+@pytest.mark.parametrize("name", ["a100-40gb", "h100-pcie", "l4", "rtx4090", "mi300x"])
 def test_gpu_profiles_are_dense_bf16_matrix_over_vector_over_bandwidth(name):
     p = get_profile(name)
     assert p.name == name

@@ -636,8 +636,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     table.caption = (
         f"usable {format_bytes(report.usable_bytes)} = capacity "
         f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)} "
-        "(CUDA context + allocator fragmentation; --reserve); step time: predicted recompute on "
-        f"the {report.profile} profile; max seq in steps of 64; "
+        "(CUDA context, BLAS workspaces, NCCL buffers, fragmentation; --reserve); step time: "
+        f"predicted recompute on the {report.profile} profile; max seq in steps of 64; "
         f"{report.traces} step{'s' if report.traces != 1 else ''} traced in {report.seconds:.0f} s"
     )
     console.print(table)
@@ -712,14 +712,16 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--gpu",
         default="h100",
-        help="h100, h200, a100-40gb, a100-80gb, l4, rtx4090, mi300x (default: %(default)s)",
+        help="h100, h100-pcie, h200, a100-40gb, a100-80gb, l4, rtx4090, mi300x, v100-16gb, "
+        "v100-32gb, or the name torch reports (default: %(default)s)",
     )
     ft.add_argument(
         "--capacity", help="any other GPU: its memory, e.g. 70GiB (costs on --gpu's profile)"
     )
     ft.add_argument(
         "--reserve",
-        help="memory kept back for the CUDA context and fragmentation, e.g. 3GiB (default: see remat.gpus.DEFAULT_RESERVE)",
+        help="memory kept back for the CUDA context, BLAS workspaces, NCCL and fragmentation, e.g. "
+        "3GiB (default: remat.gpus.fixed_memory + 5%% of the rest, docs/fit.md)",
     )
     ft.add_argument(
         "--precision",

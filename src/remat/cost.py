@@ -73,6 +73,14 @@ PROFILES: dict[str, DeviceProfile] = {
     "a100": DeviceProfile("a100", peak_flops=312e12, vector_flops=19.5e12, bandwidth=2.039e12),
     "h100": DeviceProfile("h100", peak_flops=989e12, vector_flops=67e12, bandwidth=3.35e12),
     "h200": DeviceProfile("h200", peak_flops=989e12, vector_flops=67e12, bandwidth=4.8e12),
+    # H100 PCIe, the same datasheet's PCIe column: BF16 tensor 756 TFLOPS dense (1,513 with
+    # sparsity), FP32 51 TFLOPS, HBM2e 2.0 TB/s.
+    "h100-pcie": DeviceProfile(
+        "h100-pcie", peak_flops=756e12, vector_flops=51e12, bandwidth=2.0e12
+    ),
+    # "NVIDIA Tesla V100 GPU Accelerator" datasheet (SXM2): FP16 tensor 125 TFLOPS (Volta has no
+    # BF16), FP32 15.7 TFLOPS, HBM2 900 GB/s.
+    "v100": DeviceProfile("v100", peak_flops=125e12, vector_flops=15.7e12, bandwidth=900e9),
     # A100 40GB SXM: the A100 datasheet's compute, with its 1,555 GB/s of HBM2.
     "a100-40gb": DeviceProfile(
         "a100-40gb", peak_flops=312e12, vector_flops=19.5e12, bandwidth=1.555e12

@@ -429,8 +429,9 @@ def fit(
 
     `build(batch, seq)` returns (model, inputs) on the meta device in the precision's parameter
     dtype (`PRECISIONS`). For each strategy: the per-rank peak at (batch, seq), whether it fits
-    the GPU's usable memory (capacity less `reserve`), the predicted recompute on the GPU's cost
-    profile, and the largest batch at `seq` and sequence at `batch` that fit (searched on size
+    the GPU's usable memory (`remat.gpus.usable_bytes` on `shard` ranks: capacity less the
+    context, BLAS workspaces, NCCL buffers and fragmentation, or less `reserve` if given), the
+    predicted recompute on the GPU's cost profile, and the largest batch at `seq` and sequence at `batch` that fit (searched on size
     models, confirmed by a trace at the answer)."""
     import time
 
@@ -444,7 +445,7 @@ def fit(
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
         )
     start = time.perf_counter()
-    usable = usable_bytes(gpu, reserve)
+    usable = usable_bytes(gpu, reserve, ranks=shard)
     steps = _Steps(build, gpu, precision, optimizer, shard, progress)
     rows = [
         _fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
