@@ -179,6 +179,18 @@ GPUS: dict[str, Gpu] = {
             "2.0.1+cu118) to 81090MB in other public logs: the driver's share moves by ~25 MiB",
         ),
         Gpu(
+            "h100-96gb",
+            _mib(97320),
+            "h100",
+            "NVIDIA H100 96GB HBM3 (the 96 GB H100 of torchtitan's published FSDP2 runs)",
+            ("h100-96gb-hbm3",),
+            (9, 0),
+            "hopper",
+            "pytorch/torchtitan commit 83c879f ('Used per-parameter FSDP (#165)'): memory logged "
+            "as a share of total_memory, 'can convert against 95.0396 GiB GPU memory' on 8 H100s "
+            "(95.0396 GiB = 97320.55 MiB: 97320 MiB taken)",
+        ),
+        Gpu(
             "h100-pcie-80gb",
             _mib(81008),
             "h100-pcie",
