@@ -16,7 +16,8 @@ def _build(batch: int, seq: int, device: str = "meta"):
 
 def _store_all_peak(batch: int, seq: int, optimizer: str | None) -> int:
     model, inputs = _build(batch, seq)
-    return remat.estimate(remat.trace(model, *inputs), optimizer=optimizer).peak_bytes
+    graph = remat.trace(model, *inputs, target=_gpu(1 << 40).target)  # fit traces for the GPU
+    return remat.estimate(graph, optimizer=optimizer).peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,8 @@ def test_a_size_model_that_does_not_hold_falls_back_to_traces():
 
     def peak(seq: int) -> int:
         model, inputs = build(1, seq)
-        return remat.estimate(remat.trace(model, *inputs), optimizer="sgd").peak_bytes
+        graph = remat.trace(model, *inputs, target=_gpu(1 << 40).target)
+        return remat.estimate(graph, optimizer="sgd").peak_bytes
 
     capacity = (peak(1024) + peak(1088)) // 2
     setup = {"batch": 1, "seq": 64, "precision": "fp32", "optimizer": "sgd", "reserve": 0}

@@ -152,7 +152,9 @@ class _Steps:
             from remat.trace import trace
 
             model, inputs = self.build(batch, seq)
-            self.traced[key] = trace(model, *inputs, autocast=self.setup.autocast)
+            self.traced[key] = trace(
+                model, *inputs, autocast=self.setup.autocast, target=self.gpu.target
+            )
         return self.traced[key]
 
     def planner(self, batch: int, seq: int) -> Planner:

@@ -24,8 +24,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from remat import targets
 from remat.cost import PROFILES
 from remat.errors import BudgetError, UnknownProfileError
+from remat.targets import Target
 from remat.units import format_bytes, parse_bytes
 
 MiB, GiB = 2**20, 2**30
@@ -122,6 +124,12 @@ class Gpu:
     @property
     def architecture(self) -> Architecture:
         return ARCHITECTURES.get(self.arch, UNKNOWN_ARCHITECTURE)
+
+    @property
+    def target(self) -> Target:
+        """What a step on this GPU is traced for: the CUDA kernels of its compute capability (an
+        sm90 GPU's when unknown). ROCm's kernels are taken as CUDA's of the same capability."""
+        return targets.cuda(self.compute_capability or (9, 0))
 
     def usable_bytes(self, reserve: Reserve | int | str | None = None, ranks: int = 1) -> int:
         """`usable_bytes(self, reserve, ranks)`."""
