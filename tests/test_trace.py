@@ -352,3 +352,34 @@ def test_writing_views_of_a_fresh_tensor_in_place_traces_on_fake_tensors():
     meta_bytes, real_bytes = saved.split()
     assert meta_bytes == real_bytes
     assert attributed == "True"  # each write is attributed to its CopySlices node
+
+
+class _OwnLoss(nn.Module):
+    """Returns its cross-entropy loss, as the presets and Hugging Face models given labels do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.proj(x)
+        if labels is None:
+            return logits
+        return nn.functional.cross_entropy(logits.float(), labels)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_model_that_returns_its_loss_is_trained_on_that_loss(device):
+    torch.manual_seed(0)
+    model, x, labels = _OwnLoss(), torch.randn(4, 8), torch.randint(32, (4,))
+    own = remat.trace(model, x, labels, device=device)
+    explicit = remat.trace(
+        model,
+        x,
+        device=device,
+        loss_fn=lambda out: nn.functional.cross_entropy(out.float(), labels),
+    )
+    assert own.info["loss"] == "model" and explicit.info["loss"] == "custom"
+    assert [op.target for op in own.ops] == [op.target for op in explicit.ops]
+    assert own.activation_bytes == explicit.activation_bytes > 0
+    assert own.activation_bytes == _autograd_saved_bytes(model, x, labels)

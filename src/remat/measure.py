@@ -14,8 +14,9 @@ storages on a real device, with three instruments that do not depend on each oth
 `calibrate_profile` times real kernels the same way, to give the roofline cost model
 (`remat.cost`, which imports no torch) a `DeviceProfile` of the machine at hand.
 
-One training step is `out = model(*inputs, **kwargs)`, `loss = loss_fn(out)` (default: the sum of
-every floating tensor in `out`, each summed in its own dtype), `loss.backward()`, then
+One training step is `out = model(*inputs, **kwargs)`, `loss = loss_fn(out)` (default: the model's
+own 0-dim loss if it returns one, else the sum of every floating tensor in `out`, each summed in its
+own dtype), `loss.backward()`, then
 `optimizer.step()` if there is an optimizer, then every gradient is set to None. The outputs and
 the loss stay referenced until the step ends, as in a loop that writes `out = model(x)`.
 """
@@ -37,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from remat.errors import RematError
 from remat.quiet import quiet_fd
+from remat.trace import is_own_loss
 
 if TYPE_CHECKING:
     from remat.cost import DeviceProfile
@@ -405,6 +407,8 @@ def _forward(
     out = model(*inputs, **kwargs)
     if loss_fn is not None:
         loss = loss_fn(out)
+    elif is_own_loss(out):
+        loss = out
     else:
         floats = [t for t in _tensors(out) if t.is_floating_point()]
         if not floats:

@@ -610,8 +610,12 @@ class _Tracer(TorchDispatchMode):
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """The sum of every floating-point output that requires grad: a loss whose gradient reaches
-    every output, so the backward is the model's whole backward."""
+    """The model's own loss when it returns one (a 0-dim float tensor that requires grad, as the
+    presets given labels and Hugging Face models given `labels` do: the step then is the trainer's
+    step, cross-entropy and all); otherwise the sum of every floating-point output that requires
+    grad: a loss whose gradient reaches every output, so the backward is the model's whole backward."""
+    if is_own_loss(output):
+        return output
     leaves = [
         t
         for t in pytree.tree_leaves(output)
@@ -627,6 +631,16 @@ def default_loss(output: Any) -> torch.Tensor:
     for t in leaves[1:]:
         total = total + t.sum()
     return total
+
+
+def is_own_loss(output: Any) -> bool:
+    """Whether the model returned its loss: one 0-dim floating-point tensor that requires grad."""
+    return (
+        isinstance(output, torch.Tensor)
+        and output.dim() == 0
+        and output.is_floating_point()
+        and output.requires_grad
+    )
 
 
 def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -745,6 +759,7 @@ def trace(
                     tracer.before_event()
                     tracer.scopes.append(LOSS_SCOPE)
                     loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+                    own_loss = "model" if is_own_loss(output) else "sum"
                     tracer.scopes.pop()
                 tracer.before_event()
                 tracer.phase = "backward"
@@ -772,7 +787,7 @@ def trace(
                 tracer.storages[tracer.tensors[tracer.tensor_ids[t]].storage].nbytes
                 for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
             ),
-            "loss": "custom" if loss_fn is not None else "sum",
+            "loss": "custom" if loss_fn is not None else own_loss,
             "autocast": None if autocast is None else dtype_name(autocast),
             "target": target.name,
             "target_detail": target.describe(),
