@@ -17,6 +17,7 @@ from rich.console import Console
 from remat import __version__
 from remat.bench import ROUNDS
 from remat.errors import InfeasibleBudget, RematError, exit_code
+from remat.estimate import OPTIMIZERS
 
 if TYPE_CHECKING:
     from remat.estimate import MemoryEstimate
@@ -69,9 +70,11 @@ def _strategies_help() -> str:
 def _add_optimizer_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer",
-        choices=["sgd", "adamw"],
+        choices=OPTIMIZERS,
         default=None,
-        help="count optimizer state and step in the peak",
+        help="count optimizer state and step in the peak. adamw: torch's default implementation "
+        "for the device (foreach on a GPU, for-loop on the CPU); adamw-foreach/-fused/-for-loop "
+        "name one (AdamW(foreach=True), fused=True, foreach=False); adamw-8bit: bitsandbytes",
     )
 
 
@@ -734,8 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--optimizer",
         default="adamw",
-        choices=["none", "sgd", "sgd-momentum", "adamw", "adamw-8bit"],
-        help="optimizer state counted in the peak (default: %(default)s)",
+        choices=["none", *OPTIMIZERS],
+        help="optimizer state and step counted in the peak; adamw is torch's default on a GPU, "
+        "foreach (default: %(default)s)",
     )
     ft.add_argument(
         "--shard",

@@ -49,6 +49,9 @@ _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = 
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+    "adamw-for-loop": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
 }
 _FORWARD_RANGE = "remat.measure.forward"
 
@@ -126,8 +129,9 @@ def measure(
             dicts) are moved to the measured device.
         loss_fn: maps the model output to a scalar loss; default is the sum of every floating
             tensor in the output (walking tuples, lists, mappings and dataclasses).
-        optimizer: None, "sgd" (`SGD(lr=1e-3)`), "adamw" (`AdamW(lr=1e-3)`) or an optimizer
-            instance; its state counts in `baseline_bytes` once warmup has created it.
+        optimizer: None, "sgd" (`SGD(lr=1e-3)`), "sgd-momentum", "adamw" (`AdamW(lr=1e-3)`,
+            torch's default implementation), "adamw-foreach", "adamw-for-loop", "adamw-fused",
+            or an optimizer instance; its state counts in `baseline_bytes` once warmup has created it.
         steps: number of timed steps, at least 1.
         warmup: number of untimed steps before measuring, at least 0.
         device: the device to measure on; None means where the model's parameters are. The
