@@ -30,6 +30,8 @@ CORE_MODULES = [
     "remat.estimate",
     "remat.schedule",
     "remat.targets",
+    "remat.allocator",
+    "remat.gpu_memory",
     "remat.plans",
     "remat.units",
     "remat.errors",
