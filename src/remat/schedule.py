@@ -321,12 +321,14 @@ Life = tuple[int, int, int]
 
 def storage_lives(
     graph: Graph, analysis: RegionAnalysis, schedule: Schedule
-) -> tuple[dict[int, int], list[Life]]:
+) -> tuple[dict[int, int], list[Life], list[int | None]]:
     """Each storage allocated during the step -> the position after which its first life ends,
     and every life on `schedule`: each storage's first life (from its op until both the program
     and its holders let go), a second life for a storage a replay makes again, each region's
     frame overhead (RNG state, BatchNorm snapshot) from its region's first op until it dies, and
-    the RNG state `fork_rng` keeps while a random region's replay runs."""
+    the RNG state `fork_rng` keeps while a random region's replay runs. The third list names
+    each life's storage (None for a frame's overhead), for who must tell lives apart (the
+    allocation events of `remat.gpu_memory`)."""
     end = len(graph.ops)
     held_until = dict(analysis.autograd_holds)
     # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
@@ -336,6 +338,7 @@ def storage_lives(
 
     deaths: dict[int, int] = {}
     lives: list[Life] = []
+    owners: list[int | None] = []
     for s in graph.storages.values():
         if s.allocated_at is None:
             continue
@@ -356,15 +359,19 @@ def storage_lives(
                 replay_death = _handed_over_until(program, rep, schedule)
         deaths[s.id] = max(schedule.after(death), replay_death)
         lives.append((schedule.position_of_op[s.allocated_at], deaths[s.id], s.nbytes))
+        owners.append(s.id)
         if s.allocated_at in schedule.replay_position:
             lives.append(_replayed_life(s, program, analysis.replays[region], schedule))
+            owners.append(s.id)
     for rep in analysis.replays:
         first = schedule.position_of_op[rep.region.first_op]
         lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))
+        owners.append(None)
         replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
         if rep.region.random and replayed:
             lives.append((replayed[0], replayed[-1], rng_state_bytes(graph)))
-    return deaths, lives
+            owners.append(None)
+    return deaths, lives, owners
 
 
 def _handed_over_until(program: int, rep: RegionReplay, schedule: Schedule) -> int:
@@ -421,7 +428,7 @@ def simulate(
         base_bytes = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
     analysis = analyse_regions(graph, regions)
     schedule = build_schedule(graph, analysis)
-    deaths, lives = storage_lives(graph, analysis, schedule)
+    deaths, lives, _ = storage_lives(graph, analysis, schedule)
     timeline = live_bytes(graph, schedule.order, lives, base_bytes)
     end_of_forward = schedule.position_of_op[len(graph.forward_ops) - 1]
     held_bytes = sum(rep.overhead_bytes for rep in analysis.replays) + sum(
