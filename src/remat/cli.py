@@ -177,8 +177,15 @@ def _trace_model(args: argparse.Namespace, console: Console):
     )
     where = "fake tensors" if device == "meta" else f"real {device} tensors"
     start = time.perf_counter()
+    gpu = getattr(args, "gpu", None)
+    target = None
+    if gpu is not None and args.command == "estimate":
+        from remat.gpus import get_gpu
+
+        target = get_gpu(gpu).target
+        where += f", with {target.describe()}'s kernels"
     with console.status(f"tracing one training step of {args.model} on {where} ..."):
-        graph = trace(model, *inputs, device=device)
+        graph = trace(model, *inputs, device=device, target=target)
     graph.info.update(
         model=args.model,
         shape=_shape(args, inputs),
@@ -238,6 +245,19 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     return _show_estimate(graph, estimate(graph, optimizer=args.optimizer), args, console, seconds)
 
 
+def _gpu_memories(graph: Graph, args: argparse.Namespace) -> list[Any]:
+    """The step as `--gpu` would report it, under each allocator setting `remat.gpu_memory`
+    knows (none without --gpu)."""
+    if getattr(args, "gpu", None) is None:
+        return []
+    from remat.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
+
+    return [
+        gpu_memory(graph, args.gpu, optimizer=args.optimizer, settings=s)
+        for s in ALLOCATOR_SETTINGS
+    ]
+
+
 def _show_estimate(
     graph: Graph,
     est: MemoryEstimate,
@@ -255,14 +275,23 @@ def _show_estimate(
         "optimizer": args.optimizer,
         "trace_seconds": round(trace_seconds, 3),
     }
+    memories = _gpu_memories(graph, args)
     if args.json:
-        print(json.dumps(estimate_dict(graph, est, **context), indent=2))
+        out = estimate_dict(graph, est, **context)
+        if memories:
+            out["gpu"] = args.gpu
+            out["gpu_memory"] = [m.to_dict() for m in memories]
+        print(json.dumps(out, indent=2))
         return 0
     title = f"{_model_name(args)}, {graph.info['shape']}, {args.dtype}" + (
         f", {args.optimizer}" if args.optimizer else ""
     )
     for table in estimate_tables(graph, est, title, top=args.top):
         console.print(table)
+    if memories:
+        from remat.report import gpu_memory_table
+
+        console.print(gpu_memory_table(memories, f"as {args.gpu} would report it"))
     console.print(
         f"[dim]{len(graph.forward_ops)} forward + {len(graph.backward_ops)} backward ops traced "
         f"in {trace_seconds:.1f} s[/dim]"
@@ -625,23 +654,46 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         + (f", sharded over {args.shard} ranks (per-rank figures)" if args.shard > 1 else "")
     )
     table = Table(title=title, title_justify="left")
-    for col in ("strategy", "peak", "fits", "step time", "max batch", "max seq"):
+    simulated = any(r.gpu_memory for r in report.rows)
+    columns = ["strategy", "peak", "fits", "step time", "max batch", "max seq"]
+    if simulated:
+        columns[2:2] = ["allocated", "reserved", "expandable"]
+    for col in columns:
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for r in report.rows:
-        table.add_row(
+        memory = [
+            format_bytes(m[k])
+            for m in r.gpu_memory[:1]
+            for k in ("allocated_bytes", "reserved_bytes")
+        ]
+        expandable = [format_bytes(m["reserved_bytes"]) for m in r.gpu_memory[1:2]]
+        cells = [
             r.strategy,
             "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
+            *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
             "[green]yes[/green]" if r.fits else "[red]no[/red]",
             "-" if r.overhead is None else f"+{r.overhead:.1%}",
             f"{r.max_batch} at seq {args.seq}" if r.max_batch else "-",
             f"{r.max_seq} at batch {args.batch}" if r.max_seq else "-",
+        ]
+        table.add_row(*cells)
+    if simulated:
+        limit = report.rows[0].gpu_memory[0]["limit_bytes"] if report.rows[0].gpu_memory else 0
+        judged = (
+            f"peak: live tensors; allocated / reserved: the CUDA caching allocator simulated, "
+            f"expandable: reserved with expandable_segments:True; fits: {report.allocator} "
+            f"({format_bytes(limit)} = total_memory {format_bytes(report.capacity_bytes)} - CUDA "
+            "context - NCCL buffers; nvidia-smi shows reserved + context, see --json)"
+        )
+    else:
+        judged = (
+            f"fits: {report.allocator}; usable {format_bytes(report.usable_bytes)} = capacity "
+            f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)}"
         )
     table.caption = (
-        f"usable {format_bytes(report.usable_bytes)} = capacity "
-        f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)} "
-        "(CUDA context, BLAS workspaces, NCCL buffers, fragmentation; --reserve); step time: "
-        f"predicted recompute on the {report.profile} profile; max seq in steps of 64; "
-        f"{report.traces} step{'s' if report.traces != 1 else ''} traced in {report.seconds:.0f} s"
+        f"{judged}; step time: predicted recompute on the {report.profile} profile; max seq in "
+        f"steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} traced in "
+        f"{report.seconds:.0f} s"
     )
     console.print(table)
     for r in report.rows:
@@ -681,6 +733,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(est)
     _add_optimizer_arg(est)
+    est.add_argument(
+        "--gpu",
+        help="predict the step on this GPU (h100, a100-80gb, v100-16gb, ...; `remat fit` lists "
+        "them): traced with its CUDA kernels, and reported as the GPU reports it: requested, "
+        "allocated and reserved bytes (the caching allocator, default and expandable segments), "
+        "CUDA context and nvidia-smi",
+    )
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     est.add_argument(
         "--top", type=_positive_int, default=12, help="rows in the by-module and by-op tables"

@@ -78,6 +78,14 @@ class FitRow:
     plan: str = ""  # the plan behind the peak: what auto chose, or the lowest-peak one
     note: str = ""
     apply: str = ""  # the one line that makes this plan for the model (before any FSDP wrapping)
+    # as the GPU reports the step (`remat.gpu_memory`), by allocator setting; empty when the
+    # allocator is not simulated (a --reserve given)
+    gpu_memory: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """The peak reserved bytes under the allocator setting the row is judged with."""
+        return self.gpu_memory[0]["reserved_bytes"] if self.gpu_memory else None
 
 
 @dataclass(frozen=True)
@@ -100,12 +108,17 @@ class FitReport:
     traces: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: how rows were judged: the allocator setting whose reserved bytes must fit its limit, or
+    #: why live bytes were judged against `usable_bytes` instead
+    allocator: str = ""
     planner: Planner | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON (the planner of the asked size left out)."""
+        """Plain data for JSON (the planner of the asked size left out); each row carries the
+        figures of its judging allocator setting at the top level (`allocated_bytes`,
+        `reserved_bytes`, `nvidia_smi_bytes`) and every setting's in `gpu_memory`."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "planner"}
-        out["rows"] = [asdict(r) for r in self.rows]
+        out["rows"] = [_row_dict(r) for r in self.rows]
         return out
 
     def table_rows(self) -> list[dict[str, Any]]:
@@ -124,6 +137,16 @@ class FitReport:
         ]
 
 
+def _row_dict(row: FitRow) -> dict[str, Any]:
+    out = asdict(row)
+    judged = row.gpu_memory[0] if row.gpu_memory else {}
+    for key in ("requested_bytes", "allocated_bytes", "reserved_bytes", "nvidia_smi_bytes"):
+        out[key] = judged.get(key)
+    expandable = [m for m in row.gpu_memory if "expandable_segments:True" in m["settings"]]
+    out["expandable_reserved_bytes"] = expandable[0]["reserved_bytes"] if expandable else None
+    return out
+
+
 class _Steps:
     """Steps by (batch, seq): traced, or interpolated by a `SizeModel` through traces at nearby
     sizes along one axis (batch at a fixed seq, seq at a fixed batch) until `confirm` traces the
@@ -140,6 +163,7 @@ class _Steps:
     ) -> None:
         self.build, self.gpu, self.setup = build, gpu, PRECISIONS[precision]
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
+        self.simulate_allocator = shard == 1 and self.setup.master_scale == 1
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
@@ -220,6 +244,21 @@ class _Steps:
             self.setup.master_scale,
         )
         return max(max(sharded.timeline), sharded.optimizer_step_bytes)
+
+    def gpu_memories(self, batch: int, seq: int, plan: Any) -> list[Any]:
+        """`plan`'s step at (batch, seq) as the GPU reports it, under each allocator setting of
+        `remat.gpu_memory.ALLOCATOR_SETTINGS` (torch's default first: the one rows are judged
+        with); none where the allocator is not simulated: a user's --reserve replaces its
+        judgement, and FSDP's per-rank allocations are not modelled as events yet."""
+        if not self.simulate_allocator or plan is None:
+            return []
+        from remat.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
+
+        graph = self.planner(batch, seq).graph
+        return [
+            gpu_memory(graph, self.gpu, plan.regions, self.optimizer, settings=s)
+            for s in ALLOCATOR_SETTINGS
+        ]
 
     def fixed_plans(self, planner: Planner) -> Iterator[Any]:
         """The plan of every appliable fixed strategy the model supports, one at a time."""
@@ -310,10 +349,23 @@ def _guess(xs: list[int], ys: list[int], limit: int) -> int:
 def _fit_row(
     steps: _Steps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
 ) -> FitRow:
-    """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit."""
+    """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit.
+
+    Where the caching allocator is simulated (`steps.gpu_memories`), the row fits when its
+    reserved bytes do (the allocator's limit, under torch's default settings), and the searches
+    for the largest batch and sequence run on live bytes against the limit less the workspaces
+    and the allocator's overhead (reserved - requested) measured at (batch, seq)."""
     peak, p = steps.peak(name, batch, seq, usable)
     if peak is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
+    memories = steps.gpu_memories(batch, seq, p)
+    if memories:
+        row_usable = _usable_by_allocator(memories[0])
+        if name == "auto" and row_usable != usable:  # choose again, against the allocator's judge
+            peak, p = steps.peak(name, batch, seq, row_usable)
+            memories = steps.gpu_memories(batch, seq, p)
+            row_usable = _usable_by_allocator(memories[0])
+        usable = row_usable
     planner = steps.planner(batch, seq)
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
     floor = estimate(
@@ -332,6 +384,7 @@ def _fit_row(
             max_batch=None,
             max_seq=None,
             note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
+            gpu_memory=tuple(m.to_dict() for m in memories),
         )
     limits: list[str] = []
 
@@ -390,11 +443,46 @@ def _fit_row(
         apply=_apply_line(p, steps),
         plan=p.strategy,
         peak_bytes=peak,
-        fits=peak <= usable,
+        fits=peak <= usable if not memories else memories[0].fits,
         overhead=overhead,
         max_batch=best_batch,
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
-        note=f"max seq: {limits[-1]}" if limits else "",
+        note=_allocator_note(memories) + (f"max seq: {limits[-1]}" if limits else ""),
+        gpu_memory=tuple(m.to_dict() for m in memories),
+    )
+
+
+def _usable_by_allocator(memory: Any) -> int:
+    """The live bytes a step may reach and still fit, by the allocator's judge at one size: its
+    limit less the BLAS workspaces and the overhead the allocator showed there."""
+    overhead = max(memory.reserved_bytes - memory.requested_bytes, 0)
+    return memory.limit_bytes - memory.blas_workspace_bytes - overhead
+
+
+def _allocator_note(memories: list[Any]) -> str:
+    """When torch's default allocator runs out and expandable segments would not: say so."""
+    if len(memories) > 1 and not memories[0].fits and memories[1].fits:
+        return (
+            f"out of memory with the default allocator (reserved "
+            f"{format_bytes(memories[0].reserved_bytes)}), fits with "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            f"({format_bytes(memories[1].reserved_bytes)}); "
+        )
+    return ""
+
+
+def _judged_by(steps: _Steps, reserve: int | str | None) -> str:
+    if steps.simulate_allocator:
+        from remat.gpu_memory import ALLOCATOR_SETTINGS
+
+        return (
+            f"reserved bytes of the caching allocator ({ALLOCATOR_SETTINGS[0].describe()}) "
+            "within its limit"
+        )
+    if reserve is not None:
+        return "live bytes within capacity - --reserve"
+    return (
+        "live bytes within usable (FSDP's allocations are not simulated: 5% kept for fragmentation)"
     )
 
 
@@ -449,6 +537,7 @@ def fit(
     start = time.perf_counter()
     usable = usable_bytes(gpu, reserve, ranks=shard)
     steps = _Steps(build, gpu, precision, optimizer, shard, progress)
+    steps.simulate_allocator = steps.simulate_allocator and reserve is None
     rows = [
         _fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
@@ -473,6 +562,7 @@ def fit(
         traces=len(steps.traced),
         seconds=time.perf_counter() - start,
         extra=extra,
+        allocator=_judged_by(steps, reserve),
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))

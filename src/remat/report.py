@@ -48,6 +48,34 @@ def estimate_dict(graph: Graph, est: MemoryEstimate, **context: Any) -> dict[str
     }
 
 
+def gpu_memory_table(memories: list[Any], title: str) -> Table:
+    """A step as the GPU reports it (`remat.gpu_memory.GpuMemory`), one column per allocator
+    setting: the figures torch and nvidia-smi print, and the lines outside the allocator."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("what", no_wrap=True)
+    for m in memories:
+        table.add_column(m.settings, justify="right", no_wrap=True)
+    table.add_column("torch / tool", style="dim")
+    lines = [
+        ("requested (live tensors)", "requested_bytes", "memory_stats requested_bytes.all.peak"),
+        ("allocated", "allocated_bytes", "max_memory_allocated()"),
+        ("reserved", "reserved_bytes", "max_memory_reserved()"),
+        ("  of which BLAS workspaces", "blas_workspace_bytes", "cuBLAS + cuBLASLt"),
+        ("CUDA context", "context_bytes", "outside the allocator"),
+        ("NCCL buffers", "nccl_bytes", "outside the allocator"),
+        ("nvidia-smi used", "nvidia_smi_bytes", "reserved + context + NCCL"),
+        ("allocator limit", "limit_bytes", "total_memory - context - NCCL"),
+    ]
+    for label, attr, note in lines:
+        table.add_row(label, *(format_bytes(getattr(m, attr)) for m in memories), note)
+    table.add_row(
+        "[bold]fits[/bold]",
+        *("[green]yes[/green]" if m.fits else "[red]no: out of memory[/red]" for m in memories),
+        "reserved within the limit",
+    )
+    return table
+
+
 def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12) -> list[Table]:
     """Totals, the largest modules by saved bytes (blocks summarised), and the largest op types."""
     totals = Table(title=title, show_header=False, title_justify="left")
