@@ -190,3 +190,32 @@ def test_advice_names_fsdp2_mixed_precision_when_no_rank_count_fits_autocast():
             advice=(),
         )
         assert ("--precision bf16-fsdp" in " ".join(advice(report))) is named
+
+
+def test_rows_are_judged_by_the_caching_allocators_reserved_bytes():
+    """Without --reserve, a row fits when the simulated allocator's reserved bytes stay within its
+    limit (total_memory less what sits outside the allocator): a GPU with exactly that room fits,
+    one whose allocator cannot even hold the live bytes does not; the JSON row carries them."""
+    from remat.gpu_memory import gpu_memory
+    from remat.gpus import allocator_limit_bytes
+
+    big = _gpu(1 << 40)
+    outside = big.capacity_bytes - allocator_limit_bytes(big)
+    model, inputs = _build(2, 64)
+    graph = remat.trace(model, *inputs, target=big.target)
+    memory = gpu_memory(graph, big, optimizer="sgd")
+    asked = {"batch": 2, "seq": 64, "precision": "fp32", "optimizer": "sgd"}
+    for capacity, fits in (
+        (memory.reserved_bytes + outside, True),
+        (memory.requested_bytes + outside - 1, False),
+    ):
+        report = fit(
+            _build, model="gpt2", gpu=_gpu(capacity), strategies_to_fit=("store_all",), **asked
+        )
+        (row,) = report.to_dict()["rows"]
+        assert row["fits"] is fits
+        if fits:  # (an out-of-memory simulation stops at the request it cannot serve)
+            assert row["requested_bytes"] == memory.requested_bytes
+            assert row["reserved_bytes"] == memory.reserved_bytes
+            assert row["requested_bytes"] <= row["allocated_bytes"] <= row["reserved_bytes"]
+        assert "expandable_segments:False" in report.allocator

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from remat import strategies
-from remat.errors import InfeasibleBudget, NoBlocksError, RematError
+from remat.errors import BudgetError, InfeasibleBudget, NoBlocksError, RematError
 from remat.estimate import Optimizer, estimate, shard_step
-from remat.gpus import Gpu, usable_bytes
+from remat.gpus import Gpu, allocator_limit_bytes, fixed_memory, usable_bytes
 from remat.graph import Graph
 from remat.planner import Planner
 from remat.sizes import SizeModel, same_graph
@@ -163,7 +163,7 @@ class _Steps:
     ) -> None:
         self.build, self.gpu, self.setup = build, gpu, PRECISIONS[precision]
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
-        self.simulate_allocator = shard == 1 and self.setup.master_scale == 1
+        self.simulate_allocator = True
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
@@ -248,15 +248,16 @@ class _Steps:
     def gpu_memories(self, batch: int, seq: int, plan: Any) -> list[Any]:
         """`plan`'s step at (batch, seq) as the GPU reports it, under each allocator setting of
         `remat.gpu_memory.ALLOCATOR_SETTINGS` (torch's default first: the one rows are judged
-        with); none where the allocator is not simulated: a user's --reserve replaces its
-        judgement, and FSDP's per-rank allocations are not modelled as events yet."""
+        with), per rank of FSDP2 over `shard` ranks; none where a user's --reserve replaces the
+        allocator's judgement."""
         if not self.simulate_allocator or plan is None:
             return []
-        from remat.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
+        from remat.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, gpu_memory
 
         graph = self.planner(batch, seq).graph
+        fsdp = Fsdp(self.shard, self.setup.master_scale) if self.shard > 1 else None
         return [
-            gpu_memory(graph, self.gpu, plan.regions, self.optimizer, settings=s)
+            gpu_memory(graph, self.gpu, plan.regions, self.optimizer, fsdp=fsdp, settings=s)
             for s in ALLOCATOR_SETTINGS
         ]
 
@@ -471,7 +472,7 @@ def _allocator_note(memories: list[Any]) -> str:
     return ""
 
 
-def _judged_by(steps: _Steps, reserve: int | str | None) -> str:
+def _judged_by(steps: _Steps) -> str:
     if steps.simulate_allocator:
         from remat.gpu_memory import ALLOCATOR_SETTINGS
 
@@ -479,11 +480,7 @@ def _judged_by(steps: _Steps, reserve: int | str | None) -> str:
             f"reserved bytes of the caching allocator ({ALLOCATOR_SETTINGS[0].describe()}) "
             "within its limit"
         )
-    if reserve is not None:
-        return "live bytes within capacity - --reserve"
-    return (
-        "live bytes within usable (FSDP's allocations are not simulated: 5% kept for fragmentation)"
-    )
+    return "live bytes within capacity - --reserve"
 
 
 def _apply_line(p: Any, steps: _Steps) -> str:
@@ -535,7 +532,15 @@ def fit(
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
         )
     start = time.perf_counter()
-    usable = usable_bytes(gpu, reserve, ranks=shard)
+    if reserve is None:  # the allocator's judge: its limit less the workspaces it holds
+        usable = allocator_limit_bytes(gpu, shard) - fixed_memory(gpu, shard).cublas_workspace_bytes
+        if usable <= 0:
+            raise BudgetError(
+                f"{gpu.name}'s {format_bytes(gpu.capacity_bytes)} leave nothing to a training step "
+                "once the CUDA context, NCCL's buffers and the BLAS workspaces are taken"
+            )
+    else:
+        usable = usable_bytes(gpu, reserve, ranks=shard)
     steps = _Steps(build, gpu, precision, optimizer, shard, progress)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     rows = [
@@ -562,7 +567,7 @@ def fit(
         traces=len(steps.traced),
         seconds=time.perf_counter() - start,
         extra=extra,
-        allocator=_judged_by(steps, reserve),
+        allocator=_judged_by(steps),
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))
@@ -588,7 +593,7 @@ def advice(report: FitReport) -> tuple[str, ...]:
     usable = format_bytes(report.usable_bytes)
     if store_all is not None and store_all.fits:
         return (
-            f"store-all fits ({format_bytes(store_all.peak_bytes)} of {usable}): do not "
+            f"store-all fits ({_held(store_all, usable)}): do not "
             "checkpoint; recomputation would only cost time. "
             + (
                 f"The largest batch that fits without recomputation is {store_all.max_batch}."
@@ -600,16 +605,19 @@ def advice(report: FitReport) -> tuple[str, ...]:
     if fitting:
         best = min(fitting, key=lambda r: r.overhead)
         return (
-            f"{best.plan} fits ({format_bytes(best.peak_bytes)} of {usable}) at "
+            f"{best.plan} fits ({_held(best, usable)}) at "
             f"+{best.overhead:.1%} predicted step time: the cheapest plan that fits. Apply it "
             f"with `{best.apply}`"
             + (", then wrap with fully_shard as usual." if report.shard > 1 else "."),
         )
     lowest = min((r for r in report.rows if r.peak_bytes is not None), key=lambda r: r.peak_bytes)
-    lines = [
-        f"nothing fits: the lowest peak is {format_bytes(lowest.peak_bytes)} ({lowest.plan}) "
-        f"against {usable} usable."
-    ]
+    lines = [f"nothing fits: the lowest is {lowest.plan}, {_held(lowest, usable)}."]
+    expandable = [r for r in report.rows if "expandable_segments:True" in r.note]
+    if expandable:
+        lines.append(
+            f"{expandable[0].strategy} fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
+            "the default allocator's fragmentation is what does not fit."
+        )
     if auto is not None and auto.max_batch:
         lines.append(
             f"a micro-batch of {auto.max_batch} fits with remat's plan: keep the global batch "
@@ -633,3 +641,15 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"{report.shard}; --shard N), or offload them to the host (not modelled yet)."
         )
     return tuple(lines)
+
+
+def _held(row: FitRow, usable: str) -> str:
+    """What a row takes of what it may: reserved bytes against the allocator's limit when the
+    allocator was simulated, else live bytes against the usable memory."""
+    if row.gpu_memory:
+        judged = row.gpu_memory[0]
+        return (
+            f"{format_bytes(judged['reserved_bytes'])} reserved of the allocator's "
+            f"{format_bytes(judged['limit_bytes'])}"
+        )
+    return f"{format_bytes(row.peak_bytes)} of {usable}"
