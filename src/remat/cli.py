@@ -19,6 +19,7 @@ from remat.bench import ROUNDS
 from remat.errors import InfeasibleBudget, RematError, exit_code
 
 if TYPE_CHECKING:
+    from remat.compiled_estimate import CompiledEstimate
     from remat.estimate import MemoryEstimate
     from remat.graph import Graph
     from remat.planner import Planner
@@ -85,6 +86,16 @@ def _add_budget_arg(p: argparse.ArgumentParser) -> None:
         "the fixed memory of params, grads and optimizer state + 50%% of the rest of store-all's "
         "peak); or a time overhead (+10%%: the lowest peak whose predicted recompute is at most "
         "10%% of the step, always feasible) (default: %(default)s)",
+    )
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        choices=["whole", "blocks"],
+        help="also predict the step under torch.compile: whole (torch.compile(model)) or blocks "
+        "(each block compiled, the rest eager, as torchtitan does); inductor's own buffers, "
+        "generated for its CPU backend on fake tensors",
     )
 
 
@@ -155,7 +166,8 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _trace_model(args: argparse.Namespace, console: Console):
-    """Build the model named by the arguments and trace one training step of it."""
+    """Build the model named by the arguments and trace one training step of it: (graph, trace
+    seconds, (model, inputs))."""
     from remat import models, trace
 
     if args.model == "list":
@@ -183,7 +195,7 @@ def _trace_model(args: argparse.Namespace, console: Console):
         seq=args.seq,
         dtype=args.dtype,
     )
-    return graph, time.perf_counter() - start
+    return graph, time.perf_counter() - start, (model, inputs)
 
 
 def _shape(args: argparse.Namespace, inputs: tuple) -> str:
@@ -231,8 +243,17 @@ def _positive_int(text: str) -> int:
 def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     from remat.estimate import estimate
 
-    graph, seconds = _trace_model(args, console)
-    return _show_estimate(graph, estimate(graph, optimizer=args.optimizer), args, console, seconds)
+    graph, seconds, (model, inputs) = _trace_model(args, console)
+    compiled = None
+    if args.compile:
+        from remat.compiled_estimate import estimate_compiled
+
+        with console.status(f"compiling ({args.compile}) on fake tensors with inductor ..."):
+            compiled = estimate_compiled(
+                graph, model, *inputs, compile=args.compile, optimizer=args.optimizer
+            )
+    est = estimate(graph, optimizer=args.optimizer)
+    return _show_estimate(graph, est, args, console, seconds, compiled)
 
 
 def _show_estimate(
@@ -241,6 +262,7 @@ def _show_estimate(
     args: argparse.Namespace,
     console: Console,
     trace_seconds: float,
+    compiled: CompiledEstimate | None = None,
 ) -> int:
     from remat.report import estimate_dict, estimate_tables
 
@@ -253,12 +275,12 @@ def _show_estimate(
         "trace_seconds": round(trace_seconds, 3),
     }
     if args.json:
-        print(json.dumps(estimate_dict(graph, est, **context), indent=2))
+        print(json.dumps(estimate_dict(graph, est, compiled, **context), indent=2))
         return 0
     title = f"{_model_name(args)}, {graph.info['shape']}, {args.dtype}" + (
         f", {args.optimizer}" if args.optimizer else ""
     )
-    for table in estimate_tables(graph, est, title, top=args.top):
+    for table in estimate_tables(graph, est, title, top=args.top, compiled=compiled):
         console.print(table)
     console.print(
         f"[dim]{len(graph.forward_ops)} forward + {len(graph.backward_ops)} backward ops traced "
@@ -271,7 +293,7 @@ def _planner(args: argparse.Namespace, console: Console) -> Planner:
     """Trace the model the arguments name and prepare it for planning on `--profile`."""
     from remat.planner import Planner
 
-    graph, seconds = _trace_model(args, console)
+    graph, seconds, _ = _trace_model(args, console)
     planner = Planner(graph, args.profile, args.optimizer)
     planner.graph.info["trace_seconds"] = seconds
     return planner
@@ -682,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--top", type=_positive_int, default=12, help="rows in the by-module and by-op tables"
     )
+    _add_compile_arg(est)
     est.set_defaults(func=cmd_estimate)
     ft = sub.add_parser(
         "fit",

@@ -224,11 +224,22 @@ class StepPeak:
     @property
     def peak_bytes(self) -> int:
         after_forward = self.forward.end_bytes + self.tangent_bytes + self.loss_bytes
-        after_backward = after_forward + self.backward.end_bytes
         return self.persistent_bytes + max(
             self.forward.peak_bytes,
             after_forward + self.backward.peak_bytes,
-            after_backward + self.backward.shared_output_bytes,
+            self.end_bytes - self.persistent_bytes,
+        )
+
+    @property
+    def end_bytes(self) -> int:
+        """Live when the step is over: the inputs, parameters and gradients, the outputs and the
+        loss (the optimizer step runs on top of this)."""
+        after_forward = self.forward.end_bytes + self.tangent_bytes + self.loss_bytes
+        return (
+            self.persistent_bytes
+            + after_forward
+            + self.backward.end_bytes
+            + self.backward.shared_output_bytes
         )
 
 
