@@ -120,3 +120,26 @@ def test_cli_prints_the_compiled_row_and_json_carries_it(capsys):
     )
     assert main([*args, "--compile", "blocks"]) == 0
     assert "peak, torch.compile (blocks)" in capsys.readouterr().out
+
+
+@needs_cxx
+def test_fit_adds_the_compiled_row_at_the_asked_size():
+    """`fit(compile=...)`: one more row, the compiled step's peak at the asked size (from the step
+    fit traced for its GPU), judged against the same usable bytes; one rank only."""
+    from remat.fit import fit
+    from remat.gpus import custom_gpu
+
+    def build(batch: int, seq: int):
+        return models.build("gpt2", batch=batch, seq=seq, tiny=True)
+
+    gpu = custom_gpu(1 << 30, "h100")
+    setup = {"model": "gpt2", "batch": 2, "seq": 64, "gpu": gpu, "precision": "fp32"}
+    report = fit(build, **setup, optimizer="sgd", reserve=0, compile="blocks")
+    row = report.rows[-1]
+    assert row.strategy == "compile:blocks" and row.fits
+    model, inputs = build(2, 64)
+    graph = remat.trace(model, *inputs, target=gpu.target)
+    expected = remat.estimate_compiled(graph, model, *inputs, compile="blocks", optimizer="sgd")
+    assert row.peak_bytes == expected.peak_bytes
+    with pytest.raises(RematError, match="predicted on one rank: drop --shard"):
+        fit(build, **setup, shard=2, compile="whole")

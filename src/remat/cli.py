@@ -585,8 +585,15 @@ def _report_precision(args: argparse.Namespace) -> str:
     return args.dtype
 
 
-def _fit_report(args: argparse.Namespace, console: Console, precision: str, shard: int):
-    """`remat.fit` of the model the arguments name on `--gpu` (or `--capacity`)."""
+def _fit_report(
+    args: argparse.Namespace,
+    console: Console,
+    precision: str,
+    shard: int,
+    compile: str | None = None,
+):
+    """`remat.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
+    the step under torch.compile (`whole` or `blocks`)."""
     from remat import models
     from remat.fit import PRECISIONS, fit
     from remat.gpus import custom_gpu, get_gpu
@@ -612,6 +619,7 @@ def _fit_report(args: argparse.Namespace, console: Console, precision: str, shar
             optimizer=None if optimizer == "none" else optimizer,
             shard=shard,
             reserve=getattr(args, "reserve", None),
+            compile=compile,
             progress=lambda text: status.update(text),
         )
 
@@ -622,7 +630,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     from remat.units import format_bytes
 
     _writable(args.html, "--html")
-    report = _fit_report(args, console, args.precision, args.shard)
+    report = _fit_report(args, console, args.precision, args.shard, args.compile)
     gpu = report.gpu
     if args.html:
         from remat.html import write_report
@@ -770,6 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--html", metavar="REPORT.html", help="also write the self-contained HTML report"
     )
+    _add_compile_arg(ft)
     ft.set_defaults(func=cmd_fit)
     pl = sub.add_parser(
         "plan",

@@ -18,6 +18,7 @@ so on a CUDA target the fusion and buffer reuse are the CPU backend's (docs/comp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -178,6 +179,7 @@ def estimate_compiled(
     *args: Any,
     compile: str = "whole",
     optimizer: Optimizer = None,
+    autocast: torch.dtype | None = None,
     **kwargs: Any,
 ) -> CompiledEstimate:
     """The peak of one training step of `model(*args, **kwargs)` under torch.compile, with the
@@ -185,8 +187,10 @@ def estimate_compiled(
     loss or the sum of its outputs, then backward, then the optimizer step (`optimizer`, as
     `estimate` prices it). `compile`: `whole` (`torch.compile(model)`) or `blocks` (each of
     `graph.blocks` compiled on its own, the rest eager, as torchtitan compiles). The model may
-    be on the meta device: it is compiled on fake tensors, nothing runs. Clears dynamo's caches
-    (`torch._dynamo.reset()`) before and after, as compiling a fresh model does."""
+    be on the meta device: it is compiled on fake tensors, nothing runs. `autocast`: the forward
+    under `torch.autocast` of that dtype (bf16-mixed), CPU autocast's op lists as the CPU backend
+    generates. Clears dynamo's caches (`torch._dynamo.reset()`) before and after, as compiling
+    a fresh model does."""
     if compile not in COMPILE_MODES:
         raise RematError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     if optimizer not in OPTIMIZER_MEMORY:
@@ -195,21 +199,22 @@ def estimate_compiled(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_model, fake_args, fake_kwargs = _fake_copy(model, args, kwargs, mode)
     torch._dynamo.reset()
+    mixed = (
+        torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    )
     try:
-        if compile == "whole":
-            step = _compiled_step(fake_model, fake_args, fake_kwargs, outside_loss=True)
-            state = OPTIMIZER_MEMORY[optimizer].state_bytes(
-                trainable_param_bytes(graph), trainable_param_elements(graph)
-            )
-            temp = OPTIMIZER_MEMORY[optimizer].step_temp_bytes(
-                trainable_param_bytes(graph), trainable_param_elements(graph)
-            )
-            fb_peak, step_bytes = step.peak_bytes + state, step.end_bytes + state + temp
-            graphs, blocks = 1, 0
-        else:
-            fb_peak, step_bytes, graphs, blocks = _blocks_peak(
-                graph, fake_model, fake_args, fake_kwargs, mode, optimizer
-            )
+        with mixed:
+            if compile == "whole":
+                step = _compiled_step(fake_model, fake_args, fake_kwargs, outside_loss=True)
+                memory = OPTIMIZER_MEMORY[optimizer]
+                trainable = trainable_param_bytes(graph), trainable_param_elements(graph)
+                state, temp = memory.state_bytes(*trainable), memory.step_temp_bytes(*trainable)
+                fb_peak, step_bytes = step.peak_bytes + state, step.end_bytes + state + temp
+                graphs, blocks = 1, 0
+            else:
+                fb_peak, step_bytes, graphs, blocks = _blocks_peak(
+                    graph, fake_model, fake_args, fake_kwargs, mode, optimizer
+                )
     finally:
         torch._dynamo.reset()
     optimizer_decides = optimizer is not None and step_bytes > fb_peak
