@@ -104,6 +104,22 @@ def test_unknown_mode_and_a_model_without_blocks_are_named():
     x = torch.randn(4, 8)
     with pytest.raises(RematError, match="needs repeated blocks.*compile='whole'"):
         remat.estimate_compiled(remat.trace(flat, x), flat, x, compile="blocks")
+    broken = _Broken()
+    with pytest.raises(RematError, match="does not compile to one graph.*compile='blocks'"):
+        remat.estimate_compiled(remat.trace(broken, x), broken, x, compile="whole")
+
+
+class _Broken(nn.Module):
+    """A forward with a graph break: `torch.compile(fullgraph=True)` refuses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        torch._dynamo.graph_break()
+        return y.relu()
 
 
 @needs_cxx
