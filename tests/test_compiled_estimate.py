@@ -72,6 +72,34 @@ def test_compiled_peaks_equal_the_measured_compiled_steps():
     assert whole.peak_bytes < eager and blocks.peak_bytes < eager
 
 
+class _WithLoss(nn.Module):
+    """A model that returns its own loss, as a trainer's model given labels does: token
+    cross-entropy on fp32-upcast logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens).float()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@needs_cxx
+def test_a_model_that_returns_its_loss_compiles_with_the_loss_inside():
+    """The 0-dim loss is the graph's output: no loss outside it, and the seed gradient autograd
+    hands the compiled backward stays referenced by that call until it returns (4 bytes here:
+    counted, predicted = measured)."""
+    model, (tokens,) = _llama()
+    model = _WithLoss(model)
+    inputs = (tokens, torch.randint(0, 64, tokens.shape))
+    graph = remat.trace(model, *inputs)
+    assert graph.info["loss"] == "model"
+    whole = remat.estimate_compiled(graph, model, *inputs, compile="whole")
+    torch._dynamo.reset()
+    assert whole.peak_bytes == remat.measure(torch.compile(model), *inputs).peak_bytes
+
+
 @needs_cxx
 def test_the_optimizer_step_is_priced_on_top_of_the_compiled_step():
     """AdamW: 2 x parameter bytes of state held throughout and 1 x while step() runs, as

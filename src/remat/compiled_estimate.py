@@ -98,8 +98,8 @@ def _capturing_backend(outside_loss: bool) -> Callable[..., Any]:
             self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any
         ) -> tuple[fx.GraphModule, fx.GraphModule]:
             forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            loss = 0
-            if outside_loss and not _own_loss_output(forward):
+            loss, own_loss = 0, _own_loss_output(forward)
+            if outside_loss and not own_loss:
                 first = next(reversed(forward.graph.find_nodes(op="output"))).args[0][0]
                 loss = 2 * first.meta["val"].element_size()  # the loss and its seed gradient
             raise _Captured(
@@ -109,6 +109,7 @@ def _capturing_backend(outside_loss: bool) -> Callable[..., Any]:
                     kwargs["num_fwd_outputs"],
                     kwargs.get("static_lifetime_input_indices") or [],
                     loss,
+                    hold_tangents=own_loss or not outside_loss,
                 )
             )
 

@@ -277,6 +277,7 @@ def step_peak(
     num_fwd_outputs: int,
     static_input_idxs: Sequence[int],
     loss_bytes: int = 0,
+    hold_tangents: bool = False,
 ) -> StepPeak:
     """Inductor's forward and backward wrappers for these graphs, replayed on meta tensors as one
     training step: parameters and inputs held throughout, the forward's user outputs until the
@@ -309,6 +310,7 @@ def step_peak(
             bw_inputs,
             num_fwd_outputs,
             loss_bytes,
+            hold_tangents,
         )
 
 
@@ -321,6 +323,7 @@ def _replay_step(
     bw_inputs: list[Any],
     num_fwd_outputs: int,
     loss_bytes: int,
+    hold_tangents: bool,
 ) -> StepPeak:
     fw_out = _output_values(forward)
     primal_keys = {storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
@@ -340,8 +343,12 @@ def _replay_step(
     )
     held = [
         a
-        for a, v in zip(args, bw_inputs, strict=True)
-        if isinstance(v, torch.Tensor) and storage_key(v) in primal_keys | user_keys
+        for a, v, n in zip(args, bw_inputs, _placeholders(backward), strict=True)
+        if isinstance(v, torch.Tensor)
+        and (
+            storage_key(v) in primal_keys | user_keys
+            or (hold_tangents and n.name.startswith("tangents"))
+        )
     ]
     del bases
     bw = replay(bw_source, args)
