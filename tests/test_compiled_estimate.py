@@ -37,13 +37,26 @@ def _llama():
     return models.build("llama-3.2-1b", batch=2, seq=64, device="cpu", tiny=True, vocab_size=64)
 
 
-def _compiled_blocks(model: nn.Module, paths: list[str]) -> nn.Module:
-    """torchtitan's apply_compile: each block replaced by torch.compile(block, fullgraph=True)."""
+class _FullAC(nn.Module):
+    """torchtitan's full activation checkpointing of a block (non-reentrant checkpoint)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def _compiled_blocks(model: nn.Module, paths: list[str], ac: bool = False) -> nn.Module:
+    """torchtitan's apply_compile: each block replaced by torch.compile(block, fullgraph=True),
+    after apply_ac when `ac`."""
     model = copy.deepcopy(model)
     for path in paths:
         parent, _, name = path.rpartition(".")
         holder = model.get_submodule(parent)
-        holder.register_module(name, torch.compile(holder.get_submodule(name), fullgraph=True))
+        block = holder.get_submodule(name)
+        holder.register_module(name, torch.compile(_FullAC(block) if ac else block, fullgraph=True))
     return model
 
 
@@ -70,6 +83,14 @@ def test_compiled_peaks_equal_the_measured_compiled_steps():
     assert (blocks.graphs_compiled, blocks.blocks_compiled) == (1, 2)
     # compiling saves memory here: inductor fuses the blocks' pointwise chains (RMSNorm, SiLU)
     assert whole.peak_bytes < eager and blocks.peak_bytes < eager
+
+    # torchtitan's compile + AC: each block checkpointed, then compiled; the partitioner
+    # recomputes the block in backward, replaying the RNG state it saved (a CPU generator state)
+    with_ac = remat.estimate_compiled(graph, model, *inputs, compile="blocks", ac="full")
+    torch._dynamo.reset()
+    per_block_ac = _compiled_blocks(model, [b.path for b in graph.blocks], ac=True)
+    assert with_ac.peak_bytes == remat.measure(per_block_ac, *inputs).peak_bytes
+    assert with_ac.peak_bytes < blocks.peak_bytes
 
 
 class _WithLoss(nn.Module):
@@ -128,6 +149,10 @@ def test_unknown_mode_and_a_model_without_blocks_are_named():
     graph = remat.trace(model, *inputs)
     with pytest.raises(RematError, match="compile must be one of whole, blocks"):
         remat.estimate_compiled(graph, model, *inputs, compile="layers")
+    with pytest.raises(RematError, match="ac='full' checkpoints each block.*compile='blocks'"):
+        remat.estimate_compiled(graph, model, *inputs, compile="whole", ac="full")
+    with pytest.raises(RematError, match="ac must be None or one of 'full', got 'selective'"):
+        remat.estimate_compiled(graph, model, *inputs, compile="blocks", ac="selective")
     flat = nn.Linear(8, 8)  # no numbered submodules: no blocks
     x = torch.randn(4, 8)
     with pytest.raises(RematError, match="needs repeated blocks.*compile='whole'"):

@@ -97,6 +97,12 @@ def _add_compile_arg(p: argparse.ArgumentParser) -> None:
         "(each block compiled, the rest eager, as torchtitan does); inductor's own buffers, "
         "generated for its CPU backend on fake tensors",
     )
+    p.add_argument(
+        "--ac",
+        choices=["full"],
+        help="with --compile blocks: each block under full activation checkpointing before it is "
+        "compiled (torchtitan's compile + AC)",
+    )
 
 
 def _add_profile_arg(p: argparse.ArgumentParser) -> None:
@@ -245,12 +251,16 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
 
     graph, seconds, (model, inputs) = _trace_model(args, console)
     compiled = None
+    if args.ac and args.compile != "blocks":
+        raise RematError(
+            "--ac full checkpoints each block before compiling it: add --compile blocks"
+        )
     if args.compile:
         from remat.compiled_estimate import estimate_compiled
 
         with console.status(f"compiling ({args.compile}) on fake tensors with inductor ..."):
             compiled = estimate_compiled(
-                graph, model, *inputs, compile=args.compile, optimizer=args.optimizer
+                graph, model, *inputs, compile=args.compile, optimizer=args.optimizer, ac=args.ac
             )
     est = estimate(graph, optimizer=args.optimizer)
     return _show_estimate(graph, est, args, console, seconds, compiled)
@@ -591,9 +601,10 @@ def _fit_report(
     precision: str,
     shard: int,
     compile: str | None = None,
+    ac: str | None = None,
 ):
     """`remat.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
-    the step under torch.compile (`whole` or `blocks`)."""
+    the step under torch.compile (`whole` or `blocks`, with `ac="full"` each block checkpointed)."""
     from remat import models
     from remat.fit import PRECISIONS, fit
     from remat.gpus import custom_gpu, get_gpu
@@ -620,6 +631,7 @@ def _fit_report(
             shard=shard,
             reserve=getattr(args, "reserve", None),
             compile=compile,
+            ac=ac,
             progress=lambda text: status.update(text),
         )
 
@@ -630,7 +642,11 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     from remat.units import format_bytes
 
     _writable(args.html, "--html")
-    report = _fit_report(args, console, args.precision, args.shard, args.compile)
+    if args.ac and args.compile != "blocks":
+        raise RematError(
+            "--ac full checkpoints each block before compiling it: add --compile blocks"
+        )
+    report = _fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
     gpu = report.gpu
     if args.html:
         from remat.html import write_report

@@ -6,7 +6,8 @@
   would be separate graphs with eager code between them);
 - `blocks`: each repeated block (`graph.blocks`: transformer layers) compiled on its own and the
   rest eager, as torchtitan's `apply_compile` does; this is what composes with per-block
-  activation checkpointing.
+  activation checkpointing: with `ac="full"` each block is wrapped in `torch.utils.checkpoint`
+  before it is compiled (torchtitan's compile + AC), and the partitioner recomputes it in backward.
 
 Each compiled graph goes through torch's own pipeline on fake CPU tensors: dynamo, AOTAutograd,
 inductor's joint-graph passes and torch's default partitioner (`min_cut_rematerialization_partition`,
@@ -44,18 +45,22 @@ from remat.schedule import simulate
 
 #: How the step is compiled: the whole model as one graph, or each block on its own.
 COMPILE_MODES = ("whole", "blocks")
+#: Activation checkpointing under `blocks`: none, or each block fully checkpointed.
+AC_MODES = (None, "full")
 #: Where inductor's decisions come from (the output says so).
 BACKEND = "inductor, CPU backend"
 
 
 @dataclass(frozen=True)
 class CompiledEstimate:
-    """The predicted peak of one compiled training step (`mode`: whole or blocks), next to the
-    eager step of the same graph. `peak_bytes` includes the optimizer step when there is one
+    """The predicted peak of one compiled training step (`mode`: whole or blocks; `ac`: "full"
+    when each block is checkpointed before it is compiled), next to the eager step of the same
+    graph. `peak_bytes` includes the optimizer step when there is one
     (`peak_phase` says which phase decides it). `graphs_compiled`: the distinct graphs inductor
     generated code for (blocks: one per distinct block, reused by identical ones)."""
 
     mode: str
+    ac: str | None
     peak_bytes: int
     peak_phase: str
     forward_backward_peak_bytes: int
@@ -181,6 +186,7 @@ def estimate_compiled(
     compile: str = "whole",
     optimizer: Optimizer = None,
     autocast: torch.dtype | None = None,
+    ac: str | None = None,
     **kwargs: Any,
 ) -> CompiledEstimate:
     """The peak of one training step of `model(*args, **kwargs)` under torch.compile, with the
@@ -190,10 +196,20 @@ def estimate_compiled(
     `graph.blocks` compiled on its own, the rest eager, as torchtitan compiles). The model may
     be on the meta device: it is compiled on fake tensors, nothing runs. `autocast`: the forward
     under `torch.autocast` of that dtype (bf16-mixed), CPU autocast's op lists as the CPU backend
-    generates. Clears dynamo's caches (`torch._dynamo.reset()`) before and after, as compiling
+    generates. `ac="full"` (with `blocks`): each block under full activation checkpointing
+    (non-reentrant `torch.utils.checkpoint`) before it is compiled, torchtitan's compile + AC.
+    Clears dynamo's caches (`torch._dynamo.reset()`) before and after, as compiling
     a fresh model does."""
     if compile not in COMPILE_MODES:
         raise RematError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+    if ac not in AC_MODES:
+        raise RematError(
+            f"ac must be None or one of {', '.join(map(repr, AC_MODES[1:]))}, got {ac!r}"
+        )
+    if ac is not None and compile != "blocks":
+        raise RematError(
+            f"ac={ac!r} checkpoints each block before compiling it: it needs compile='blocks'"
+        )
     if optimizer not in OPTIMIZER_MEMORY:
         raise RematError(f"optimizer {optimizer!r} is unknown: see remat.estimate.OPTIMIZERS")
     start = time.perf_counter()
@@ -214,13 +230,14 @@ def estimate_compiled(
                 graphs, blocks = 1, 0
             else:
                 fb_peak, step_bytes, graphs, blocks = _blocks_peak(
-                    graph, fake_model, fake_args, fake_kwargs, mode, optimizer
+                    graph, fake_model, fake_args, fake_kwargs, mode, optimizer, ac == "full"
                 )
     finally:
         torch._dynamo.reset()
     optimizer_decides = optimizer is not None and step_bytes > fb_peak
     return CompiledEstimate(
         mode=compile,
+        ac=ac,
         peak_bytes=max(fb_peak, step_bytes) if optimizer is not None else fb_peak,
         peak_phase="optimizer" if optimizer_decides else "forward/backward",
         forward_backward_peak_bytes=fb_peak,
@@ -246,6 +263,18 @@ def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return (type(module), tuple(state), tuple(layout(x) for x in leaves), str(spec))
 
 
+class _Checkpointed(nn.Module):
+    """A block under full activation checkpointing, as torchtitan wraps it before compiling:
+    `torch.utils.checkpoint` (non-reentrant) around the block's forward."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
 def _blocks_peak(
     graph: Graph,
     model: nn.Module,
@@ -253,6 +282,7 @@ def _blocks_peak(
     kwargs: dict,
     mode: FakeTensorMode,
     optimizer: Optimizer,
+    checkpoint: bool = False,
 ) -> tuple[int, int, int, int]:
     """(forward/backward peak, optimizer step bytes, graphs compiled, blocks compiled) of the step
     with each of `graph.blocks` compiled on its own.
@@ -294,7 +324,8 @@ def _blocks_peak(
     steps: dict[tuple, StepPeak] = {}
     for key, (module, block_args, block_kwargs) in calls.items():
         torch._dynamo.reset()
-        steps[key] = _compiled_step(module, block_args, block_kwargs, outside_loss=False)
+        compiled = _Checkpointed(module) if checkpoint else module
+        steps[key] = _compiled_step(compiled, block_args, block_kwargs, outside_loss=False)
     of_block = {path: steps[key] for path, key in key_of.items()}
 
     state = OPTIMIZER_MEMORY[optimizer].state_bytes(

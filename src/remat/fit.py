@@ -398,8 +398,10 @@ def _fit_row(
     )
 
 
-def _compiled_row(steps: _Steps, mode: str, batch: int, seq: int, usable: int) -> FitRow:
-    """The step under torch.compile (`mode`) at (batch, seq), from its traced eager step."""
+def _compiled_row(
+    steps: _Steps, mode: str, ac: str | None, batch: int, seq: int, usable: int
+) -> FitRow:
+    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step."""
     from remat.compiled_estimate import estimate_compiled
 
     graph = steps.trace(batch, seq)
@@ -413,10 +415,12 @@ def _compiled_row(steps: _Steps, mode: str, batch: int, seq: int, usable: int) -
         compile=mode,
         optimizer=steps.optimizer,
         autocast=steps.setup.autocast,
+        ac=ac,
     )
+    name = f"{mode}+{ac} AC" if ac else mode
     return FitRow(
-        strategy=f"compile:{mode}",
-        plan=f"torch.compile ({mode}), torch's partitioner",
+        strategy=f"compile:{name}",
+        plan=f"torch.compile ({name}), torch's partitioner",
         peak_bytes=compiled.peak_bytes,
         fits=compiled.peak_bytes <= usable,
         overhead=None,
@@ -454,6 +458,7 @@ def fit(
     max_batch: int = 4096,
     max_seq: int = 1 << 20,
     compile: str | None = None,
+    ac: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
@@ -467,7 +472,8 @@ def fit(
 
     `compile` (`whole` or `blocks`): one more row, `compile:<mode>`, the step under torch.compile
     with no recomputation of remat's (`remat.compiled_estimate`): its peak at (batch, seq) only
-    (each size is one compilation, so no largest batch or sequence is searched). On one rank."""
+    (each size is one compilation, so no largest batch or sequence is searched). On one rank.
+    `ac="full"` (with `blocks`): each block checkpointed before it is compiled."""
     import time
 
     if precision not in PRECISIONS:
@@ -491,7 +497,7 @@ def fit(
         _fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
     if compile is not None:
-        rows.append(_compiled_row(steps, compile, batch, seq, usable))
+        rows.append(_compiled_row(steps, compile, ac, batch, seq, usable))
     extra: dict[str, Any] = {}
     peaks = [r.peak_bytes for r in rows if r.peak_bytes is not None]
     if peaks and min(peaks) > usable:

@@ -94,7 +94,9 @@ def estimate_tables(
     if compiled is not None:
         change = compiled.peak_bytes / est.peak_bytes - 1 if est.peak_bytes else 0.0
         totals.add_row(
-            f"[bold]peak, torch.compile ({compiled.mode})[/bold]",
+            f"[bold]peak, torch.compile ({compiled.mode}"
+            + (f" + {compiled.ac} AC" if compiled.ac else "")
+            + ")[/bold]",
             f"[bold]{format_bytes(compiled.peak_bytes)}[/bold]",
             f"{change:+.1%} vs eager, {compiled.peak_phase}; {compiled.backend}, "
             f"{compiled.graphs_compiled} graph(s) generated",
