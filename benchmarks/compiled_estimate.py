@@ -3,8 +3,9 @@
     python benchmarks/compiled_estimate.py [--models gpt2 llama-3.2-1b] [--batch 4] [--seq 256]
 
 For each tiny preset: the eager step and the step under torch.compile, `whole`
-(`torch.compile(model)`) and `blocks` (each block `torch.compile`d, the rest eager, as torchtitan
-does), predicted on fake tensors (`remat.estimate_compiled`) and measured on real CPU tensors
+(`torch.compile(model)`), `blocks` (each block `torch.compile`d, the rest eager, as torchtitan
+does) and `blocks` + full AC (each block checkpointed, then compiled: torchtitan's compile + AC),
+predicted on fake tensors (`remat.estimate_compiled`) and measured on real CPU tensors
 (`remat.measure`, the profiler's allocation events), AdamW included. Prints a markdown table.
 """
 
@@ -19,13 +20,26 @@ import remat
 from remat import models
 
 
-def _per_block(model: torch.nn.Module, paths: list[str]) -> torch.nn.Module:
-    """torchtitan's apply_compile: each block replaced by torch.compile(block, fullgraph=True)."""
+class _FullAC(torch.nn.Module):
+    """torchtitan's full activation checkpointing of a block (non-reentrant checkpoint)."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def _per_block(model: torch.nn.Module, paths: list[str], ac: bool) -> torch.nn.Module:
+    """torchtitan's apply_compile: each block replaced by torch.compile(block, fullgraph=True),
+    after apply_ac (full) when `ac`."""
     model = copy.deepcopy(model)
     for path in paths:
         parent, _, name = path.rpartition(".")
         holder = model.get_submodule(parent)
-        holder.register_module(name, torch.compile(holder.get_submodule(name), fullgraph=True))
+        block = holder.get_submodule(name)
+        holder.register_module(name, torch.compile(_FullAC(block) if ac else block, fullgraph=True))
     return model
 
 
@@ -45,15 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         steps = {
             "eager": (remat.estimate(graph, optimizer="adamw").peak_bytes, model),
         }
-        for mode in ("whole", "blocks"):
-            est = remat.estimate_compiled(graph, model, *inputs, compile=mode, optimizer="adamw")
+        for mode, ac in (("whole", None), ("blocks", None), ("blocks", "full")):
+            est = remat.estimate_compiled(
+                graph, model, *inputs, compile=mode, optimizer="adamw", ac=ac
+            )
             torch._dynamo.reset()
             run = (
                 torch.compile(model, fullgraph=True)
                 if mode == "whole"
-                else _per_block(model, paths)
+                else _per_block(model, paths, ac=ac is not None)
             )
-            steps[f"compile {mode}"] = (est.peak_bytes, run)
+            steps[f"compile {mode}" + (f" + {ac} AC" if ac else "")] = (est.peak_bytes, run)
         for step, (predicted, run) in steps.items():
             measured = remat.measure(run, *inputs, optimizer="adamw").peak_bytes
             print(

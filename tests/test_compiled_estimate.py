@@ -210,5 +210,8 @@ def test_fit_adds_the_compiled_row_at_the_asked_size():
     graph = remat.trace(model, *inputs, target=gpu.target)
     expected = remat.estimate_compiled(graph, model, *inputs, compile="blocks", optimizer="sgd")
     assert row.peak_bytes == expected.peak_bytes
+    report = fit(build, **setup, optimizer="sgd", reserve=0, compile="blocks", ac="full")
+    assert report.rows[-1].strategy == "compile:blocks+full AC"
+    assert report.rows[-1].peak_bytes < row.peak_bytes
     with pytest.raises(RematError, match="predicted on one rank: drop --shard"):
         fit(build, **setup, shard=2, compile="whole")
