@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from remat import hfcompat
 from remat.errors import RematError
 from remat.estimate import (
     OPTIMIZER_MEMORY,
@@ -229,9 +230,13 @@ def estimate_compiled(
                 fb_peak, step_bytes = step.peak_bytes + state, step.end_bytes + state + temp
                 graphs, blocks = 1, 0
             else:
-                fb_peak, step_bytes, graphs, blocks = _blocks_peak(
-                    graph, fake_model, fake_args, fake_kwargs, mode, optimizer, ac == "full"
-                )
+                # the blocks' arguments come from an eager forward on fake tensors, where
+                # transformers' data-dependent mask decisions are taken as the real run takes
+                # them (remat.hfcompat, as the fake trace does); dynamo traces them itself
+                with hfcompat.as_real_run(kwargs):
+                    fb_peak, step_bytes, graphs, blocks = _blocks_peak(
+                        graph, fake_model, fake_args, fake_kwargs, mode, optimizer, ac == "full"
+                    )
     finally:
         torch._dynamo.reset()
     optimizer_decides = optimizer is not None and step_bytes > fb_peak
