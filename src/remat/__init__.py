@@ -4,6 +4,7 @@ Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstim
 apply -> `measure` (the independent ground truth) -> report.
 """
 
+from remat.compiled_estimate import CompiledEstimate, estimate_compiled
 from remat.eager import Verification, apply, auto, remove, verify
 from remat.errors import (
     BudgetError,
@@ -30,6 +31,7 @@ __all__ = [
     "Frontier",
     "Graph",
     "BudgetError",
+    "CompiledEstimate",
     "InfeasibleBudget",
     "NoBlocksError",
     "PlanFormatError",
@@ -51,6 +53,7 @@ __all__ = [
     "backend",
     "compile",
     "estimate",
+    "estimate_compiled",
     "measure",
     "pareto",
     "plan",

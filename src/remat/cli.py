@@ -20,6 +20,7 @@ from remat.errors import InfeasibleBudget, RematError, exit_code
 from remat.estimate import OPTIMIZERS
 
 if TYPE_CHECKING:
+    from remat.compiled_estimate import CompiledEstimate
     from remat.estimate import MemoryEstimate
     from remat.graph import Graph
     from remat.planner import Planner
@@ -91,6 +92,22 @@ def _add_budget_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        choices=["whole", "blocks"],
+        help="also predict the step under torch.compile: whole (torch.compile(model)) or blocks "
+        "(each block compiled, the rest eager, as torchtitan does); inductor's own buffers, "
+        "generated for its CPU backend on fake tensors",
+    )
+    p.add_argument(
+        "--ac",
+        choices=["full"],
+        help="with --compile blocks: each block under full activation checkpointing before it is "
+        "compiled (torchtitan's compile + AC)",
+    )
+
+
 def _add_profile_arg(p: argparse.ArgumentParser) -> None:
     from remat.cost import PROFILES
 
@@ -158,7 +175,8 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _trace_model(args: argparse.Namespace, console: Console):
-    """Build the model named by the arguments and trace one training step of it."""
+    """Build the model named by the arguments and trace one training step of it: (graph, trace
+    seconds, (model, inputs))."""
     from remat import models, trace
 
     if args.model == "list":
@@ -193,7 +211,7 @@ def _trace_model(args: argparse.Namespace, console: Console):
         seq=args.seq,
         dtype=args.dtype,
     )
-    return graph, time.perf_counter() - start
+    return graph, time.perf_counter() - start, (model, inputs)
 
 
 def _shape(args: argparse.Namespace, inputs: tuple) -> str:
@@ -241,8 +259,21 @@ def _positive_int(text: str) -> int:
 def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     from remat.estimate import estimate
 
-    graph, seconds = _trace_model(args, console)
-    return _show_estimate(graph, estimate(graph, optimizer=args.optimizer), args, console, seconds)
+    graph, seconds, (model, inputs) = _trace_model(args, console)
+    compiled = None
+    if args.ac and args.compile != "blocks":
+        raise RematError(
+            "--ac full checkpoints each block before compiling it: add --compile blocks"
+        )
+    if args.compile:
+        from remat.compiled_estimate import estimate_compiled
+
+        with console.status(f"compiling ({args.compile}) on fake tensors with inductor ..."):
+            compiled = estimate_compiled(
+                graph, model, *inputs, compile=args.compile, optimizer=args.optimizer, ac=args.ac
+            )
+    est = estimate(graph, optimizer=args.optimizer)
+    return _show_estimate(graph, est, args, console, seconds, compiled)
 
 
 def _gpu_memories(graph: Graph, args: argparse.Namespace) -> list[Any]:
@@ -264,6 +295,7 @@ def _show_estimate(
     args: argparse.Namespace,
     console: Console,
     trace_seconds: float,
+    compiled: CompiledEstimate | None = None,
 ) -> int:
     from remat.report import estimate_dict, estimate_tables
 
@@ -277,7 +309,7 @@ def _show_estimate(
     }
     memories = _gpu_memories(graph, args)
     if args.json:
-        out = estimate_dict(graph, est, **context)
+        out = estimate_dict(graph, est, compiled, **context)
         if memories:
             out["gpu"] = args.gpu
             out["gpu_memory"] = [m.to_dict() for m in memories]
@@ -286,7 +318,7 @@ def _show_estimate(
     title = f"{_model_name(args)}, {graph.info['shape']}, {args.dtype}" + (
         f", {args.optimizer}" if args.optimizer else ""
     )
-    for table in estimate_tables(graph, est, title, top=args.top):
+    for table in estimate_tables(graph, est, title, top=args.top, compiled=compiled):
         console.print(table)
     if memories:
         from remat.report import gpu_memory_table
@@ -303,7 +335,7 @@ def _planner(args: argparse.Namespace, console: Console) -> Planner:
     """Trace the model the arguments name and prepare it for planning on `--profile`."""
     from remat.planner import Planner
 
-    graph, seconds = _trace_model(args, console)
+    graph, seconds, _ = _trace_model(args, console)
     planner = Planner(graph, args.profile, args.optimizer)
     planner.graph.info["trace_seconds"] = seconds
     return planner
@@ -595,8 +627,16 @@ def _report_precision(args: argparse.Namespace) -> str:
     return args.dtype
 
 
-def _fit_report(args: argparse.Namespace, console: Console, precision: str, shard: int):
-    """`remat.fit` of the model the arguments name on `--gpu` (or `--capacity`)."""
+def _fit_report(
+    args: argparse.Namespace,
+    console: Console,
+    precision: str,
+    shard: int,
+    compile: str | None = None,
+    ac: str | None = None,
+):
+    """`remat.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
+    the step under torch.compile (`whole` or `blocks`, with `ac="full"` each block checkpointed)."""
     from remat import models
     from remat.fit import PRECISIONS, fit
     from remat.gpus import custom_gpu, get_gpu
@@ -622,6 +662,8 @@ def _fit_report(args: argparse.Namespace, console: Console, precision: str, shar
             optimizer=None if optimizer == "none" else optimizer,
             shard=shard,
             reserve=getattr(args, "reserve", None),
+            compile=compile,
+            ac=ac,
             progress=lambda text: status.update(text),
         )
 
@@ -632,7 +674,11 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     from remat.units import format_bytes
 
     _writable(args.html, "--html")
-    report = _fit_report(args, console, args.precision, args.shard)
+    if args.ac and args.compile != "blocks":
+        raise RematError(
+            "--ac full checkpoints each block before compiling it: add --compile blocks"
+        )
+    report = _fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
     gpu = report.gpu
     if args.html:
         from remat.html import write_report
@@ -744,6 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--top", type=_positive_int, default=12, help="rows in the by-module and by-op tables"
     )
+    _add_compile_arg(est)
     est.set_defaults(func=cmd_estimate)
     ft = sub.add_parser(
         "fit",
@@ -810,6 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--html", metavar="REPORT.html", help="also write the self-contained HTML report"
     )
+    _add_compile_arg(ft)
     ft.set_defaults(func=cmd_fit)
     pl = sub.add_parser(
         "plan",

@@ -438,6 +438,22 @@ def shard_step(
     )
 
 
+def optimizer_step_bytes(graph: Graph, step: Simulation, optimizer: Optimizer) -> int:
+    """Live bytes while the single-device optimizer step runs after the simulated `step` (which
+    must hold the optimizer's state in its base bytes): what outlives the backward (parameters,
+    inputs, gradients, outputs, state) plus the step's own transient."""
+    memory = OPTIMIZER_MEMORY[resolve_optimizer(optimizer, graph)]
+    trainable, elements = trainable_param_bytes(graph), trainable_param_elements(graph)
+    persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    held = sum(graph.storages[sid].nbytes for sid, d in step.deaths.items() if d >= len(graph.ops))
+    return (
+        persistent
+        + memory.state_bytes(trainable, elements)
+        + held
+        + memory.step_temp_bytes(trainable, elements, param_sizes(graph))
+    )
+
+
 def estimate(
     graph: Graph, optimizer: Optimizer = None, shard: int = 1, master_scale: int = 1
 ) -> MemoryEstimate:
@@ -477,14 +493,7 @@ def estimate(
                 "it needs shard >= 2"
             )
         timeline = step.timeline
-        at_end = (
-            persistent
-            + state
-            + sum(
-                graph.storages[sid].nbytes for sid, d in step.deaths.items() if d >= len(graph.ops)
-            )
-        )
-        step_peak = at_end + memory.step_temp_bytes(trainable, elements, param_sizes(graph))
+        step_peak = optimizer_step_bytes(graph, step, optimizer)
     else:
         sharded = shard_step(graph, step, shard, optimizer, master_scale)
         timeline, step_peak = sharded.timeline, sharded.optimizer_step_bytes

@@ -483,6 +483,38 @@ def _judged_by(steps: _Steps) -> str:
     return "live bytes within capacity - --reserve"
 
 
+def _compiled_row(
+    steps: _Steps, mode: str, ac: str | None, batch: int, seq: int, usable: int
+) -> FitRow:
+    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step."""
+    from remat.compiled_estimate import estimate_compiled
+
+    graph = steps.trace(batch, seq)
+    if steps.progress:
+        steps.progress(f"compiling ({mode}) batch {batch}, seq {seq} on fake tensors")
+    model, inputs = steps.build(batch, seq)
+    compiled = estimate_compiled(
+        graph,
+        model,
+        *inputs,
+        compile=mode,
+        optimizer=steps.optimizer,
+        autocast=steps.setup.autocast,
+        ac=ac,
+    )
+    name = f"{mode}+{ac} AC" if ac else mode
+    return FitRow(
+        strategy=f"compile:{name}",
+        plan=f"torch.compile ({name}), torch's partitioner",
+        peak_bytes=compiled.peak_bytes,
+        fits=compiled.peak_bytes <= usable,
+        overhead=None,
+        max_batch=None,
+        max_seq=None,
+        note=f"{compiled.backend}; peak at batch {batch}, seq {seq} only (one compilation a size)",
+    )
+
+
 def _apply_line(p: Any, steps: _Steps) -> str:
     """The `remat.auto` call that makes plan `p` on the user's model: a fixed strategy by name; a
     budgeted plan by the whole-model budget it was solved at (under sharding, not the per-rank
@@ -510,6 +542,8 @@ def fit(
     strategies_to_fit: Iterable[str] = FIT_STRATEGIES,
     max_batch: int = 4096,
     max_seq: int = 1 << 20,
+    compile: str | None = None,
+    ac: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
@@ -519,7 +553,12 @@ def fit(
     the GPU's usable memory (`remat.gpus.usable_bytes` on `shard` ranks: capacity less the
     context, BLAS workspaces, NCCL buffers and fragmentation, or less `reserve` if given), the
     predicted recompute on the GPU's cost profile, and the largest batch at `seq` and sequence at `batch` that fit (searched on size
-    models, confirmed by a trace at the answer)."""
+    models, confirmed by a trace at the answer).
+
+    `compile` (`whole` or `blocks`): one more row, `compile:<mode>`, the step under torch.compile
+    with no recomputation of remat's (`remat.compiled_estimate`): its peak at (batch, seq) only
+    (each size is one compilation, so no largest batch or sequence is searched). On one rank.
+    `ac="full"` (with `blocks`): each block checkpointed before it is compiled."""
     import time
 
     if precision not in PRECISIONS:
@@ -530,6 +569,11 @@ def fit(
         raise RematError(
             f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
+        )
+    if compile is not None and shard > 1:
+        raise RematError(
+            f"compile={compile!r} is predicted on one rank: drop --shard, or leave out --compile "
+            "(FSDP's per-rank arithmetic runs on the eager step)"
         )
     start = time.perf_counter()
     if reserve is None:  # the allocator's judge: its limit less the workspaces it holds
@@ -546,6 +590,8 @@ def fit(
     rows = [
         _fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
+    if compile is not None:
+        rows.append(_compiled_row(steps, compile, ac, batch, seq, usable))
     extra: dict[str, Any] = {}
     peaks = [r.peak_bytes for r in rows if r.peak_bytes is not None]
     if peaks and min(peaks) > usable:
@@ -600,6 +646,13 @@ def advice(report: FitReport) -> tuple[str, ...]:
                 if store_all.max_batch
                 else ""
             ),
+        )
+    compiled = [r for r in report.rows if r.strategy.startswith("compile:") and r.fits]
+    if compiled:
+        best = min(compiled, key=lambda r: r.peak_bytes)
+        return (
+            f"{best.plan} fits ({format_bytes(best.peak_bytes)} of {usable}) without "
+            "recomputation: compile it and do not checkpoint.",
         )
     fitting = [r for r in report.rows if r.fits and r.overhead is not None]
     if fitting:

@@ -20,6 +20,7 @@ from unittest import mock
 
 import torch
 from torch import fx
+from torch._ops import HigherOrderOperator
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -114,6 +115,8 @@ class Replay:
 class _Allocations(TorchDispatchMode):
     """Counts every new storage an op returns and every storage that dies, by weak reference."""
 
+    supports_higher_order_operators = True  # the RNG-state operators of `_rng_operator`
+
     def __init__(self, inputs: Sequence[torch.Tensor]):
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -137,12 +140,34 @@ class _Allocations(TorchDispatchMode):
                 self.now -= nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        if isinstance(func, HigherOrderOperator):
+            out = _rng_operator(func, args, kwargs or {})
+            if out is NotImplemented:
+                return NotImplemented
+        else:
+            out = func(*args, **(kwargs or {}))
         self._collect()
         for t in _tensors(out):
             self.now += self._track(t)
         self.peak = max(self.peak, self.now + kernel_scratch_bytes(func, args))
         return out
+
+
+def _rng_operator(func: HigherOrderOperator, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The RNG-state operators AOTAutograd puts around random ops it must replay (a checkpointed
+    region's dropout), on meta tensors, which have no RNG state: `run_and_save_rng_state` returns
+    a new state tensor the size of the CPU generator's (what `torch.get_rng_state()` allocates)
+    and the op's output; `run_with_rng_state` runs the op. Any other operator: NotImplemented."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    if func is run_and_save_rng_state:
+        op, *rest = args
+        state = torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8, device="meta")
+        return state, op(*rest, **kwargs)
+    if func is run_with_rng_state:
+        _state, op, *rest = args
+        return op(*rest, **kwargs)
+    return NotImplemented
 
 
 def kernel_scratch_bytes(func: Any, args: Sequence[Any]) -> int:
@@ -224,11 +249,22 @@ class StepPeak:
     @property
     def peak_bytes(self) -> int:
         after_forward = self.forward.end_bytes + self.tangent_bytes + self.loss_bytes
-        after_backward = after_forward + self.backward.end_bytes
         return self.persistent_bytes + max(
             self.forward.peak_bytes,
             after_forward + self.backward.peak_bytes,
-            after_backward + self.backward.shared_output_bytes,
+            self.end_bytes - self.persistent_bytes,
+        )
+
+    @property
+    def end_bytes(self) -> int:
+        """Live when the step is over: the inputs, parameters and gradients, the outputs and the
+        loss (the optimizer step runs on top of this)."""
+        after_forward = self.forward.end_bytes + self.tangent_bytes + self.loss_bytes
+        return (
+            self.persistent_bytes
+            + after_forward
+            + self.backward.end_bytes
+            + self.backward.shared_output_bytes
         )
 
 
@@ -266,6 +302,7 @@ def step_peak(
     num_fwd_outputs: int,
     static_input_idxs: Sequence[int],
     loss_bytes: int = 0,
+    hold_tangents: bool = False,
 ) -> StepPeak:
     """Inductor's forward and backward wrappers for these graphs, replayed on meta tensors as one
     training step: parameters and inputs held throughout, the forward's user outputs until the
@@ -298,6 +335,7 @@ def step_peak(
             bw_inputs,
             num_fwd_outputs,
             loss_bytes,
+            hold_tangents,
         )
 
 
@@ -310,6 +348,7 @@ def _replay_step(
     bw_inputs: list[Any],
     num_fwd_outputs: int,
     loss_bytes: int,
+    hold_tangents: bool,
 ) -> StepPeak:
     fw_out = _output_values(forward)
     primal_keys = {storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
@@ -329,8 +368,12 @@ def _replay_step(
     )
     held = [
         a
-        for a, v in zip(args, bw_inputs, strict=True)
-        if isinstance(v, torch.Tensor) and storage_key(v) in primal_keys | user_keys
+        for a, v, n in zip(args, bw_inputs, _placeholders(backward), strict=True)
+        if isinstance(v, torch.Tensor)
+        and (
+            storage_key(v) in primal_keys | user_keys
+            or (hold_tangents and n.name.startswith("tangents"))
+        )
     ]
     del bases
     bw = replay(bw_source, args)
@@ -395,12 +438,25 @@ def _meta_arguments(values: Sequence[Any]) -> tuple[list[Any], dict[int, torch.T
             args.append(v)
             continue
         key = storage_key(v)
+        shape, stride, offset, nbytes = _layout(v)
         if key not in bases:
-            nbytes = v.untyped_storage().nbytes()
             bases[key] = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         args.append(
             torch.empty(0, dtype=v.dtype, device="meta").set_(
-                bases[key].untyped_storage(), v.storage_offset(), v.shape, v.stride()
+                bases[key].untyped_storage(), offset, shape, stride
             )
         )
     return args, bases
+
+
+def _layout(v: torch.Tensor) -> tuple[Sequence[int], Sequence[int], int, int]:
+    """(shape, stride, storage offset, storage bytes) of a fake tensor, in integers. The one
+    symbolic size a static-shape graph has is a saved RNG state (`run_and_save_rng_state`, whose
+    size is the generator's): the CPU generator's state, as `torch.get_rng_state()` returns it."""
+    layout = (tuple(v.shape), tuple(v.stride()), v.storage_offset())
+    if all(isinstance(x, int) for x in (*layout[0], *layout[1], layout[2])):
+        return (*layout, v.untyped_storage().nbytes())
+    if v.dtype == torch.uint8 and v.dim() == 1:
+        n = torch.get_rng_state().numel()
+        return (n,), (1,), 0, n
+    raise RuntimeError(f"a graph input of symbolic size {tuple(v.shape)} cannot be replayed")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -13,6 +13,9 @@ from remat.planner import Comparison, Frontier
 from remat.plans import Plan
 from remat.units import format_bytes
 
+if TYPE_CHECKING:
+    from remat.compiled_estimate import CompiledEstimate
+
 
 def block_activation_bytes(graph: Graph, est: MemoryEstimate) -> list[tuple[str, int]]:
     """Saved bytes of each repeated block (transformer layer, ...), in forward order."""
@@ -20,11 +23,17 @@ def block_activation_bytes(graph: Graph, est: MemoryEstimate) -> list[tuple[str,
     return [(b.path, by_module.get(b.path, 0)) for b in graph.blocks]
 
 
-def estimate_dict(graph: Graph, est: MemoryEstimate, **context: Any) -> dict[str, Any]:
-    """The `remat estimate --json` object."""
+def estimate_dict(
+    graph: Graph,
+    est: MemoryEstimate,
+    compiled: CompiledEstimate | None = None,
+    **context: Any,
+) -> dict[str, Any]:
+    """The `remat estimate --json` object; with `compiled` (`--compile`), its `compiled` object."""
     blocks = block_activation_bytes(graph, est)
     return {
         **context,
+        **({"compiled": compiled.to_dict()} if compiled is not None else {}),
         "activation_bytes": est.activation_bytes,
         "peak_bytes": est.peak_bytes,
         "param_bytes": est.param_bytes,
@@ -76,8 +85,15 @@ def gpu_memory_table(memories: list[Any], title: str) -> Table:
     return table
 
 
-def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12) -> list[Table]:
-    """Totals, the largest modules by saved bytes (blocks summarised), and the largest op types."""
+def estimate_tables(
+    graph: Graph,
+    est: MemoryEstimate,
+    title: str,
+    top: int = 12,
+    compiled: CompiledEstimate | None = None,
+) -> list[Table]:
+    """Totals, the largest modules by saved bytes (blocks summarised), and the largest op types;
+    with `compiled`, the compiled step's peak under the eager one."""
     totals = Table(title=title, show_header=False, title_justify="left")
     totals.add_column("what", no_wrap=True)
     totals.add_column("bytes", justify="right", no_wrap=True)
@@ -103,6 +119,16 @@ def estimate_tables(graph: Graph, est: MemoryEstimate, title: str, top: int = 12
         f"[bold]{format_bytes(est.peak_bytes)}[/bold]",
         f"at {est.peak_op} ({est.peak_phase})",
     )
+    if compiled is not None:
+        change = compiled.peak_bytes / est.peak_bytes - 1 if est.peak_bytes else 0.0
+        totals.add_row(
+            f"[bold]peak, torch.compile ({compiled.mode}"
+            + (f" + {compiled.ac} AC" if compiled.ac else "")
+            + ")[/bold]",
+            f"[bold]{format_bytes(compiled.peak_bytes)}[/bold]",
+            f"{change:+.1%} vs eager, {compiled.peak_phase}; {compiled.backend}, "
+            f"{compiled.graphs_compiled} graph(s) generated",
+        )
 
     modules = Table(title="Saved bytes by module (one block broken down)", title_justify="left")
     modules.add_column("module")
