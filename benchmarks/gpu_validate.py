@@ -2,7 +2,8 @@
 measured, and the step time each strategy really costs.
 
     python benchmarks/gpu_validate.py [--device cuda|cpu] [--tiny] [--rounds N] [--models ...]
-        [--strategies ...] [--parts memory speed] [--out DIR] [--md PATH] [--skip-compiled]
+        [--strategies ...] [--parts memory speed allocator] [--out DIR] [--md PATH]
+        [--skip-compiled] [--allocator-models ...]
 
 Memory: for each zoo model, every eager strategy's plan (made from a trace of a meta copy, as
 `remat plan` makes it) is applied to the real model and one step is measured by `remat.measure`;
@@ -10,6 +11,12 @@ then `remat.compile`'s plans likewise, under inductor. Peaks are compared above 
 as `measure` counts them: the plan's predicted peak less what is live before the step
 (parameters, buffers, inputs), against the measured peak less `baseline_bytes` (on CUDA, the
 caching allocator's `max_memory_allocated` above its count when the step began).
+
+Allocator (`--parts allocator`, CUDA only): for one preset and one Hugging Face model, two real
+training steps with AdamW on the GPU, and `torch.cuda.memory_stats()`'s requested, allocated and
+reserved peaks against `remat.gpu_memory`'s prediction from a meta copy traced for this GPU
+(`remat.gpus.get_gpu(torch.cuda.get_device_name())`); and the bytes autograd saves per op in a
+real CUDA trace against the fake trace with the GPU's kernel rules (`remat.targets`).
 
 Speed: on a Llama (bf16-mixed at 4096 tokens on a GPU), the step time of each strategy relative
 to store_all, torch.compile at `activation_memory_budget=0.5` and remat.compile at the peak torch
@@ -79,6 +86,9 @@ SHAPES = {
 TINY_SHAPES = {"mlp-chain-16": {"batch": 256}}
 TINY_SHAPE = {"batch": 4, "seq": 128}
 SPEED_MODEL = "llama-3.2-1b"
+#: The allocator part: a preset and a Hugging Face model, each at (batch, seq).
+ALLOCATOR_MODELS = ("llama-3.2-1b", "hf:gpt2")
+ALLOCATOR_SHAPE = {"batch": 4, "seq": 1024}
 SPEED_EAGER = ("store_all", "full", "selective:megatron", "selective:torchtitan")
 TORCH_BUDGET = 0.5  # torch.compile's activation_memory_budget in the speed part
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -436,6 +446,106 @@ def _interleaved_rounds(
                 v.row.error = f"while timing: {type(e).__name__}: {e}"
 
 
+def saved_by_op(graph: Graph) -> dict[str, int]:
+    """The bytes autograd saves, by the forward op that made each saved storage (each storage
+    once): what a fake trace for a GPU must agree with in a real trace on it."""
+    out: dict[str, int] = {}
+    for sid in graph.saved_storages:
+        op = graph.producer_op(sid)
+        name = op.name if op is not None else f"<{graph.storages[sid].kind}>"
+        out[name] = out.get(name, 0) + graph.storages[sid].nbytes
+    return out
+
+
+def compare_saved(real: dict[str, int], fake: dict[str, int]) -> dict[str, Any]:
+    """Totals and the ops whose saved bytes differ (at most 10, largest difference first)."""
+    ops = sorted(set(real) | set(fake), key=lambda k: -abs(real.get(k, 0) - fake.get(k, 0)))
+    differ = [k for k in ops if real.get(k, 0) != fake.get(k, 0)]
+    return {
+        "real_saved_bytes": sum(real.values()),
+        "predicted_saved_bytes": sum(fake.values()),
+        "ops": len(ops),
+        "ops_differing": len(differ),
+        "largest_differences": [(k, real.get(k, 0), fake.get(k, 0)) for k in differ[:10]],
+    }
+
+
+def allocator_part(name: str, settings: Settings, progress: Progress) -> dict[str, Any]:
+    """Two real AdamW steps of `name` on the GPU against `remat.gpu_memory`'s prediction, and the
+    saved bytes per op of a real CUDA trace against the fake trace for this GPU."""
+    row: dict[str, Any] = {"model": name, **ALLOCATOR_SHAPE}
+    if settings.device.type != "cuda":
+        row["note"] = "skipped: the caching allocator's statistics need a CUDA device"
+        return row
+    try:
+        from remat.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
+        from remat.gpus import get_gpu
+
+        gpu = get_gpu(torch.cuda.get_device_name(settings.device))
+        progress(f"allocator: {name} predicted for {gpu.name}")
+        meta, meta_inputs = _build(name, ALLOCATOR_SHAPE, "meta", settings)
+        fake = remat.trace(meta, *meta_inputs, autocast=settings.autocast, target=gpu.target)
+        predicted = gpu_memory(fake, gpu, optimizer="adamw", settings=ALLOCATOR_SETTINGS[0])
+        progress(f"allocator: {name} measured, two AdamW steps")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(settings.device)
+        model, inputs = _build(name, ALLOCATOR_SHAPE, str(settings.device), settings)
+        step = Step(model, settings.autocast, "cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        for _ in range(2):
+            loss_of(step(*inputs)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(settings.device)
+        stats = torch.cuda.memory_stats(settings.device)
+        for what in ("requested", "allocated", "reserved"):
+            row[f"predicted_{what}_bytes"] = getattr(predicted, f"{what}_bytes")
+            row[f"measured_{what}_bytes"] = stats[f"{what}_bytes.all.peak"]
+        row["measured_alloc_retries"] = stats["num_alloc_retries"]
+        progress(f"allocator: {name} saved bytes per op, real CUDA trace against the fake one")
+        real = remat.trace(model, *inputs, device="cuda", autocast=settings.autocast)
+        row["saved"] = compare_saved(saved_by_op(real), saved_by_op(fake))
+        del model, inputs, optimizer, step, real
+        torch.cuda.empty_cache()
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def allocator_markdown(rows: list[dict[str, Any]]) -> str:
+    """The allocator part's table: each figure predicted and measured, and the saved bytes."""
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "### The caching allocator: predicted and measured (torch.cuda.memory_stats peaks)",
+        "",
+    ]
+    header = ["model", "batch x seq"] + [
+        f"{w} {k}" for w in ("requested", "allocated", "reserved") for k in ("pred.", "meas.")
+    ]
+    header += ["saved bytes real / fake", "ops differing", "note"]
+    body = []
+    for r in rows:
+        figures = [
+            _bytes(r.get(f"{k}_{w}_bytes"))
+            for w in ("requested", "allocated", "reserved")
+            for k in ("predicted", "measured")
+        ]
+        saved = r.get("saved", {})
+        body.append(
+            [r["model"], f"{r['batch']} x {r['seq']}", *figures]
+            + [
+                f"{_bytes(saved.get('real_saved_bytes'))} / {_bytes(saved.get('predicted_saved_bytes'))}"
+                if saved
+                else "-",
+                f"{saved.get('ops_differing', '-')} of {saved.get('ops', '-')}" if saved else "-",
+                r.get("error") or r.get("note", ""),
+            ]
+        )
+    return "\n".join(lines + _table(header, body)) + "\n"
+
+
 def _stderr_progress() -> Progress:
     start = time.perf_counter()
 
@@ -567,7 +677,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--strategies", nargs="+", default=list(STRATEGIES), help="memory-part eager strategies"
     )
     parser.add_argument(
-        "--parts", nargs="+", default=["memory", "speed"], choices=["memory", "speed"]
+        "--parts",
+        nargs="+",
+        default=["memory", "speed"],
+        choices=["memory", "speed", "allocator"],
+    )
+    parser.add_argument(
+        "--allocator-models",
+        nargs="+",
+        default=list(ALLOCATOR_MODELS),
+        help="allocator-part models (default: %(default)s)",
     )
     parser.add_argument("--budget", default="50%", help="of budgeted strategies (default: 50%%)")
     parser.add_argument(
@@ -648,7 +767,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             compiled,
             progress,
         )
+    allocator_rows = []
+    if "allocator" in args.parts:
+        for name in args.allocator_models:
+            allocator_rows.append(allocator_part(name, settings, progress))
     result = {
+        "allocator": allocator_rows,
         "device": label,
         "torch": torch.__version__,
         "remat": remat.__version__,
@@ -668,10 +792,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = args.out / f"{stem}.json"
     md_path = args.md or args.out / f"{stem}.md"
     json_path.write_text(json.dumps(result, indent=2))
-    text = markdown(result, rows)
+    text = markdown(result, rows) + allocator_markdown(allocator_rows)
     md_path.write_text(text)
     print(text)
-    failed = [r for r in rows if r.error]
+    failed = [r for r in rows if r.error] + [r for r in allocator_rows if r.get("error")]
     progress(f"written {json_path} and {md_path}; {len(failed)} of {len(rows)} rows failed")
     return 1 if failed else 0
 

@@ -93,3 +93,35 @@ def test_cuda_without_a_gpu_exits_2_before_any_work(
     assert _script().main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_allocator_parts_saved_bytes_comparison_agrees_on_the_cpu():
+    """The allocator part compares saved bytes per op between a real trace on the device and the
+    fake trace for it; on the CPU the two agree op by op, so every op compares equal."""
+    import remat
+    from remat import models
+
+    script = _script()
+    model, inputs = models.build("gpt2", batch=2, seq=32, tiny=True, device="cpu")
+    real = script.saved_by_op(remat.trace(model, *inputs, device="cpu"))
+    fake = script.saved_by_op(remat.trace(model, *inputs))
+    compared = script.compare_saved(real, fake)
+    assert compared["ops_differing"] == 0 and compared["ops"] > 10
+    assert compared["real_saved_bytes"] == compared["predicted_saved_bytes"] > 0
+    shifted = {**fake, next(iter(fake)): fake[next(iter(fake))] + 512}
+    assert script.compare_saved(real, shifted)["ops_differing"] == 1
+
+
+def test_the_allocator_part_says_why_it_skips_without_cuda():
+    script = _script()
+    settings = script.Settings(
+        device=torch.device("cpu"),
+        precision="fp32",
+        profile=None,
+        tiny=True,
+        budget="50%",
+        trace_real=False,
+    )
+    row = script.allocator_part("gpt2", settings, lambda _: None)
+    assert "need a CUDA device" in row["note"]
+    assert "caching allocator" in script.allocator_markdown([row])
