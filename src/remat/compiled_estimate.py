@@ -313,9 +313,8 @@ def _blocks_peak(
             "compile='blocks' needs repeated blocks (numbered submodules such as layers.0); "
             "this model has none: use compile='whole'"
         )
-    calls: dict[
-        tuple, tuple[str, nn.Module, tuple, dict]
-    ] = {}  # the first call of each distinct block
+    # the first call of each distinct block: its path, module and arguments
+    calls: dict[tuple, tuple[str, nn.Module, tuple, dict]] = {}
     key_of: dict[str, tuple] = {}
 
     def pre_hook(path: str) -> Callable[..., None]:
