@@ -135,9 +135,10 @@ def _capturing_backend(outside_loss: bool) -> Callable[..., Any]:
 
 
 def _compiled_step(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, outside_loss: bool
+    fn: Callable[..., Any], args: tuple, kwargs: dict, outside_loss: bool, what: str
 ) -> StepPeak:
-    """The step peak of `torch.compile(fn, fullgraph=True)` on these (fake) arguments."""
+    """The step peak of `torch.compile(fn, fullgraph=True)` on these (fake) arguments; `what`
+    names `fn` in errors."""
     from torch._functorch import config as functorch_config
 
     compiled = torch.compile(
@@ -149,13 +150,17 @@ def _compiled_step(
     except _Captured as captured:
         return captured.step
     except torch._dynamo.exc.Unsupported as err:
-        raise RematError(
-            f"{type(fn).__name__} does not compile to one graph ({str(err).splitlines()[0]}); "
+        advice = (
             "compile='blocks' compiles each block on its own"
+            if outside_loss
+            else "torch.compile(block, fullgraph=True) fails the same way; make it compile"
+        )
+        raise RematError(
+            f"{what} does not compile to one graph ({str(err).splitlines()[0]}); {advice}"
         ) from err
     raise RematError(
-        f"torch.compile ran {type(fn).__name__} without a backward graph: no parameter or input "
-        "requires grad, so there is no training step to compile"
+        f"torch.compile ran {what} without a backward graph: no parameter or input requires "
+        "grad, so there is no training step to compile"
     )
 
 
@@ -224,7 +229,9 @@ def estimate_compiled(
     try:
         with mixed:
             if compile == "whole":
-                step = _compiled_step(fake_model, fake_args, fake_kwargs, outside_loss=True)
+                step = _compiled_step(
+                    fake_model, fake_args, fake_kwargs, True, f"model {type(model).__name__}"
+                )
                 memory = OPTIMIZER_MEMORY[optimizer]
                 trainable = trainable_param_bytes(graph), trainable_param_elements(graph)
                 state = memory.state_bytes(*trainable)
@@ -308,13 +315,14 @@ def _blocks_peak(
             "compile='blocks' needs repeated blocks (numbered submodules such as layers.0); "
             "this model has none: use compile='whole'"
         )
-    calls: dict[tuple, tuple[nn.Module, tuple, dict]] = {}  # the first call of each distinct block
+    # the first call of each distinct block: its path, module and arguments
+    calls: dict[tuple, tuple[str, nn.Module, tuple, dict]] = {}
     key_of: dict[str, tuple] = {}
 
     def pre_hook(path: str) -> Callable[..., None]:
         def hook(module: nn.Module, hook_args: tuple, hook_kwargs: dict) -> None:
             key_of[path] = _signature(module, hook_args, hook_kwargs)
-            calls.setdefault(key_of[path], (module, hook_args, hook_kwargs))
+            calls.setdefault(key_of[path], (path, module, hook_args, hook_kwargs))
 
         return hook
 
@@ -329,10 +337,10 @@ def _blocks_peak(
         for h in handles:
             h.remove()
     steps: dict[tuple, StepPeak] = {}
-    for key, (module, block_args, block_kwargs) in calls.items():
+    for key, (path, module, block_args, block_kwargs) in calls.items():
         torch._dynamo.reset()
         compiled = _Checkpointed(module) if checkpoint else module
-        steps[key] = _compiled_step(compiled, block_args, block_kwargs, outside_loss=False)
+        steps[key] = _compiled_step(compiled, block_args, block_kwargs, False, f"block {path}")
     of_block = {path: steps[key] for path, key in key_of.items()}
 
     state = OPTIMIZER_MEMORY[optimizer].state_bytes(
