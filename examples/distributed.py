@@ -29,16 +29,17 @@ def build():
     return models.build("gpt2", batch=2, seq=32, device="cpu", tiny=True)
 
 
-def batch_of(rank: int, like: torch.Tensor) -> torch.Tensor:
+def batch_of(rank: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s micro-batch: token ids and their labels."""
     g = torch.Generator().manual_seed(100 + rank)
-    return torch.randint(0, 512, like.shape, generator=g)
+    return tuple(torch.randint(0, 512, like.shape, generator=g) for _ in range(2))
 
 
 def reference_grads(world: int) -> dict[str, torch.Tensor]:
     """Without remat or wrapping: the average over ranks of each micro-batch's gradients."""
-    model, (ids,) = build()
+    model, (ids, _) = build()
     for rank in range(world):
-        (model(batch_of(rank, ids)).sum() / world).backward()
+        (model(*batch_of(rank, ids)) / world).backward()  # the model returns its loss
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -50,8 +51,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    model, (ids,) = build()
-    graph = remat.trace(model, ids)
+    model, (ids, labels) = build()
+    graph = remat.trace(model, ids, labels)
     remat.apply(model, remat.plan(graph, budget="1TiB", strategy=args.strategy))
     if args.mode == "ddp":
         wrapped = DistributedDataParallel(model)
@@ -59,7 +60,7 @@ def main() -> None:
         for block in model.h:
             fully_shard(block)
         wrapped = fully_shard(model)
-    wrapped(batch_of(rank, ids)).sum().backward()
+    wrapped(*batch_of(rank, ids)).backward()
 
     expected = reference_grads(world)
     worst = 0.0

@@ -39,9 +39,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _build(name: str, batch: int = 2, seq: int = 32):
+def _build(name: str, batch: int = 2, seq: int = 32, **overrides):
     torch.manual_seed(0)
-    return models.build(name, batch=batch, seq=seq, device="cpu", tiny=True)
+    return models.build(name, batch=batch, seq=seq, device="cpu", tiny=True, **overrides)
 
 
 def _assert_close(got: dict, ref: dict) -> None:
@@ -118,14 +118,16 @@ def test_the_articles_cut_fits_a_budget_of_store_alls_peak():
 @needs_cxx
 @pytest.mark.parametrize(
     ("name", "budgets"),
-    [("gpt2", ["100%", "85%", "70%", "65%", "60%"]), ("llama-3.2-1b", ["100%", "60%"])],
+    [("gpt2", ["100%", "85%", "70%", "65%", "60%"]), ("llama-3.2-1b", ["100%", "55%"])],
 )
 def test_inductor_predicted_peak_is_within_3_percent_and_never_above_the_budget(name, budgets):
     """Issue 11 item 1: the plan's peak is read from inductor's generated code (fusion, buffer
     reuse, its own kernel order), so it follows what inductor allocates: within 1% of the measured
     step at every budget (the op-by-op count was 16-18% low on llama), the measured peak within
     the budget, and peaks never growing as the budget shrinks."""
-    model, inputs = _build(name, batch=4, seq=64)
+    # a vocabulary of 64: the blocks, not the loss's fp32 logits (outside every plan), decide
+    # the peak, so that a smaller budget has something to recompute
+    model, inputs = _build(name, batch=4, seq=64, vocab_size=64)
     measured_peaks = []
     for budget in budgets:
         torch._dynamo.reset()

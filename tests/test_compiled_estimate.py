@@ -109,27 +109,12 @@ def test_hugging_face_blocks_get_the_arguments_of_the_real_run():
     assert blocks.peak_bytes == remat.measure(per_block, *inputs).peak_bytes
 
 
-class _WithLoss(nn.Module):
-    """A model that returns its own loss, as a trainer's model given labels does: token
-    cross-entropy on fp32-upcast logits."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.model(tokens).float()
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 @needs_cxx
 def test_a_model_that_returns_its_loss_compiles_with_the_loss_inside():
     """The 0-dim loss is the graph's output: no loss outside it, and the seed gradient autograd
     hands the compiled backward stays referenced by that call until it returns (4 bytes here:
     counted, predicted = measured)."""
-    model, (tokens,) = _llama()
-    model = _WithLoss(model)
-    inputs = (tokens, torch.randint(0, 64, tokens.shape))
+    model, inputs = _llama()  # given labels, the preset returns torchtitan's cross-entropy
     graph = remat.trace(model, *inputs)
     assert graph.info["loss"] == "model"
     whole = remat.estimate_compiled(graph, model, *inputs, compile="whole")

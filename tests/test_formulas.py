@@ -45,17 +45,17 @@ def test_megatron_sdpa_layer_matches_34_sbh(s, b, h, a):
     assert got == pytest.approx(34 * s * b * h, rel=0.03)
 
 
-def llama_layer_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: int) -> int:
+def llama_layer_bytes(s: int, b: int, h: int, heads: int, ffn: int) -> int:
     """Bytes one bf16 Llama layer keeps, derived in docs/memory-model.md: two RMSNorms computed in
-    fp32 (8 sbh each), attention 2sbh (1 + kv/h) + 2sbh + fp32 log-sum-exp, SwiGLU 4 x 2 s b ffn."""
+    fp32 (8 sbh each), attention as torchtitan runs it (q after RoPE, K and V repeated to every
+    head, the output: 4 x 2 sbh, whatever the K/V heads) + fp32 log-sum-exp, SwiGLU 4 x 2 s b ffn."""
     sbh = s * b * h
-    kv = h // heads * kv_heads
     norms = 2 * ((4 + 2 + 2) * sbh + 4 * s * b)  # + the fp32 rsqrt per token
-    attention = 2 * s * b * (h + 2 * kv) + 2 * sbh + 4 * b * heads * s
+    attention = 4 * 2 * sbh + 4 * b * heads * s
     mlp = 4 * 2 * s * b * ffn
     return norms + attention + mlp
 
 
 def test_llama_3_1_70b_layer_at_8k_matches_its_derivation():
     got = per_layer_bytes("llama-3.1-70b", batch=1, seq=8192, dtype="bf16", n_layers=3)
-    assert got == llama_layer_bytes(8192, 1, 8192, 64, 8, 28672)
+    assert got == llama_layer_bytes(8192, 1, 8192, 64, 28672)

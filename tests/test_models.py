@@ -83,9 +83,14 @@ def test_every_tiny_preset_trains_on_cpu_with_finite_grads(name):
     ],
 )
 def test_example_inputs_have_the_documented_layout_and_dtype(name, shape, dtype):
-    model, (x,) = build(name, batch=3, seq=64, dtype="bf16")
+    model, (x, *labels) = build(name, batch=3, seq=64, dtype="bf16")
     assert (tuple(x.shape), x.dtype) == (shape, dtype)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # the presets trained on a loss take labels: next-token ids, or one class an image
+    expected = {"gpt2": (3, 64), "llama-3.1-8b": (3, 64), "resnet50": (3,), "vit-b-16": (3,)}
+    assert [(tuple(t.shape), t.dtype) for t in labels] == (
+        [(expected[name], torch.long)] if name in expected else []
+    )
 
 
 @pytest.mark.parametrize(
@@ -111,8 +116,9 @@ def test_non_float_dtype_is_refused():
 
 
 def test_token_inputs_are_ids_inside_the_vocabulary():
-    _, (ids,) = build("gpt2", tiny=True, device="cpu", batch=4, seq=256)
-    assert ids.dtype == torch.long and ids.min() >= 0 and ids.max() < 512
+    _, (ids, labels) = build("gpt2", tiny=True, device="cpu", batch=4, seq=256)
+    for t in (ids, labels):
+        assert t.dtype == torch.long and t.min() >= 0 and t.max() < 512
 
 
 @pytest.mark.parametrize(
@@ -160,16 +166,16 @@ def test_embeddings_are_tied_where_the_published_model_ties_them():
 
 def test_llama_rope_tables_cover_seq_and_stay_out_of_the_state_dict():
     model, _ = build("llama-3.1-8b", seq=128)
-    assert model.rope_cos.shape == (8192, 128)
-    model, _ = build("llama-3.1-8b", seq=20000)
-    assert model.rope_sin.shape == (20000, 128)
-    assert not any("rope" in key for key in model.state_dict())
+    assert model.freqs_cis.shape == (8192, 64) and model.freqs_cis.dtype == torch.complex64
+    model, _ = build("llama-3.1-8b", seq=20000, dtype="bf16")
+    assert model.freqs_cis.shape == (20000, 64) and model.freqs_cis.dtype == torch.complex64
+    assert not any("freqs" in key for key in model.state_dict())
 
 
 def test_gpt_refuses_seq_beyond_its_learned_positions():
     with pytest.raises(RematError, match="block_size=2048"):
         build("gpt2", seq=2048)
-    model, (ids,) = build("gpt2", seq=2048, block_size=2048)
+    model, (ids, _) = build("gpt2", seq=2048, block_size=2048)
     assert model.wpe.weight.shape[0] == ids.shape[1] == 2048
 
 
@@ -375,13 +381,27 @@ def test_hf_default_config_builds_on_meta_with_the_presets_parameter_count(
     assert n_params(model) == n_params(build(preset)[0])
 
 
+def _meta_rope_layout(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo the permutation Hugging Face's `convert_llama_weights_to_hf.py` applies to q and k
+    projections: HF rotates the two halves of each head, Meta's and torchtitan's code consecutive
+    pairs."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
 def test_llama_computes_what_hugging_face_llama_computes(transformers):
     theirs, (ids,) = build("hf:llama", tiny=True, device="cpu", seq=16, rms_norm_eps=1e-5)
     ours, _ = build("llama-2-7b", tiny=True, device="cpu", seq=16)
-    state = theirs.state_dict()
-    ours.load_state_dict(
-        {k.removeprefix("model.model.").removeprefix("model."): state[k] for k in state}
-    )
+    state = {
+        k.removeprefix("model.model.").removeprefix("model."): v
+        for k, v in theirs.state_dict().items()
+    }
+    heads = {"q_proj": 4, "k_proj": 2}  # tiny Llama: 4 query heads, 2 K/V heads
+    for key in state:
+        proj = key.split(".")[-2]
+        if proj in heads:
+            state[key] = _meta_rope_layout(state[key], heads[proj])
+    ours.load_state_dict(state)
     torch.testing.assert_close(ours(ids), theirs(ids))
 
 
@@ -444,3 +464,103 @@ def test_hf_without_transformers_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(UnknownModelError, match=r"pip install 'remat\[hf\]'"):
         build("hf:gpt2")
+
+
+# -- the loss each preset trains on, as its reference trainer computes it -------------------------
+def _llama(**overrides):
+    torch.manual_seed(0)
+    return build("llama-3.2-1b", batch=2, seq=16, tiny=True, device="cpu", **overrides)
+
+
+def _rope_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding as a rotation of consecutive pairs (Su et al.), written out in fp64."""
+    b, t, h, d = x.shape
+    freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(t, dtype=torch.float64)[:, None] * freqs[None, :]  # (t, d/2)
+    cos, sin = angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
+    pairs = x.double().reshape(b, t, h, d // 2, 2)
+    even = pairs[..., 0] * cos - pairs[..., 1] * sin
+    odd = pairs[..., 0] * sin + pairs[..., 1] * cos
+    return torch.stack((even, odd), -1).reshape(b, t, h, d)
+
+
+def test_llama_trains_on_torchtitans_loss():
+    """The preset's loss equals one computed here from its own weights: the blocks run with RoPE
+    as a pair rotation, grouped K/V heads repeated, causal softmax attention, then cross-entropy
+    on the fp32 logits (torchtitan's `cross_entropy_loss`)."""
+    model, (ids, labels) = _llama()
+    loss = model(ids, labels)
+    assert loss.dim() == 0 and loss.dtype == torch.float32
+    x = model.embed_tokens(ids).double()
+    for layer in model.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x.float()).double()
+        b, t, _ = h.shape
+        q = (h @ attn.q_proj.weight.double().T).view(b, t, attn.n_heads, attn.head_dim)
+        k = (h @ attn.k_proj.weight.double().T).view(b, t, attn.n_kv_heads, attn.head_dim)
+        v = (h @ attn.v_proj.weight.double().T).view(b, t, attn.n_kv_heads, attn.head_dim)
+        q, k = _rope_reference(q, 500000.0), _rope_reference(k, 500000.0)
+        rep = attn.n_heads // attn.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / attn.head_dim**0.5
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, t, -1)
+        x = x + y @ attn.o_proj.weight.double().T
+        x = x + layer.mlp(layer.post_attention_layernorm(x.float())).double()
+    logits = model.lm_head(model.norm(x.float()))
+    expected = nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(0, 1))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_chunked_cross_entropy_equals_the_whole_one():
+    model, (ids, labels) = _llama(loss_chunks=4)
+    chunked = model(ids, labels)
+    model.loss_chunks = 0
+    torch.testing.assert_close(chunked, model(ids, labels))
+
+
+def test_llama_saves_the_fp32_log_softmax_of_its_logits():
+    """Cross-entropy on fp32-upcast logits saves its log-softmax output: batch x seq x vocab x 4
+    bytes (2 x 16 x 512 x 4 = 65,536), here in a bf16 model."""
+    import remat
+
+    model, inputs = build("llama-3.2-1b", batch=2, seq=16, tiny=True, dtype="bf16")
+    graph = remat.trace(model, *inputs)
+    by_op = {o.op: o.activation_bytes for o in remat.estimate(graph).by_op}
+    assert by_op["_log_softmax"] == 2 * 16 * 512 * 4
+
+
+def test_llama_repeat_kv_saves_the_expanded_heads():
+    """With repeat_kv, SDPA saves K and V with every Q head's copy: per layer 2 x (n_heads -
+    n_kv_heads) x batch x seq x head_dim x 4 bytes more than SDPA with enable_gqa: tiny Llama
+    (4 heads, 2 K/V heads, head_dim 16), 2 x 16 tokens, fp32: 2 x 2 x 32 x 16 x 4 = 8,192 B a
+    layer, 2 layers."""
+    import remat
+
+    expanded = remat.trace(*_flat(_llama()))
+    in_place = remat.trace(*_flat(_llama(expand_kv=False)))
+    assert expanded.activation_bytes - in_place.activation_bytes == 2 * 8192
+
+
+def _flat(built):
+    model, inputs = built
+    return (model, *inputs)
+
+
+def test_gpt2_trains_on_nanogpts_loss():
+    torch.manual_seed(0)
+    model, (ids, labels) = build("gpt2", batch=2, seq=16, tiny=True, device="cpu")
+    logits = model(ids)
+    expected = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+    torch.testing.assert_close(model(ids, labels), expected)
+    assert logits.shape == (2, 16, 512)
+
+
+@pytest.mark.parametrize("name", ["vit-b-16", "resnet50"])
+def test_image_presets_train_on_class_cross_entropy(name):
+    torch.manual_seed(0)
+    model, (images, labels) = build(name, batch=3, tiny=True, device="cpu")
+    model.eval()  # the same forward twice (no dropout, BatchNorm's running statistics)
+    expected = nn.functional.cross_entropy(model(images), labels)
+    torch.testing.assert_close(model(images, labels), expected)
+    assert labels.shape == (3,) and labels.dtype == torch.long

@@ -103,17 +103,19 @@ def test_infeasible_budget_states_the_smallest_feasible_one(gpt2_planner):
 
 
 def test_auto_is_no_slower_than_any_strategy_that_fits(gpt2_planner):
-    best = gpt2_planner.plan("60%", "auto")
+    # 75%: the nanoGPT loss's log-softmax of the fp32 logits (1.6 GB at 8 x 1024) is outside every
+    # block, so no plan recomputes it; below about 66% of store-all no plan fits
+    best = gpt2_planner.plan("75%", "auto")
     for name in ["full", "sqrt", "chain_dp", "milp", "selective:torchtitan"]:
         try:
-            other = gpt2_planner.plan("60%", name)
+            other = gpt2_planner.plan("75%", name)
         except InfeasibleBudget:
             continue
         assert best.recompute_seconds <= other.recompute_seconds + 1e-12
 
 
 def test_plan_round_trips_through_json_and_explains_every_saved_tensor(gpt2_planner):
-    p = gpt2_planner.plan("60%", "auto")
+    p = gpt2_planner.plan("75%", "auto")
     again = Plan.from_json(p.to_json())
     assert again == p
     rows = p.explain(gpt2_planner.graph)

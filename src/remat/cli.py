@@ -181,6 +181,10 @@ def _trace_model(args: argparse.Namespace, console: Console):
 
     if args.model == "list":
         console.print("presets: " + ", ".join(models.preset_names()))
+        console.print(
+            "Hugging Face, shipped configs (real size, own loss): "
+            + ", ".join(f"hf:{n}" for n in models.hf.shipped_names())
+        )
         console.print("also: hf:<model_type> (e.g. hf:gpt2, hf:llama), pkg.module:factory")
         raise SystemExit(0)
     device = "meta" if args.trace_device == "meta" else args.trace_device

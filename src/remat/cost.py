@@ -123,6 +123,10 @@ VIEW_OPS = frozenset(
         "unfold",
         "unsqueeze",
         "view",
+        "view_as_complex",  # complex views of real pairs and back (RoPE as torchtitan applies it)
+        "view_as_real",
+        "real",
+        "imag",
     }
 )
 

@@ -761,6 +761,10 @@ def trace(
                     loss = loss_fn(output) if loss_fn is not None else default_loss(output)
                     own_loss = "model" if is_own_loss(output) else "sum"
                     tracer.scopes.pop()
+                # the last forward op's outputs are attributed now; holding them longer would keep
+                # alive what the program dropped (cross-entropy's total_weight, say)
+                tracer.resolve_grad_fns()
+                tracer.pending_grad_fn = []
                 tracer.before_event()
                 tracer.phase = "backward"
                 loss.backward()

@@ -5,7 +5,9 @@
 - a preset with published shapes (`preset_names()`), e.g. "gpt2", "llama-3.1-8b", "resnet50",
   "vit-b-16", "megatron-gpt", or "mlp-chain-N" for any N >= 1;
 - "pkg.module:factory", a function of yours returning (model, inputs), see `factory`;
-- "hf:<model_type>", a Hugging Face transformers architecture built offline, see `hf`.
+- "hf:<model_type>", a Hugging Face transformers architecture built offline, see `hf`;
+- "hf:<org>/<name>", a Hugging Face model of a config shipped with remat (`hf.shipped_names()`),
+  at its real size, returning its own loss.
 
 Parameters are created directly on `device`, "meta" by default, so a 70B model allocates nothing
 and builds in well under a second: remat plans from shapes, and only needs real memory to measure.
@@ -72,7 +74,9 @@ def build(
     if batch < 1 or seq < 1:
         raise RematError(f"batch={batch} and seq={seq} must both be >= 1")
     kw = {"batch": batch, "seq": seq, "dtype": dtype, "device": device}
-    if name.startswith("hf:"):
+    if name.startswith("hf:") and "/" in name:
+        model, inputs = hf.build_shipped(name[3:], **kw, tiny=tiny, overrides=overrides)
+    elif name.startswith("hf:"):
         model, inputs = hf.build(name[3:], **kw, tiny=tiny, overrides=overrides)
     elif ":" in name:
         model, inputs = factory.load(name, **kw, tiny=tiny, overrides=overrides)

@@ -87,12 +87,17 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2 was trained
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; given `labels` (next-token ids), nanoGPT's training loss instead:
+        cross-entropy on the logits in the model's dtype (nanoGPT does not upcast them)."""
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-1)
 
 
 def _check_seq(config: GPTConfig, seq: int) -> GPTConfig:
@@ -106,8 +111,11 @@ def _check_seq(config: GPTConfig, seq: int) -> GPTConfig:
 
 def _inputs(
     config: GPTConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor]:
-    return (token_ids(batch, seq, config.vocab_size, device),)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their next-token labels."""
+    return token_ids(batch, seq, config.vocab_size, device), token_ids(
+        batch, seq, config.vocab_size, device
+    )
 
 
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 512}

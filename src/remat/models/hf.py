@@ -14,14 +14,20 @@ train it: default config and call, dropout and caching as they are, labels for t
 
 from __future__ import annotations
 
+import json
 from difflib import get_close_matches
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.errors import UnknownModelError
-from remat.models.preset import token_ids
+from remat.errors import RematError, UnknownModelError
+from remat.models.preset import class_ids, float_input, token_ids
+
+#: Hugging Face configs shipped with remat as data (`hf:<org>/<name>`): the hub's config.json of
+#: each model, so that it builds at its real size offline (configs/SOURCES.md).
+CONFIGS = Path(__file__).parent / "configs"
 
 # Small sizes for tiny=True under the names configs use for them; each applies where it exists.
 TINY = {
@@ -63,6 +69,121 @@ class HFLogits(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return getattr(self.model(input_ids=input_ids), self.output)
+
+
+class HFLoss(nn.Module):
+    """Calls a transformers model with `labels` and returns its own training loss (causal LMs
+    upcast the logits to fp32 and shift the labels in `ForCausalLMLoss`; classification heads
+    take cross-entropy), as the Trainer does."""
+
+    def __init__(self, model: nn.Module, input_name: str):
+        super().__init__()
+        self.model = model
+        self.input_name = input_name
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.input_name: inputs, "labels": labels}).loss
+
+
+def shipped_names() -> list[str]:
+    """The shipped configs' hub ids, `hf:` left out."""
+    return sorted(str(p.relative_to(CONFIGS).with_suffix("")) for p in CONFIGS.glob("*/*.json"))
+
+
+#: The task heads a shipped config can be trained with (`--set task=...`).
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
+
+
+def _default_task(architecture: str) -> str:
+    """The task of a config's first architecture: its pretraining head, or classification for a
+    bare image encoder (ViTModel)."""
+    for suffix, task in (
+        ("ForCausalLM", "causal-lm"),
+        ("ForMaskedLM", "masked-lm"),
+        ("ForSequenceClassification", "sequence-classification"),
+    ):
+        if architecture.endswith(suffix):
+            return task
+    return "image-classification"
+
+
+def build_shipped(
+    hub_id: str,
+    *,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    tiny: bool,
+    overrides: dict[str, Any],
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """`hf:<hub id>`: the model of a shipped config at its real size (or shrunk with `tiny`), with
+    its dropout as published, and the inputs of a training step with labels; the model returns
+    its loss. `overrides` replace config fields; `task` picks the head (`TASKS`; default: the
+    config's pretraining head), `attn_implementation` the attention (default: SDPA where the
+    architecture has it)."""
+    path = CONFIGS / f"{hub_id}.json"
+    if not path.is_file():
+        close = get_close_matches(hub_id, shipped_names(), n=1)
+        raise UnknownModelError(
+            f"hf:{hub_id} is not a config shipped with remat"
+            + (f" (did you mean hf:{close[0]}?)" if close else "")
+            + f"; shipped: {', '.join(shipped_names())}. For any other architecture use "
+            "hf:<model_type> (its default config) with --set to give its sizes."
+        )
+    try:
+        import transformers
+        from transformers import CONFIG_MAPPING
+    except ImportError as err:
+        raise UnknownModelError(
+            f"hf:{hub_id} needs Hugging Face transformers: pip install 'remat[hf]'"
+        ) from err
+    data = json.loads(path.read_text())
+    overrides = dict(overrides)
+    task = overrides.pop("task", None) or _default_task(data["architectures"][0])
+    attn = overrides.pop("attn_implementation", None)
+    if task not in TASKS:
+        raise UnknownModelError(f"task={task!r}: choose one of {', '.join(TASKS)}")
+    config_class = CONFIG_MAPPING[data["model_type"]]
+    unknown = [k for k in overrides if not hasattr(config_class(), k)]
+    if unknown:
+        raise UnknownModelError(
+            f"hf:{hub_id}: its config has no field {', '.join(map(repr, unknown))}; fields: "
+            f"{', '.join(sorted(data))} (and task, attn_implementation)"
+        )
+    sizes = _shrunk(data, TINY, positions=seq) if tiny else {}
+    config = config_class.from_dict({**data, **sizes, **overrides, "use_cache": False})
+    positions = getattr(config, "max_position_embeddings", None)
+    if task != "image-classification" and positions is not None and seq > positions:
+        raise RematError(
+            f"seq={seq} exceeds hf:{hub_id}'s max_position_embeddings={positions}; "
+            f"pass --set max_position_embeddings={seq} to build it longer"
+        )
+    auto = getattr(transformers, TASKS[task])
+    with torch.device(device):
+        try:
+            model = auto.from_config(config, attn_implementation=attn or "sdpa")
+        except ValueError:  # this architecture has no SDPA attention
+            if attn:
+                raise
+            model = auto.from_config(config, attn_implementation="eager")
+    model = model.to(dtype).train()
+    if task == "image-classification":
+        size = config.image_size
+        images = float_input((batch, config.num_channels, size, size), dtype, device)
+        return HFLoss(model, "pixel_values"), (
+            images,
+            class_ids((batch,), config.num_labels, device),
+        )
+    ids = token_ids(batch, seq, config.vocab_size, device)
+    if task == "sequence-classification":
+        return HFLoss(model, "input_ids"), (ids, class_ids((batch,), config.num_labels, device))
+    return HFLoss(model, "input_ids"), (ids, token_ids(batch, seq, config.vocab_size, device))
 
 
 def _shrunk(fields: dict[str, Any], table: dict[str, int], positions: int) -> dict[str, Any]:

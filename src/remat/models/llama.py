@@ -1,12 +1,18 @@
-"""Llama 2 and Llama 3 (Touvron et al. 2023; Llama Team 2024), with Hugging Face's module names.
+"""Llama 2 and Llama 3 (Touvron et al. 2023; Llama Team 2024), computed as torchtitan's reference
+Llama trains (pytorch/torchtitan `models/llama3/model/model.py`), with Hugging Face's module names.
 
-RMSNorm before attention and MLP, rotary position embeddings, grouped-query attention (fewer K/V
-heads than Q heads) and a SwiGLU MLP, no biases. The presets carry the published shapes, so their
-parameter counts are the models' own: 6.74e9, 1.24e9, 8.03e9 and 70.6e9.
+RMSNorm before attention and MLP (in fp32, cast back), rotary position embeddings applied as
+torchtitan does (q and k upcast to fp32 and multiplied by a complex64 `freqs_cis` table),
+grouped-query attention with the K/V heads materialised for each group (`repeat_kv`, as torchtitan
+and Meta's reference code do; `expand_kv=False` lets SDPA read them in place instead), a SwiGLU
+MLP, no biases. Given labels, the model returns the training loss as the trainer takes it:
+cross-entropy on the logits upcast to fp32 (torchtitan's `cross_entropy_loss`), or torchtune's
+`CEWithChunkedOutputLoss` over `loss_chunks` sequence chunks. The presets carry the published
+shapes, so their parameter counts are the models' own: 6.74e9, 1.24e9, 3.21e9, 8.03e9, 70.6e9.
 
-Llama 3.1's long-context RoPE frequency scaling is left out: it changes the values of the cos/sin
-tables, not any shape, memory or time. RoPE tables are buffers (not parameters, not in the state
-dict) sized to `max(seq, max_seq_len)`, computed once at build time as Hugging Face computes them.
+Llama 3.1's long-context RoPE frequency scaling is left out: it changes the values of the table,
+not any shape, memory or time. The table is a buffer (not a parameter, not in the state dict)
+sized to `max(seq, max_seq_len)`, kept complex64 whatever the model's dtype, as torchtitan keeps it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class LlamaConfig:
     max_seq_len: int = 4096
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    expand_kv: bool = True  # repeat_kv materialises K/V per Q group; False: SDPA's enable_gqa
+    loss_chunks: int = 0  # > 0: torchtune's chunked cross-entropy over that many sequence chunks
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
@@ -56,9 +64,51 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def precompute_freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
+    """torchtitan's RoPE table: (end, head_dim / 2) complex64 rotations, computed in fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k (batch, seq, heads, head_dim) as complex numbers in fp32, then cast back."""
+    shape = (1, xq.shape[1], 1, xq.shape[-1] // 2)
+    freqs = freqs_cis.view(shape)
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, seq, kv_heads, head_dim) -> (batch, seq, kv_heads * n_rep, head_dim), a copy."""
+    if n_rep == 1:
+        return x
+    b, t, n_kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, t, n_kv, n_rep, d).reshape(b, t, n_kv * n_rep, d)
+
+
+def chunked_cross_entropy(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunks: int
+) -> torch.Tensor:
+    """torchtune's `CEWithChunkedOutputLoss`: the output projection applied to `chunks` sequence
+    chunks of `hidden` (torchtune's `num_output_chunks`), each chunk's logits upcast to fp32 and
+    summed by cross-entropy, over the number of labels not ignored (-100)."""
+    logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+    total = sum(
+        F.cross_entropy(
+            chunk.reshape(-1, chunk.size(-1)).float(),
+            target.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        for chunk, target in zip(logits, labels.chunk(chunks, dim=1), strict=True)
+    )
+    return total / (labels != -100).sum()
 
 
 class Attention(nn.Module):
@@ -66,6 +116,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
+        self.expand_kv = config.expand_kv
         self.head_dim = config.d_model // config.n_heads
         kv_dim = config.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.d_model, config.d_model, bias=False)
@@ -73,16 +124,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # enable_gqa lets SDPA read each K/V head for its group of Q heads without copying them.
-        gqa = self.n_kv_heads != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        n_rep = self.n_heads // self.n_kv_heads
+        if self.expand_kv:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        # without the expansion, enable_gqa lets SDPA read each K/V head for its group of Q heads
+        gqa = not self.expand_kv and n_rep > 1
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -108,8 +163,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), freqs_cis)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,20 +177,35 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        head_dim = config.d_model // config.n_heads
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-        angles = torch.outer(torch.arange(config.max_seq_len).float(), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.loss_chunks = config.loss_chunks
+        freqs_cis = precompute_freqs_cis(
+            config.d_model // config.n_heads, config.max_seq_len, config.rope_theta
+        )
+        self.register_buffer("freqs_cis", freqs_cis, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        T = input_ids.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; given `labels` (next-token ids, -100 ignored), the training loss."""
         x = self.embed_tokens(input_ids)
+        freqs_cis = self.freqs_cis[: input_ids.shape[1]]
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+            x = layer(x, freqs_cis)
+        h = self.norm(x)
+        if labels is None:
+            return self.lm_head(h)
+        if self.loss_chunks:
+            return chunked_cross_entropy(self.lm_head, h, labels, self.loss_chunks)
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), labels.flatten(0, 1))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """`.to(dtype)` casts parameters and float buffers; the complex RoPE table keeps complex64
+        (torchtitan never casts it) and only follows the parameters' device."""
+        table = self._buffers.pop("freqs_cis")
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            device = fn(torch.empty(0, device=table.device)).device
+            self._buffers["freqs_cis"] = table.to(device)
+        return out
 
 
 def _fit_seq(config: LlamaConfig, seq: int) -> LlamaConfig:
@@ -144,8 +214,11 @@ def _fit_seq(config: LlamaConfig, seq: int) -> LlamaConfig:
 
 def _inputs(
     config: LlamaConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor]:
-    return (token_ids(batch, seq, config.vocab_size, device),)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their next-token labels."""
+    return token_ids(batch, seq, config.vocab_size, device), token_ids(
+        batch, seq, config.vocab_size, device
+    )
 
 
 TINY = {
@@ -171,6 +244,17 @@ PRESETS = {
     "llama-3.2-1b": _preset(
         LlamaConfig(
             n_layers=16, d_model=2048, n_kv_heads=8, ffn_dim=8192, tie_embeddings=True, **_LLAMA3
+        )
+    ),
+    "llama-3.2-3b": _preset(
+        LlamaConfig(
+            n_layers=28,
+            d_model=3072,
+            n_heads=24,
+            n_kv_heads=8,
+            ffn_dim=8192,
+            tie_embeddings=True,
+            **_LLAMA3,
         )
     ),
     "llama-3.1-8b": _preset(LlamaConfig(n_kv_heads=8, ffn_dim=14336, **_LLAMA3)),

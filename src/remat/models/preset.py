@@ -36,9 +36,15 @@ class Preset:
 
 def token_ids(batch: int, seq: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """Token ids (batch, seq): real ids below `vocab_size`, or an unfilled tensor on meta."""
+    return class_ids((batch, seq), vocab_size, device)
+
+
+def class_ids(shape: tuple[int, ...], n_classes: int, device: torch.device) -> torch.Tensor:
+    """Integer labels of `shape` below `n_classes` (token ids, next-token targets, image classes),
+    or an unfilled tensor on meta."""
     if device.type == "meta":
-        return torch.empty(batch, seq, dtype=torch.long, device=device)
-    return torch.randint(vocab_size, (batch, seq), device=device)
+        return torch.empty(shape, dtype=torch.long, device=device)
+    return torch.randint(n_classes, shape, device=device)
 
 
 def float_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

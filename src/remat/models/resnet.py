@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from remat.models.preset import Preset, float_input
+from remat.models.preset import Preset, class_ids, float_input
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,21 @@ class ResNet(nn.Module):
             self.in_planes = planes * Bottleneck.expansion
         return nn.Sequential(*blocks)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The class logits; given `labels`, the cross-entropy torchvision's reference training
+        script takes."""
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(self.avgpool(x).flatten(1))
+        logits = self.fc(self.avgpool(x).flatten(1))
+        return logits if labels is None else F.cross_entropy(logits, labels)
 
 
 def _inputs(
     config: ResNetConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor]:
-    return (float_input((batch, 3, config.image_size, config.image_size), dtype, device),)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images and their class labels."""
+    images = float_input((batch, 3, config.image_size, config.image_size), dtype, device)
+    return images, class_ids((batch,), config.n_classes, device)
 
 
 TINY = {"layers": (1, 1, 1, 1), "width": 8, "n_classes": 10, "image_size": 32}

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.errors import RematError
-from remat.models.preset import Preset, float_input
+from remat.models.preset import Preset, class_ids, float_input
 
 
 @dataclass(frozen=True)
@@ -88,18 +88,23 @@ class ViT(nn.Module):
         self.norm = nn.LayerNorm(d, eps=1e-6)
         self.head = nn.Linear(d, config.n_classes)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The class logits; given `labels`, the cross-entropy torchvision's reference training
+        script takes."""
         x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, n_patches, d)
         x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_embed
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x)[:, 0])
+        logits = self.head(self.norm(x)[:, 0])
+        return logits if labels is None else F.cross_entropy(logits, labels)
 
 
 def _inputs(
     config: ViTConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor]:
-    return (float_input((batch, 3, config.image_size, config.image_size), dtype, device),)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images and their class labels."""
+    images = float_input((batch, 3, config.image_size, config.image_size), dtype, device)
+    return images, class_ids((batch,), config.n_classes, device)
 
 
 TINY = {
