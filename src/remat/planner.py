@@ -17,7 +17,7 @@ from typing import Any
 from remat import strategies
 from remat.cost import DeviceProfile, checkpoint_overhead_seconds, get_profile, op_seconds_all
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
-from remat.estimate import MemoryEstimate, Optimizer, estimate
+from remat.estimate import MemoryEstimate, Optimizer, estimate, optimizer_step_bytes
 from remat.graph import Graph, ModuleCall
 from remat.plans import (
     DEFAULT_BUDGET,
@@ -238,8 +238,12 @@ class Planner:
     # -- the strategy author's API -------------------------------------------------------------
     @cached_property
     def optimizer_step_peak(self) -> int:
-        """The optimizer step runs after every activation is gone: the same for every plan."""
-        return self.estimate.peak_bytes if self.estimate.peak_phase == "optimizer" else 0
+        """The optimizer step runs after every activation is gone: the same for every plan, and
+        the peak of a plan whose activations peak lower (before 0.5 it was counted only where it
+        was store-all's peak, so a checkpointed plan could be predicted under its step's bytes)."""
+        if self.optimizer is None:
+            return 0
+        return optimizer_step_bytes(self.graph, self.simulate(()), self.optimizer)
 
     def simulate(self, regions: tuple[Region, ...]) -> Simulation:
         return simulate(self.graph, regions, base_bytes=self.base_bytes)

@@ -7,7 +7,9 @@
 - "pkg.module:factory", a function of yours returning (model, inputs), see `factory`;
 - "hf:<model_type>", a Hugging Face transformers architecture built offline, see `hf`;
 - "hf:<org>/<name>", a Hugging Face model of a config shipped with remat (`hf.shipped_names()`),
-  at its real size, returning its own loss.
+  at its real size, returning its own loss;
+- "torchtune:<builder>" and "torchtitan:<model>:<flavor>", the frameworks' own model code with
+  their training loss, when the package is installed, see `frameworks`.
 
 Parameters are created directly on `device`, "meta" by default, so a 70B model allocates nothing
 and builds in well under a second: remat plans from shapes, and only needs real memory to measure.
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from remat.errors import RematError, UnknownModelError
-from remat.models import factory, gpt, hf, llama, megatron, mlp, resnet, vit
+from remat.models import factory, frameworks, gpt, hf, llama, megatron, mlp, resnet, vit
 from remat.models.preset import Preset
 
 __all__ = ["PRESETS", "Preset", "build", "preset_names"]
@@ -78,6 +80,14 @@ def build(
         model, inputs = hf.build_shipped(name[3:], **kw, tiny=tiny, overrides=overrides)
     elif name.startswith("hf:"):
         model, inputs = hf.build(name[3:], **kw, tiny=tiny, overrides=overrides)
+    elif name.startswith("torchtune:"):
+        model, inputs = frameworks.build_torchtune(
+            name.partition(":")[2], **kw, tiny=tiny, overrides=overrides
+        )
+    elif name.startswith("torchtitan:"):
+        model, inputs = frameworks.build_torchtitan(
+            name.partition(":")[2], **kw, tiny=tiny, overrides=overrides
+        )
     elif ":" in name:
         model, inputs = factory.load(name, **kw, tiny=tiny, overrides=overrides)
     else:
