@@ -274,11 +274,13 @@ POINTS: tuple[Point, ...] = (
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
         note="torch 1.x's zero_grad keeps the gradients (set_to_none=False), so they are "
-        "kept between steps. The torch of early 2022 also kept softmax's input for its backward "
-        "(pytorch/pytorch#64000, fixed later): one more fp32 (heads, seq, seq) tensor per layer and "
-        "sample, 16 MiB here, 1.5 GiB at batch 4 over 24 layers, which remat (tracing torch 2.13's "
-        "autograd) does not count: that is H1's, H2's and H4's shortfall, and why it grows with "
-        "the batch and vanishes under checkpointing (H3, H5)",
+        "kept between steps. Most likely cause of H1's, H2's and H4's shortfall: until torch 1.11 "
+        "(pytorch/pytorch#64000, fixed by #65242), softmax's autograd kept its input as well as "
+        "its output; the page's runs of early 2022 (torch 1.10 then) kept one more fp32 (heads, "
+        "seq, seq) tensor per layer and sample, 16 MiB here, 1.5 GiB at batch 4 over 24 layers, "
+        "which remat (tracing torch 2.13's autograd) does not count. It fits the pattern: the gap "
+        "grows with the batch (H1 1,572 MiB, H2 516) and vanishes under checkpointing (H3, H5); "
+        "added, H1 would be 0.998. Not modelled: remat predicts torch 2.13's kernels",
     ),
     Point(
         "H2",
