@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class Point:
     compile: str | None = None
     context_bytes: int | None = None  # the context the publication measured, when it did
     pred_alive: bool = False  # the loop keeps the fp32 prediction through backward (see below)
+    torch_version: tuple[int, int] | None = None  # an older torch's autograd (remat.targets)
     note: str = ""
 
 
@@ -273,14 +274,15 @@ POINTS: tuple[Point, ...] = (
         "adamw-for-loop",
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
+        torch_version=(1, 10),
         note="torch 1.x's zero_grad keeps the gradients (set_to_none=False), so they are "
-        "kept between steps. Most likely cause of H1's, H2's and H4's shortfall: until torch 1.11 "
-        "(pytorch/pytorch#64000, fixed by #65242), softmax's autograd kept its input as well as "
-        "its output; the page's runs of early 2022 (torch 1.10 then) kept one more fp32 (heads, "
-        "seq, seq) tensor per layer and sample, 16 MiB here, 1.5 GiB at batch 4 over 24 layers, "
-        "which remat (tracing torch 2.13's autograd) does not count. It fits the pattern: the gap "
-        "grows with the batch (H1 1,572 MiB, H2 516) and vanishes under checkpointing (H3, H5); "
-        "added, H1 would be 0.998. Not modelled: remat predicts torch 2.13's kernels",
+        "kept between steps; and the runs of early 2022 had torch 1.10 (1.11 came out in March "
+        "2022; inferred, the page does not say), whose softmax autograd kept its input as well as "
+        "its output (pytorch/pytorch#64000, fixed by #65242): the target is "
+        "`remat.targets.cuda((7, 0), torch_version=(1, 10))`, one more fp32 (heads, seq, seq) "
+        "tensor per layer and sample, 16 MiB here. Traced with torch 2.13's autograd instead, H1 "
+        "is 0.895, H2 0.941, H3 0.995, H4 0.858, H5 0.984: the gap grows with the batch and "
+        "vanishes under checkpointing, as that tensor does",
     ),
     Point(
         "H2",
@@ -296,6 +298,7 @@ POINTS: tuple[Point, ...] = (
         "adamw-for-loop",
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
+        torch_version=(1, 10),
     ),
     Point(
         "H3",
@@ -312,6 +315,7 @@ POINTS: tuple[Point, ...] = (
         strategy="full",
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
+        torch_version=(1, 10),
     ),
     Point(
         "H4",
@@ -328,6 +332,7 @@ POINTS: tuple[Point, ...] = (
         autocast=torch.float16,
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
+        torch_version=(1, 10),
     ),
     Point(
         "H5",
@@ -345,6 +350,7 @@ POINTS: tuple[Point, ...] = (
         autocast=torch.float16,
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
+        torch_version=(1, 10),
     ),
 )
 
@@ -403,13 +409,14 @@ def predict(point: Point, source: Source) -> Prediction:
     if not _installed(source.needs):
         return Prediction(point, source, None, 0.0, f"{source.needs} is not installed")
     gpu = get_gpu(point.gpu)
+    target = replace(gpu.target, torch_version=point.torch_version)
     model, inputs = models.build(
         source.model, batch=point.batch, seq=point.seq, dtype=point.dtype, **source.overrides
     )
     if point.pred_alive:
-        graph = _trace_pred_alive(model, inputs, point, gpu)
+        graph = _trace_pred_alive(model, inputs, point, target)
     else:
-        graph = remat.trace(model, *inputs, autocast=point.autocast, target=gpu.target)
+        graph = remat.trace(model, *inputs, autocast=point.autocast, target=target)
     planner = Planner(graph, gpu.profile, point.optimizer)
     regions = ()
     if point.strategy != "store_all":
@@ -455,7 +462,7 @@ class _Pred(torch.nn.Module):
         return self.model(tokens).float()
 
 
-def _trace_pred_alive(model: torch.nn.Module, inputs: tuple, point: Point, gpu: Any) -> Any:
+def _trace_pred_alive(model: torch.nn.Module, inputs: tuple, point: Point, target: Any) -> Any:
     """torchtitan's loop of March 2024: `pred = model(input_ids)` (fp32), `loss = loss_fn(pred,
     labels)`, `loss.backward()`: the prediction stays referenced through the backward."""
     tokens, labels = inputs
@@ -465,7 +472,7 @@ def _trace_pred_alive(model: torch.nn.Module, inputs: tuple, point: Point, gpu: 
         return torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
 
     return remat.trace(
-        _Pred(model), tokens, loss_fn=loss_fn, autocast=point.autocast, target=gpu.target
+        _Pred(model), tokens, loss_fn=loss_fn, autocast=point.autocast, target=target
     )
 
 

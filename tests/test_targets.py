@@ -274,3 +274,22 @@ def test_a_checkpointed_cuda_region_holds_no_device_rng_state():
         assert {rep.overhead_bytes for rep in overheads} == {rng}
         assert graph.info["target"] == target
     assert estimate(graph).peak_bytes > 0
+
+
+def test_torch_before_1_11_kept_softmaxs_input_too():
+    """pytorch/pytorch#64000: until torch 1.11 softmax's and log_softmax's autograd kept their input
+    beside their output. A 4 x 16 fp32 softmax of a linear output keeps 256 B more (its input)
+    for a torch 1.10 target, and the gradients are torch's own either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Softmax(-1))
+    x = torch.randn(4, 16)
+    now = remat.trace(model, x, target=targets.cuda((7, 0)))
+    then = remat.trace(model, x, target=targets.cuda((7, 0), torch_version=(1, 10)))
+    assert then.activation_bytes - now.activation_bytes == 4 * 16 * 4
+    assert "torch 1.10" in then.info["target_detail"]
+    log = nn.Sequential(nn.Linear(16, 16), nn.LogSoftmax(-1))
+    assert (
+        remat.trace(log, x, target=targets.cuda((7, 0), torch_version=(1, 10))).activation_bytes
+        - remat.trace(log, x, target=targets.cuda((7, 0))).activation_bytes
+        == 4 * 16 * 4
+    )

@@ -223,12 +223,46 @@ def _sdpa(target: Target) -> Callable[..., torch.Tensor]:
     return sdpa
 
 
+class _SoftmaxKeepingInput(torch.autograd.Function):
+    """softmax / log_softmax as torch < 1.11's autograd ran them: the input kept for backward
+    beside the output (derivatives.yaml passed `self` to `_softmax_backward_data`)."""
+
+    @staticmethod
+    def forward(ctx: Any, op: Any, backward: Any, input: torch.Tensor, dim: int, half: bool) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op(input, dim, half)
+        ctx.save_for_backward(input, output)
+        ctx.backward_op, ctx.dim = backward, dim
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        input, output = ctx.saved_tensors
+        return None, None, ctx.backward_op(grad, output, ctx.dim, input.dtype), None, None
+
+
+def _softmax_keeping_input(forward: Any, backward: Any) -> Callable[..., torch.Tensor]:
+    def run(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        return _SoftmaxKeepingInput.apply(forward, backward, input, dim, half_to_float)
+
+    return run
+
+
 def _reroutes(target: Target) -> dict[str, Callable[..., Any]]:
-    return {
+    reroutes: dict[str, Callable[..., Any]] = {
         "dropout": _dropout,
         "rms_norm": _rms_norm,
         "scaled_dot_product_attention": _sdpa(target),
     }
+    if target.softmax_keeps_input:
+        aten = torch.ops.aten
+        reroutes["_softmax"] = _softmax_keeping_input(
+            aten._softmax.default, aten._softmax_backward_data.default
+        )
+        reroutes["_log_softmax"] = _softmax_keeping_input(
+            aten._log_softmax.default, aten._log_softmax_backward_data.default
+        )
+    return reroutes
 
 
 def _unreachable_cpu_kernel(*args: Any, **kwargs: Any) -> Any:

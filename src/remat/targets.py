@@ -62,6 +62,9 @@ class Target:
     capability: tuple[int, int] | None = None
     attention: tuple[str, ...] = ()
     rng_state_bytes: int = 0
+    #: the torch whose autograd the run had, where it saved other tensors than torch 2.13's
+    #: (`SOFTMAX_KEPT_INPUT_BEFORE`); None: torch 2.13's
+    torch_version: tuple[int, int] | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -72,7 +75,16 @@ class Target:
         if not self.is_cuda:
             return self.name
         major, minor = self.capability or (0, 0)
-        return f"cuda sm{major}{minor} (attention: {' > '.join(self.attention)})"
+        torch_version = ""
+        if self.torch_version is not None:
+            torch_version = ", torch {}.{}'s autograd".format(*self.torch_version)
+        return f"cuda sm{major}{minor} (attention: {' > '.join(self.attention)}{torch_version})"
+
+    @property
+    def softmax_keeps_input(self) -> bool:
+        """Before torch 1.11, softmax's and log_softmax's autograd kept their input as well as
+        their output (pytorch/pytorch#64000, fixed by #65242)."""
+        return self.torch_version is not None and self.torch_version < SOFTMAX_KEPT_INPUT_BEFORE
 
 
 # -- scratch: what a kernel allocates and frees inside its op ----------------------------------------
@@ -342,10 +354,20 @@ CPU_RNG_STATE_BYTES = 5056
 CPU = Target("cpu", rng_state_bytes=CPU_RNG_STATE_BYTES)
 
 
-def cuda(capability: tuple[int, int] = (9, 0), attention: str | tuple[str, ...] = "auto") -> Target:
+#: The first torch whose softmax autograd keeps only the output.
+SOFTMAX_KEPT_INPUT_BEFORE = (1, 11)
+
+
+def cuda(
+    capability: tuple[int, int] = (9, 0),
+    attention: str | tuple[str, ...] = "auto",
+    torch_version: tuple[int, int] | None = None,
+) -> Target:
     """A CUDA target: a GPU of `capability` (default sm90, an H100). `attention`: "auto" (torch's
     default priority, flash first), "cudnn-first" (torch's order when it prefers cuDNN: sm90/sm100
-    with cuDNN newer than 9.15), one backend name to force it, or a priority tuple."""
+    with cuDNN newer than 9.15), one backend name to force it, or a priority tuple.
+    `torch_version`: an older torch the run had, for what its autograd saved differently (only
+    softmax's input before 1.11 is modelled); None: torch 2.13."""
     if attention == "auto":
         order: tuple[str, ...] = DEFAULT_ATTENTION_PRIORITY
     elif attention == "cudnn-first":
@@ -362,7 +384,7 @@ def cuda(capability: tuple[int, int] = (9, 0), attention: str | tuple[str, ...] 
         )
     if len(capability) != 2 or not all(isinstance(c, int) for c in capability):
         raise RematError(f"a compute capability is (major, minor), got {capability!r}")
-    return Target("cuda", tuple(capability), order, rng_state_bytes=0)
+    return Target("cuda", tuple(capability), order, rng_state_bytes=0, torch_version=torch_version)
 
 
 def get_target(target: Target | str | None) -> Target:
