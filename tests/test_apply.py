@@ -237,3 +237,17 @@ def test_keyword_inputs_and_several_outputs_keep_store_alls_gradients():
         remat.apply(model, Planner(graph).plan("1TiB", strategy))
         _assert_same(grads(), reference)
         remat.remove(model)
+
+
+def test_verify_leaves_the_users_gradients_as_it_found_them():
+    """verify between backward() and optimizer.step() must not drop the step's gradients."""
+    torch.manual_seed(0)
+    model, inputs = _build("gpt2")
+    remat.auto(model, *inputs, budget="1TiB", strategy="full")
+    model(*inputs).backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    report = remat.verify(model, *inputs)
+    assert report.held_bytes_measured is not None
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, before[n], rtol=0, atol=0, msg=n)
+    remat.remove(model)

@@ -305,7 +305,10 @@ class Verification:
 def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verification:
     """Report what the plan installed on `model` did in its latest training forward. With example
     inputs (and the keyword arguments of the model's call, `loss_fn` included), first run one
-    measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes`."""
+    measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes`. The
+    parameters' `.grad` are as the caller left them afterwards (the measured step's gradients
+    are discarded), so verify may sit between `backward()` and `optimizer.step()`; the step does
+    run the forward, so buffers a training forward updates (BatchNorm's statistics) move."""
     state = vars(model).get(_APPLIED)
     if state is None:
         raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
@@ -313,7 +316,12 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
     if example_inputs or kwargs:
         from remat.measure import measure
 
-        measured = measure(model, *example_inputs, **kwargs)
+        grads = [(p, p.grad) for p in model.parameters()]
+        try:
+            measured = measure(model, *example_inputs, **kwargs)
+        finally:
+            for p, grad in grads:
+                p.grad = grad
     checks = [c for c in state.checks if c.expected]
     if any(c.forwards == 0 for c in checks):
         raise RematError(

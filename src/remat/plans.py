@@ -292,7 +292,18 @@ def resolve_budget(budget: int | str, fixed_bytes: int, store_all_peak: int) -> 
         if not 0 <= share <= 10:
             raise BudgetError(f"budget {budget!r}: a share must be between 0% and 1000%")
         return fixed_bytes + int(share * (store_all_peak - fixed_bytes))
-    return parse_bytes(budget)
+    nbytes = parse_bytes(budget)
+    if nbytes < 1:
+        try:
+            fraction = float(str(budget).strip())
+        except ValueError:
+            fraction = 0.0
+        hint = f"; did you mean {fraction:.0%}?" if 0 < fraction <= 1 else ""
+        raise BudgetError(
+            f"budget {budget!r} is {nbytes} bytes: give a positive size (e.g. 2GiB) or a share of "
+            f"store-all's peak (e.g. 50%){hint}"
+        )
+    return nbytes
 
 
 def build_plan(
