@@ -350,3 +350,42 @@ def test_adamw_is_the_implementation_torch_picks_on_the_target():
     assert resolve_optimizer("adamw", cpu) == "adamw-for-loop"
     assert resolve_optimizer("adamw", gpu) == "adamw-foreach"
     assert estimate(gpu, optimizer="adamw").peak_op == "adamw-foreach.step"
+
+
+class _Layer(nn.Module):
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.act = act  # one module object shared by every layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear(x))
+
+
+class _SharedActivation(nn.Module):
+    """Two layers calling one GELU module, as models that share an activation or RoPE module do
+    (its path is its first registration: layers.0.act)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        act = nn.GELU()
+        self.layers = nn.ModuleList(_Layer(act) for _ in range(2))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_shared_submodule_is_charged_to_each_layer_that_calls_it():
+    """All tensors 4 x 8 fp32 = 128 B. Layer 0 keeps the input (saved by its linear), its linear's
+    output (saved by GELU) and its GELU's output (saved by layer 1's linear); layer 1 its linear's
+    output and its GELU's output (saved by the head). The shared GELU's path is its first
+    registration, layers.0.act: charged by path, layer 1's GELU output landed in layer 0 (512 B
+    against 128); charged by call, each layer has its own."""
+    graph = remat.trace(_SharedActivation(), torch.randn(4, 8))
+    by = {m.module: m.activation_bytes for m in estimate(graph).by_module}
+    assert by["layers.0"] == 3 * 128 and by["layers.1"] == 2 * 128
+    assert by["layers.0.act"] == 2 * 128  # the shared module's own path sums its two calls
+    assert by["layers"] == by[""] == graph.activation_bytes == 5 * 128

@@ -541,15 +541,35 @@ def _saved_owner(graph: Graph, storage_id: int) -> str | None:
 
 
 def activation_bytes_by_module(graph: Graph) -> tuple[ModuleBytes, ...]:
-    """Saved bytes per module path, inclusive of submodules, in forward order."""
-    totals: dict[str, int] = defaultdict(int)
+    """Saved bytes per module path, inclusive of submodules, in forward order. A module is charged
+    what the ops inside its calls saved, by the calls' op ranges: a submodule shared by several
+    layers (one activation or RoPE module reused by all) counts in each layer that called it, and
+    its own path sums all its calls."""
+    per_op = [0] * (len(graph.ops) + 1)
+    total = 0
     for sid in graph.saved_storages:
+        nbytes = graph.storages[sid].nbytes
+        total += nbytes
         owner = _saved_owner(graph, sid)
-        path = graph.op_by_name[owner].module if owner is not None else ""
-        parts = path.split(".") if path else []
-        totals[""] += graph.storages[sid].nbytes
-        for depth in range(1, len(parts) + 1):
-            totals[".".join(parts[:depth])] += graph.storages[sid].nbytes
+        if owner is not None:
+            per_op[graph.op_by_name[owner].index] += nbytes
+    prefix = [0]
+    for b in per_op:
+        prefix.append(prefix[-1] + b)
+    totals: dict[str, int] = defaultdict(int)
+    for call in graph.modules:
+        if call.path:
+            totals[call.path] += prefix[call.last_op + 1] - prefix[call.first_op]
+    # containers never called themselves (a ModuleList "layers") sum their topmost called children
+    called = set(totals)
+    for path in list(called):
+        parts = path.split(".")
+        for depth in range(len(parts) - 1, 0, -1):
+            parent = ".".join(parts[:depth])
+            if parent in called:
+                break
+            totals[parent] += totals[path]
+    totals[""] = total
     order = {m.path: i for i, m in reversed(list(enumerate(graph.modules)))}
     return tuple(
         ModuleBytes(module=p, activation_bytes=b)
