@@ -208,3 +208,52 @@ def test_fits_in_memory_for_real_trace():
 
     fits, why = fits_in_memory_for_real_trace(model, (), {"x": x.to("meta")})
     assert not fits and "input" in why
+
+
+class SelfCastingRouter(nn.Module):
+    """A mixture-of-experts router that casts itself in every forward, as Switch Transformers'
+    and NLLB-MoE's do (`self.classifier = self.classifier.to(self.dtype)`)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.classifier = nn.Linear(8, 4)
+        self.dtype = dtype
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(self.dtype)
+        return self.classifier(x.to(self.dtype)).softmax(-1)
+
+
+class Routed(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.router = SelfCastingRouter(dtype)
+
+    def forward(self, x):
+        return self.router(self.fc(x))
+
+
+def test_a_router_casting_itself_to_its_own_dtype_traces_on_fake_tensors_as_on_real_ones():
+    x = torch.randn(4, 8)
+    fake, real = (remat.trace(Routed(), x, device=device) for device in ("meta", "cpu"))
+    assert [op.name for op in fake.ops] == [op.name for op in real.ops]
+    assert fake.activation_bytes == real.activation_bytes == remat.measure(Routed(), x).activation_bytes
+
+
+def test_any_failure_of_the_fake_step_is_a_trace_error_naming_module_line_and_op_and_auto_falls_back():
+    """A cast that changes the router's dtype fails on fake tensors outside any op (torch cannot
+    swap a fake parameter the trace holds): a TraceError, not torch's raw RuntimeError, naming
+    the module and the model's line; `auto` says so and traces on the real tensors."""
+    model, x = Routed(torch.float64), torch.randn(4, 8)
+    with pytest.raises(TraceError) as err:
+        remat.trace(model, x)
+    msg = str(err.value)
+    assert "module 'router'" in msg
+    assert "self.classifier = self.classifier.to(self.dtype)" in msg
+    assert "RuntimeError" in msg and "device='cpu'" in msg
+    assert err.value.fake_tensor_failure and err.value.module == "router"
+    assert err.value.op is not None  # the last op traced before the failure
+    with pytest.warns(remat.errors.RematWarning, match="tracing on real CPU tensors instead"):
+        plan = remat.auto(Routed(torch.float64), x, budget="100%")
+    assert plan.predicted_peak_bytes > 0

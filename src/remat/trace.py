@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
+import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -251,6 +253,8 @@ class _Tracer(TorchDispatchMode):
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
         self.modules: list[_CallRecord] = []
         self.param_names: dict[int, str] = {}
+        #: the innermost module whose call an exception left (its forward hook still runs)
+        self.failed_in: str | None = None
 
     # -- storages and tensors --------------------------------------------------------------------
     def storage_id(
@@ -559,6 +563,8 @@ class _Tracer(TorchDispatchMode):
 
     def _exit(self, path: str) -> Callable:
         def hook(module, args, kwargs, output):
+            if self.failed_in is None and sys.exc_info()[1] is not None:
+                self.failed_in = path
             self.before_event()
             call = next(m for m in reversed(self.modules) if m.path == path and m.open)
             call.outputs = self._tensor_ids(output)
@@ -607,6 +613,68 @@ class _Tracer(TorchDispatchMode):
             modules=[m.freeze() for m in self.modules],
             info=info,
         )
+
+
+@contextlib.contextmanager
+def _no_op_module_casts() -> Iterator[None]:
+    """Within a fake trace, `module.to(...)` to the dtype and device its tensors already have
+    returns the module, as on real tensors. Some routers cast themselves in every forward
+    (`self.classifier = self.classifier.to(self.dtype)`); on fake tensors torch swaps each
+    parameter for its "converted" self, which fails while the trace holds it."""
+    original = nn.Module.to
+
+    def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        same_device = device is None or all(
+            t.device.type == torch.device(device).type for t in tensors
+        )
+        same_dtype = dtype is None or all(
+            t.dtype == dtype for t in tensors if t.is_floating_point() or t.is_complex()
+        )
+        if same_device and same_dtype and memory_format is None:
+            return module
+        return original(module, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _fake_step_failure(tracer: _Tracer, error: Exception) -> TraceError:
+    """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
+    Python check on a tensor): a TraceError naming the module, the last op traced before it and
+    the line of the model's code that raised, so that `auto` can trace on real tensors."""
+    module = tracer.failed_in if tracer.failed_in is not None else tracer.scopes[-1]
+    module = module or "<root>"
+    last_op = tracer.ops[-1].target if tracer.ops else None
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if not _is_library_file(f.filename)]
+    where = ""
+    if own:
+        frame = own[-1]
+        where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+    first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+    after = f"after op {last_op}" if last_op else "before its first op"
+    return TraceError(
+        f"the step fails on fake tensors in module '{module}'{where}, {after} "
+        f"({type(error).__name__}: {first_line}). Trace on real tensors at a size that fits in "
+        "memory instead: remat.trace(..., device='cpu') or remat.auto(..., trace_device='cpu') "
+        "(CLI: --trace-device cpu, with a smaller --batch/--seq).",
+        op=last_op,
+        module=module,
+        fake_tensor_failure=True,
+    )
+
+
+def _is_library_file(filename: str) -> bool:
+    """torch's and remat's own files: not where a model's failing line is."""
+    return filename.startswith(_LIBRARY_DIRS)
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -722,10 +790,12 @@ def trace(
         )
         rng = torch.random.fork_rng(devices=cuda_devices)
     as_real = hfcompat.as_real_run(kwargs) if not real else contextlib.nullcontext()
+    casts = _no_op_module_casts() if not real else contextlib.nullcontext()
     dispatch = emulate.installed(target, autocast, "cuda" if device.startswith("cuda") else "cpu")
     with (
         rng,
         as_real,
+        casts,
         dispatch as target_dispatch,
         fake_mode if fake_mode is not None else contextlib.nullcontext(),
     ):
@@ -771,6 +841,12 @@ def trace(
                 tracer.before_event()
                 tracer.finish_node()
                 tracer.current_node = None
+        except TraceError:
+            raise
+        except Exception as e:
+            if real:
+                raise  # the step failed on the real tensors: the user's own error, unchanged
+            raise _fake_step_failure(tracer, e) from e
         finally:
             for h in hook_handles:
                 h.remove()
