@@ -238,7 +238,11 @@ def test_a_router_casting_itself_to_its_own_dtype_traces_on_fake_tensors_as_on_r
     x = torch.randn(4, 8)
     fake, real = (remat.trace(Routed(), x, device=device) for device in ("meta", "cpu"))
     assert [op.name for op in fake.ops] == [op.name for op in real.ops]
-    assert fake.activation_bytes == real.activation_bytes == remat.measure(Routed(), x).activation_bytes
+    assert (
+        fake.activation_bytes
+        == real.activation_bytes
+        == remat.measure(Routed(), x).activation_bytes
+    )
 
 
 def test_any_failure_of_the_fake_step_is_a_trace_error_naming_module_line_and_op_and_auto_falls_back():
