@@ -251,3 +251,38 @@ def test_verify_leaves_the_users_gradients_as_it_found_them():
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, before[n], rtol=0, atol=0, msg=n)
     remat.remove(model)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "hf:llama"])
+@pytest.mark.parametrize("first", ["full", "milp"])
+def test_auto_on_a_planned_model_replaces_the_plan_as_if_planning_the_bare_model(name, first):
+    """The second auto must not trace the first plan's checkpoint regions (a whole-block plan
+    read as store-all, a selective one failing on a cache), and its plan carries out exactly."""
+    torch.manual_seed(0)
+    model, inputs = _build(name)
+    bare, _ = _build(name)
+    bare.load_state_dict(model.state_dict())
+    reference = gradients(bare, inputs)
+    graph = remat.trace(bare, *inputs)
+    lowest = Planner(graph).lowest_peak().predicted_peak_bytes
+    remat.auto(model, *inputs, budget=lowest if first == "milp" else "1TiB", strategy=first)
+    again = remat.auto(model, *inputs, budget="100%")
+    expected = Planner(graph).plan("100%", "auto")
+    assert (again.strategy, again.predicted_peak_bytes) == (
+        expected.strategy,
+        expected.predicted_peak_bytes,
+    )
+    _assert_same(gradients(model, inputs), reference)
+    report = remat.verify(model, *inputs)
+    assert report.ok, report
+    remat.remove(model)
+
+
+def test_auto_that_fails_leaves_the_previous_plan_installed():
+    torch.manual_seed(0)
+    model, inputs = _build("gpt2")
+    first = remat.auto(model, *inputs, budget="1TiB", strategy="full")
+    with pytest.raises(remat.InfeasibleBudget):
+        remat.auto(model, *inputs, budget=1024)
+    assert vars(model)["_remat_applied"].plan is first
+    remat.remove(model)

@@ -357,25 +357,37 @@ def auto(
     them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
     experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
     tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start.
-    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200)."""
+    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200).
+    On a model that already has a plan, the new plan replaces it, made as for the bare model."""
     from remat.planner import plan
     from remat.trace import trace
 
-    if trace_device in (None, "meta"):
-        try:
-            graph = trace(model, *example_inputs, device="meta", **kwargs)
-        except TraceError as err:
-            if trace_device is not None or not err.fake_tensor_failure:
-                raise
-            from remat.trace import fits_in_memory_for_real_trace
+    # Plan the bare model: a plan already installed would be traced as part of the step. Should
+    # tracing or planning fail, the model keeps the plan it had.
+    previous = vars(model).get(_APPLIED)
+    remove(model)
+    try:
+        if trace_device in (None, "meta"):
+            try:
+                graph = trace(model, *example_inputs, device="meta", **kwargs)
+            except TraceError as err:
+                if trace_device is not None or not err.fake_tensor_failure:
+                    raise
+                from remat.trace import fits_in_memory_for_real_trace
 
-            fits, why = fits_in_memory_for_real_trace(model, example_inputs, kwargs)
-            if not fits:
-                raise
-            warn(f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})")
-            graph = trace(model, *example_inputs, device="cpu", **kwargs)
-    else:
-        graph = trace(model, *example_inputs, device=trace_device, **kwargs)
-    chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
+                fits, why = fits_in_memory_for_real_trace(model, example_inputs, kwargs)
+                if not fits:
+                    raise
+                warn(
+                    f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})"
+                )
+                graph = trace(model, *example_inputs, device="cpu", **kwargs)
+        else:
+            graph = trace(model, *example_inputs, device=trace_device, **kwargs)
+        chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
+    except BaseException:
+        if previous is not None:
+            apply(model, previous.plan)
+        raise
     apply(model, chosen)
     return chosen
