@@ -36,7 +36,8 @@ _warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 class CachesOff:
     """Forward pre-hooks on every module of `model` whose forward takes `use_cache` or a cache
-    argument; `remove()` takes them off. The message is given once per model."""
+    argument; `remove()` takes them off. The message is given once per model. The hooks are
+    `_CacheHook` objects, so that a model carrying them can be deep-copied and pickled."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -45,35 +46,40 @@ class CachesOff:
             names = _parameters(module)
             touched = tuple(n for n in ("use_cache", *CACHE_ARGUMENTS) if n in names)
             if touched:
-                hook = self._hook(path or type(module).__name__, touched)
+                hook = _CacheHook(self, path or type(module).__name__, touched)
                 self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-
-    def _hook(self, path: str, names: tuple[str, ...]):
-        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-            if not (module.training and torch.is_grad_enabled()):
-                return None
-            changed = []
-            if "use_cache" in names:
-                default = getattr(getattr(module, "config", None), "use_cache", True)
-                if kwargs.get("use_cache", default):
-                    changed.append("use_cache=False")
-                kwargs["use_cache"] = False
-            for name in names:
-                if name != "use_cache" and kwargs.get(name) is not None:
-                    kwargs[name] = None
-                    changed.append(f"{name}=None")
-            if changed and self.model not in _warned:
-                _warned.add(self.model)
-                warn(
-                    "remat: a cache is useless in training and would be written again by "
-                    f"recomputation; the step runs with {', '.join(changed)} (first in {path}), "
-                    "as Hugging Face's gradient checkpointing does"
-                )
-            return args, kwargs
-
-        return hook
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class _CacheHook:
+    """Turn caching off in one module's training forward (`names`: its cache arguments)."""
+
+    def __init__(self, owner: CachesOff, path: str, names: tuple[str, ...]):
+        self.owner, self.path, self.names = owner, path, names
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        changed = []
+        if "use_cache" in self.names:
+            default = getattr(getattr(module, "config", None), "use_cache", True)
+            if kwargs.get("use_cache", default):
+                changed.append("use_cache=False")
+            kwargs["use_cache"] = False
+        for name in self.names:
+            if name != "use_cache" and kwargs.get(name) is not None:
+                kwargs[name] = None
+                changed.append(f"{name}=None")
+        model = self.owner.model
+        if changed and model not in _warned:
+            _warned.add(model)
+            warn(
+                "remat: a cache is useless in training and would be written again by "
+                f"recomputation; the step runs with {', '.join(changed)} (first in {self.path}), "
+                "as Hugging Face's gradient checkpointing does"
+            )
+        return args, kwargs

@@ -13,8 +13,6 @@ key/value caching off (`remat.caches`), as the trace did.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,29 +49,37 @@ class RegionCheck:
 
 @dataclass
 class _Applied:
-    """Everything `apply` changed on a model, so that `remove` undoes exactly that."""
+    """Everything `apply` changed on a model, so that `remove` undoes exactly that. It and every
+    callable `apply` installs are plain objects of this module's classes, not closures, so that a
+    planned model survives `copy.deepcopy` (each copy's regions run and remove its own blocks),
+    `pickle`, `torch.save` and multiprocessing spawn."""
 
     plan: Plan
     checks: list[RegionCheck]
     caches: CachesOff
     handles: list[Any]
-    forwards: dict[nn.Module, Any]  # module -> its own instance `forward`, or _ABSENT
+    #: module -> the instance `forward` it had before the plan, or None (its class's)
+    forwards: dict[nn.Module, Any]
     warned: bool = False
 
 
-_ABSENT = object()
-
-
-def _policy_factory(
-    keys: frozenset[OpKey], scope: list[str], check: RegionCheck
-) -> Callable[[], Any]:
+class _KeepPolicy:
     """A `context_fn` for checkpoint: fresh selective-checkpoint contexts per call whose policy
-    keeps the ops whose stable key is in `keys`, counting occurrences separately in the forward
-    and in the recomputation (they issue the same stream) and recording what the forward kept."""
-    target_of: dict[Any, str] = {}
+    keeps the ops whose stable key is in `check.expected`, counting occurrences separately in the
+    forward and in the recomputation (they issue the same stream) and recording what the forward
+    kept."""
 
-    def context_fn():
+    def __init__(self, check: RegionCheck, scope: list[str]):
+        self.check = check
+        self.scope = scope
+        self.target_of: dict[Any, str] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "target_of": {}}  # a cache of op names; ops do not pickle
+
+    def __call__(self) -> Any:
         counts: tuple[dict, dict] = ({}, {})
+        keys, check, scope, target_of = self.check.expected, self.check, self.scope, self.target_of
 
         def policy(ctx, func, *args, **kwargs):
             target = target_of.get(func)
@@ -92,23 +98,32 @@ def _policy_factory(
 
         return create_selective_checkpoint_contexts(policy)
 
-    return context_fn
+
+class _EnterScope:
+    """Forward pre-hook: `path` is now the innermost module running (as the tracer names ops'
+    modules)."""
+
+    def __init__(self, scope: list[str], path: str):
+        self.scope, self.path = scope, path
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.scope.append(self.path)
+
+
+class _LeaveScope:
+    def __init__(self, scope: list[str]):
+        self.scope = scope
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.scope.pop()
 
 
 def _scope_hooks(model: nn.Module, scope: list[str]) -> list[Any]:
-    """Keep `scope[-1]` equal to the path of the innermost module running, as the tracer names
-    ops' modules."""
+    """Keep `scope[-1]` equal to the path of the innermost module running."""
     handles = []
     for path, module in model.named_modules():
-
-        def enter(module, args, path=path):
-            scope.append(path)
-
-        def leave(module, args, output):
-            scope.pop()
-
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave, always_call=True))
+        handles.append(module.register_forward_pre_hook(_EnterScope(scope, path)))
+        handles.append(module.register_forward_hook(_LeaveScope(scope), always_call=True))
     return handles
 
 
@@ -141,55 +156,57 @@ def _restore_batchnorm_after_backward(norms: list[nn.Module], args: tuple) -> No
     anchor.register_hook(restore)
 
 
-def _checkpointed(
-    run: Callable[..., Any],
-    modules: list[nn.Module],
-    context_fn: Callable[[], Any] | None,
-    preserve_rng_state: bool,
-    after_forward: Callable[[], None],
-) -> Callable[..., Any]:
-    norms = _batchnorms(modules)
+class _RegionForward:
+    """The `forward` of a region's first block: the region's blocks, x -> b0(x, *rest) ->
+    b1(., *rest) -> ..., under `torch.utils.checkpoint` (with the region's keep policy), each
+    block's path on the module stack: the recomputation calls `run` directly, outside
+    `__call__` and so outside the blocks' own hooks. After each forward it counts the region and
+    warns once per model when it kept fewer ops than planned."""
 
-    @functools.wraps(run)
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return run(*args, **kwargs)  # inference: nothing to save, no overhead
-        kw = {"context_fn": context_fn} if context_fn is not None else {}
-        out = checkpoint(
-            run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kw, **kwargs
-        )
-        if norms:
-            _restore_batchnorm_after_backward(norms, args)
-        after_forward()
-        return out
+    def __init__(
+        self,
+        state: _Applied,
+        check: RegionCheck,
+        blocks: list[nn.Module],
+        paths: list[str],
+        scope: list[str],
+        preserve_rng_state: bool,
+    ):
+        self.state, self.check = state, check
+        self.blocks, self.paths, self.scope = blocks, paths, scope
+        self.context_fn = _KeepPolicy(check, scope) if check.expected else None
+        self.preserve_rng_state = preserve_rng_state
 
-    return forward
-
-
-def _region_runner(
-    paths: list[str], originals: list[Callable], scope: list[str]
-) -> Callable[..., Any]:
-    """Run a region's blocks as one function, x -> b0(x, *rest) -> b1(., *rest) -> ..., with each
-    block's path on the module stack: the recomputation calls this directly, outside `__call__`
-    and so outside the blocks' own hooks."""
-
-    def run(x, *rest, **kwargs):
-        for path, fwd in zip(paths, originals, strict=True):
-            scope.append(path)
+    def run(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        for path, block in zip(self.paths, self.blocks, strict=True):
+            own = self.state.forwards[block]
+            self.scope.append(path)
             try:
-                x = fwd(x, *rest, **kwargs)
+                x = (own or type(block).forward.__get__(block))(x, *rest, **kwargs)
             finally:
-                scope.pop()
+                self.scope.pop()
         return x
 
-    return run
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.run(*args, **kwargs)  # inference: nothing to save, no overhead
+        kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+        out = checkpoint(
+            self.run,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=self.preserve_rng_state,
+            **kw,
+            **kwargs,
+        )
+        norms = _batchnorms(self.blocks)
+        if norms:
+            _restore_batchnorm_after_backward(norms, args)
+        self.after_forward()
+        return out
 
-
-def _check_region(state: _Applied, check: RegionCheck) -> Callable[[], None]:
-    """After a region's forward: count it, and warn once per model when it kept fewer ops than
-    planned."""
-
-    def after_forward():
+    def after_forward(self) -> None:
+        check, state = self.check, self.state
         check.forwards += 1
         check.matched, check.running = frozenset(check.running), set()
         if check.missing and not state.warned:
@@ -201,8 +218,6 @@ def _check_region(state: _Applied, check: RegionCheck) -> Callable[[], None]:
                 f"occurrence {n} of {target} in {name or '<root>'}); memory and time differ from "
                 "the plan. remat.verify(model) lists every region"
             )
-
-    return after_forward
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
@@ -229,13 +244,11 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     for region in plan.regions:
         check = RegionCheck(region.modules, frozenset(region.keep_keys))
         state.checks.append(check)
-        context_fn = _policy_factory(check.expected, scope, check) if region.keep_keys else None
         blocks = [named[p] for p in region.modules]
         for block in blocks:
-            state.forwards[block] = vars(block).get("forward", _ABSENT)
-        run = _region_runner(list(region.modules), [b.forward for b in blocks], scope)
-        blocks[0].forward = _checkpointed(
-            run, blocks, context_fn, region.random, _check_region(state, check)
+            state.forwards[block] = vars(block).get("forward")
+        blocks[0].forward = _RegionForward(
+            state, check, blocks, list(region.modules), scope, region.random
         )
         for block in blocks[1:]:
             block.forward = _pass_through
@@ -254,7 +267,7 @@ def remove(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     for module, forward in state.forwards.items():
-        if forward is _ABSENT:
+        if forward is None:
             del module.forward
         else:
             module.forward = forward
