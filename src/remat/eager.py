@@ -327,11 +327,9 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
     measured = None
     if example_inputs or kwargs:
-        from remat.measure import measure
-
         grads = [(p, p.grad) for p in model.parameters()]
         try:
-            measured = measure(model, *example_inputs, **kwargs)
+            measured = _measure_longest_draws(model, example_inputs, kwargs)
         finally:
             for p, grad in grads:
                 p.grad = grad
@@ -351,6 +349,29 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         peak_bytes_predicted=state.plan.predicted_peak_bytes,
         peak_bytes_measured=None if measured is None else measured.peak_bytes,
     )
+
+
+def _measure_longest_draws(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> Any:
+    """One measured step with random draws at their low extreme (`remat.draws`); where a draw
+    decided something (LayerDrop), at the high one too: the longer step, which the plan was made
+    for. At one extreme the step may not train at all (every layer skipped)."""
+    from remat.measure import measure
+
+    try:
+        low = measure(model, *inputs, draws="low", **kwargs)
+    except RematError as err:
+        low, failure = None, err
+    if low is not None and not low.random_reads:
+        return low
+    try:
+        high = measure(model, *inputs, draws="high", **kwargs)
+    except RematError:
+        if low is None:
+            raise failure from None
+        return low
+    if low is None:
+        return high
+    return max(low, high, key=lambda m: (m.held_bytes, m.peak_bytes))
 
 
 def auto(

@@ -50,6 +50,9 @@ class TraceError(RematError):
         self.op = op
         self.module = module
         self.fake_tensor_failure = fake_tensor_failure
+        #: reads of random draws before the failure (`remat.draws`): the trace tries their other
+        #: extreme, as when LayerDrop skipped every layer
+        self.random_reads: list[tuple[str, str]] = []
 
 
 class InfeasibleBudget(RematError):

@@ -23,6 +23,7 @@ the loss stay referenced until the step ends, as in a loop that writes `out = mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from remat.draws import Draws, ForcedDraws
 from remat.errors import RematError
 from remat.quiet import quiet_fd
 from remat.trace import is_own_loss
@@ -84,6 +86,8 @@ class Measurement:
             count once). Gradients are None at that point.
         step_seconds: wall time of each timed step, without the profiler running.
         device: "cpu" or "cuda:<index> (<device name>)".
+        random_reads: with `draws`, the reads of random draws it answered (over the warmup and
+            the measured step): 0 means the step's ops do not depend on random draws.
     """
 
     activation_bytes: int
@@ -92,6 +96,7 @@ class Measurement:
     baseline_bytes: int
     step_seconds: tuple[float, ...]
     device: str
+    random_reads: int = 0
 
 
 def measure(
@@ -102,6 +107,7 @@ def measure(
     steps: int = 1,
     warmup: int = 1,
     device: str | torch.device | None = None,
+    draws: Draws | None = None,
     **kwargs: Any,
 ) -> Measurement:
     """Run real training steps of `model` on `inputs` and measure their memory and time.
@@ -136,6 +142,8 @@ def measure(
         warmup: number of untimed steps before measuring, at least 0.
         device: the device to measure on; None means where the model's parameters are. The
             model must already be there: measure() does not move it.
+        draws: None (the step draws as in training), or "low"/"high": a step whose ops depend
+            on random draws (LayerDrop) runs with them at that extreme (`remat.draws`).
 
     Raises:
         RematError: for parameters on the meta device or on several devices, a `device` the
@@ -145,6 +153,7 @@ def measure(
     if steps < 1 or warmup < 0:
         raise RematError(f"measure() needs steps >= 1 and warmup >= 0, got {steps=}, {warmup=}")
     step, target = _training_step(model, inputs, kwargs, loss_fn, optimizer, device)
+    step.draws = draws
     params = list(model.parameters())
     with torch.enable_grad():
         step.clear_grads()
@@ -164,6 +173,7 @@ def measure(
             retained, peak = _cuda_memory_step(step, saved, target)
         else:
             retained, peak = _cpu_memory_step(step, saved)
+        reads = step.random_reads
         seconds = tuple(_timed_step(step, target) for _ in range(steps))
     return Measurement(
         activation_bytes=saved.nbytes,
@@ -172,6 +182,7 @@ def measure(
         baseline_bytes=baseline,
         step_seconds=seconds,
         device=_device_label(target),
+        random_reads=reads,
     )
 
 
@@ -380,13 +391,29 @@ class _TrainingStep:
     loss_fn: Callable[[Any], torch.Tensor] | None
     optimizer: torch.optim.Optimizer | None
     grad_holders: list[torch.Tensor]  # parameters and inputs whose .grad backward may fill
+    draws: Draws | None = None  # reads of random draws answered with this extreme (LayerDrop)
+    random_reads: int = 0  # how many there were, over the steps run
+
+    @contextlib.contextmanager
+    def _draws(self) -> Iterator[None]:
+        if self.draws is None:
+            yield
+            return
+        forced = ForcedDraws(self.draws)
+        try:
+            with forced:
+                yield
+        finally:
+            self.random_reads += len(forced.reads)
 
     def forward(self) -> tuple[Any, torch.Tensor]:
-        return _forward(self.model, self.inputs, self.kwargs, self.loss_fn)
+        with self._draws():
+            return _forward(self.model, self.inputs, self.kwargs, self.loss_fn)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward, optimizer step, then gradients to None (also those the optimizer skips)."""
-        loss.backward()
+        with self._draws():  # a region's replay draws again
+            loss.backward()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -171,10 +171,13 @@ class Planner:
         for s in strategies.available("eager"):
             if not s.appliable or (s.needs_blocks and not self.blocks):
                 continue
-            if s.lowest_peak is not None:
-                plans.append(s.lowest_peak(self))
-            elif not s.budgeted:
-                plans.append(self.solve(s, 0))
+            try:
+                if s.lowest_peak is not None:
+                    plans.append(self._runs_with_skipped_blocks(s.lowest_peak(self)))
+                elif not s.budgeted:
+                    plans.append(self.solve(s, 0))
+            except InfeasibleBudget:
+                continue
         return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
 
     def pareto(self, steps: int = 16) -> Frontier:
@@ -233,7 +236,24 @@ class Planner:
                 "store_all",
                 strategy=strategy.name,
             )
-        return strategy.solve(self, budget_bytes)
+        return self._runs_with_skipped_blocks(strategy.solve(self, budget_bytes))
+
+    def _runs_with_skipped_blocks(self, plan: Plan) -> Plan:
+        """`plan`, or InfeasibleBudget where the step skips blocks at random (LayerDrop: the
+        trace's `random_control`) and a region spans several blocks: the region's first block
+        runs them all, so a skipped first block would skip them all, a skipped later one run."""
+        if "random_control" not in self.graph.info:
+            return plan
+        runs = [r.modules for r in plan.regions if len(r.modules) > 1]
+        if not runs:
+            return plan
+        raise InfeasibleBudget(
+            f"strategy {plan.strategy!r} checkpoints runs of several blocks ({', '.join(runs[0])}), "
+            "and this step skips blocks at random (LayerDrop): a run cannot skip one of its "
+            "blocks. Use a strategy whose regions hold one block (full, selective, milp, auto)",
+            budget_bytes=plan.budget_bytes or 0,
+            min_feasible_bytes=None,
+        )
 
     # -- the strategy author's API -------------------------------------------------------------
     @cached_property

@@ -43,7 +43,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from remat import emulate, hfcompat
 from remat.caches import CachesOff
-from remat.errors import TraceError
+from remat.draws import Draws, ForcedDraws
+from remat.errors import TraceError, warn
 from remat.graph import (
     Graph,
     ModuleCall,
@@ -775,6 +776,66 @@ def trace(
                 "or trace with device='meta'."
             )
 
+    # Traced with random draws at their low extreme; where a draw reached Python (LayerDrop) at
+    # the high one too, and planned for the longer step (`remat.draws`).
+    traced: dict[str, Graph | TraceError] = {}
+    for draws in ("low", "high"):
+        try:
+            traced[draws] = _trace_once(
+                fn, module, args, kwargs, loss_fn, device, autocast, target, draws
+            )
+        except TraceError as err:
+            if not err.random_reads:
+                raise  # not about random draws
+            traced[draws] = err  # e.g. every layer skipped: nothing left to train
+        first = traced["low"]
+        reads = first.random_reads if isinstance(first, TraceError) else first.info["random_reads"]
+        if not reads:
+            return first  # type: ignore[return-value]
+    low, high = (g if isinstance(g, Graph) else None for g in traced.values())
+    if low is None and high is None:
+        raise traced["low"]  # type: ignore[misc]
+    if (
+        low is not None
+        and high is not None
+        and [o.name for o in low.ops] == [o.name for o in high.ops]
+    ):
+        return low  # draws that decide nothing (LayerDrop at 0)
+    graph = max(
+        (g for g in (low, high) if g is not None),
+        key=lambda g: (len(g.forward_ops), g.activation_bytes),
+    )
+    counts = {k: len(g.forward_ops) if isinstance(g, Graph) else 0 for k, g in traced.items()}
+    where, what = reads[0]
+    warn(
+        f"remat: the step's ops depend on random draws ({what} in module '{where or '<root>'}', "
+        f"{len(reads)} draw(s): LayerDrop or random depth); traced at both extremes of the draws "
+        f"({counts['low']} and {counts['high']} forward ops) and planned for the longer step, so "
+        "the plan holds for every draw; regions hold one block each (a run of blocks cannot "
+        "skip one)"
+    )
+    graph.info["random_control"] = {
+        "draws": "low" if graph is low else "high",
+        "forward_ops": counts,
+    }
+    return graph
+
+
+def _trace_once(
+    fn: nn.Module | Callable[..., Any],
+    module: nn.Module | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: str,
+    autocast: torch.dtype | None,
+    target: Target,
+    draws: Draws,
+) -> Graph:
+    """One trace of the step, reads of random draws answered with their `draws` extreme."""
+    real = device != "meta"
+    params = dict(module.named_parameters()) if module is not None else {}
+    buffers = dict(module.named_buffers()) if module is not None else {}
     tracer = _Tracer(real=real, target=target)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
     # A real trace runs dropout & co. for real: restore the caller's CPU (and CUDA) random streams.
@@ -818,7 +879,12 @@ def trace(
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
         caches_off = CachesOff(module) if module is not None else None
         try:
-            with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
+            forced = ForcedDraws(draws, scope=lambda: tracer.scopes[-1])
+            with (
+                tracer,
+                forced,
+                torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack),
+            ):
                 with target_dispatch.autocast():
                     if module is not None:
                         output = torch.func.functional_call(
@@ -841,12 +907,15 @@ def trace(
                 tracer.before_event()
                 tracer.finish_node()
                 tracer.current_node = None
-        except TraceError:
+        except TraceError as err:
+            err.random_reads = forced.reads
             raise
         except Exception as e:
             if real:
                 raise  # the step failed on the real tensors: the user's own error, unchanged
-            raise _fake_step_failure(tracer, e) from e
+            error = _fake_step_failure(tracer, e)
+            error.random_reads = forced.reads
+            raise error from e
         finally:
             for h in hook_handles:
                 h.remove()
@@ -871,6 +940,7 @@ def trace(
             "autocast": None if autocast is None else dtype_name(autocast),
             "target": target.name,
             "target_detail": target.describe(),
+            "random_reads": forced.reads,
         }
         graph = tracer.graph(info)
         del output, loss
