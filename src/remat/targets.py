@@ -173,7 +173,11 @@ CUDA_SCRATCH: Mapping[str, ScratchRule] = {
 
 def scratch_bytes(graph: Graph, op: Op) -> int:
     """Scratch the kernel of `op` allocates and frees inside the op on the graph's target, which no
-    traced tensor shows (docs/memory-model.md)."""
+    traced tensor shows (docs/memory-model.md): measured at trace time where the trace could
+    (`remat.kernel_scratch`: oneDNN's convolutions), else by the target's rule."""
+    measured = graph.info.get("kernel_scratch", {}).get(str(op.index))
+    if measured is not None:
+        return measured
     rule = scratch_rules(graph.info.get("target", "cpu")).get(op.short)
     return rule(graph, op) if rule is not None else 0
 

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
-from remat import emulate, hfcompat
+from remat import emulate, hfcompat, kernel_scratch
 from remat.caches import CachesOff
 from remat.draws import Draws, ForcedDraws
 from remat.errors import TraceError, warn
@@ -254,6 +254,8 @@ class _Tracer(TorchDispatchMode):
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
         self.modules: list[_CallRecord] = []
         self.param_names: dict[int, str] = {}
+        #: op index -> its kernel's scratch, measured on this machine (`remat.kernel_scratch`)
+        self.kernel_scratch: dict[int, int] = {}
         #: the innermost module whose call an exception left (its forward hook still runs)
         self.failed_in: str | None = None
 
@@ -451,6 +453,10 @@ class _Tracer(TorchDispatchMode):
         sep = "." if prefix else ""
         flop_fn = flop_registry.get(func._overloadpacket)
         extra = _EXTRA_FLOPS.get(short)
+        if not self.target.is_cuda and short in kernel_scratch.MEASURED_ON_CPU:
+            measured = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, outs)
+            if measured is not None:
+                self.kernel_scratch[index] = measured
         self.ops.append(
             _OpRecord(
                 index=index,
@@ -941,6 +947,7 @@ def _trace_once(
             "target": target.name,
             "target_detail": target.describe(),
             "random_reads": forced.reads,
+            "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
         }
         graph = tracer.graph(info)
         del output, loss
