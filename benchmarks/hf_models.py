@@ -73,8 +73,13 @@ def main() -> None:
     ]
     for name in args.models:
         start = time.perf_counter()
-        lines += rows_for(name, args.batch, args.seq)
-        print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+        try:
+            rows = rows_for(name, args.batch, args.seq)
+        except Exception as e:  # noqa: BLE001 - one architecture's failure is a row of the sweep
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            rows = [f"| {name} | failed: {type(e).__name__}: {first} | | | | | |"]
+        lines += rows
+        print(f"{name}: {time.perf_counter() - start:.1f} s", *rows, sep="\n", flush=True)
     table = "\n".join(lines)
     print(table)
     if args.out:

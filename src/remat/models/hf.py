@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from difflib import get_close_matches
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,7 @@ def build_for_training(
     model_type: str, *, batch: int = 2, seq: int = 64, small: bool = True, seed: int = 0
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """A Hugging Face model as a user trains it: its task head (causal LM, seq2seq LM, masked LM,
-    image classification, speech seq2seq) built from the architecture's default config, default
+    image classification, speech seq2seq, CTC) built from the architecture's default config, default
     dropout and caching, in train mode on the CPU, and the keyword inputs of its default call with
     labels, so that `model(**inputs).loss` is the training loss. `small` shrinks only the sizes
     (layers, widths, vocabulary, image and audio lengths). Nothing is downloaded."""
@@ -324,12 +325,13 @@ def build_for_training(
         (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, "AutoModelForMaskedLM"),  # BERT: its pretraining
         (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM"),
         (auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, "AutoModelForImageClassification"),
+        (auto.MODEL_FOR_CTC_MAPPING_NAMES, "AutoModelForCTC"),  # wav2vec2 & co.: speech to text
     )
     head = next((cls for names, cls in heads if model_type in names), None)
     if head is None:
         raise UnknownModelError(
             f"hf:{model_type}: no task head remat knows how to feed (causal or seq2seq LM, masked "
-            "LM, image classification, speech seq2seq); build it in a 'pkg.module:factory'"
+            "LM, image classification, speech seq2seq, CTC); build it in a 'pkg.module:factory'"
         )
     torch.manual_seed(seed)
     names = next(names for names, cls in heads if cls == head)[model_type]
@@ -338,7 +340,8 @@ def build_for_training(
     model = getattr(transformers, name)._from_config(config).train()
     vocab = getattr(config, "vocab_size", None)
     if head == "AutoModelForImageClassification":
-        size = config.image_size
+        size = getattr(config, "image_size", SMALL["image_size"])  # conv nets take any size
+        size = size[0] if isinstance(size, (list, tuple)) else size
         inputs = {
             "pixel_values": torch.randn(batch, config.num_channels, size, size),
             "labels": torch.randint(config.num_labels, (batch,)),
@@ -348,6 +351,13 @@ def build_for_training(
         inputs = {
             "input_features": torch.randn(batch, config.num_mel_bins, frames),
             "labels": torch.randint(vocab, (batch, seq)),
+        }
+    elif head == "AutoModelForCTC":
+        # raw audio: `seq` frames of the feature encoder's total stride; labels a quarter as long
+        stride = prod(getattr(config, "conv_stride", (320,)))
+        inputs = {
+            "input_values": torch.randn(batch, seq * stride),
+            "labels": torch.randint(1, vocab, (batch, seq // 4)),
         }
     else:
         ids = torch.randint(vocab, (batch, seq))
