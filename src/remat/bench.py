@@ -17,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import random
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
@@ -104,9 +106,12 @@ def gradients(
     **kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """Parameter gradients of one step of `loss_fn(model(*inputs, **kwargs))` (default: remat's,
-    the sum of the outputs), from a fixed RNG seed so that dropout draws the same masks in every
-    run; grads are left cleared."""
+    the sum of the outputs), from a fixed RNG seed (torch's, Python's and NumPy's: wav2vec2's
+    SpecAugment masks come from NumPy) so that every run draws the same masks; grads are left
+    cleared."""
     torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
     model.zero_grad(set_to_none=True)
     loss_fn(model(*inputs, **kwargs)).backward()
     grads = {

@@ -25,9 +25,10 @@ from torch.utils.checkpoint import (
 )
 
 from remat.caches import CachesOff
-from remat.errors import RematError, TraceError, warn
+from remat.errors import RematError, TraceError, log, warn
 from remat.plans import DEFAULT_BUDGET, Plan
 from remat.schedule import OpKey
+from remat.units import format_bytes
 
 _APPLIED = "_remat_applied"
 
@@ -292,6 +293,23 @@ class Verification:
     peak_bytes_predicted: int
     peak_bytes_measured: int | None
 
+    def __repr__(self) -> str:
+        """The answer first: ok, then what it rests on (the per-region detail: `regions`)."""
+
+        def versus(measured: int | None, predicted: int, ratio: float | None) -> str:
+            if measured is None:
+                return f"{format_bytes(predicted)} predicted (not measured: pass example inputs)"
+            return f"{format_bytes(measured)} measured / {format_bytes(predicted)} ({ratio:.4f})"
+
+        missing = [c for c in self.regions if c.missing]
+        where = f", missing in {missing[0].modules[0]!r}" if missing else ""
+        return (
+            f"Verification(ok={self.ok}: kept ops {self.kept_ops_matched}/"
+            f"{self.kept_ops_expected}{where}; held "
+            f"{versus(self.held_bytes_measured, self.held_bytes_predicted, self.held_ratio)}; "
+            f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)})"
+        )
+
     @property
     def held_ratio(self) -> float | None:
         if self.held_bytes_measured is None or not self.held_bytes_predicted:
@@ -424,4 +442,15 @@ def auto(
             apply(model, previous.plan)
         raise
     apply(model, chosen)
+    log.info(
+        "remat: installed %s on %s: predicted peak %s%s, %s (remat.verify(model, *inputs) checks "
+        "it)",
+        chosen.strategy,
+        type(model).__name__,
+        format_bytes(chosen.predicted_peak_bytes),
+        f" within {format_bytes(chosen.budget_bytes)}" if chosen.budget_bytes else "",
+        f"recompute +{chosen.recompute_seconds * 1e3:.3g} ms a step on the {chosen.profile} profile"
+        if chosen.recompute_seconds
+        else "no recompute",
+    )
     return chosen

@@ -20,6 +20,7 @@ written against the older `except ValueError` still catches them:
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from collections.abc import Iterable
@@ -139,3 +140,29 @@ def warn(message: str) -> None:
 
 
 _LIBRARIES = ("remat", "torch", "transformers", "accelerate")
+
+#: What remat did, one line per action (`auto` installing a plan). Shown on stderr by default, in
+#: scripts and notebooks alike; silence it with logging.getLogger("remat").setLevel("WARNING"),
+#: or route it by adding your own handler (then remat's is removed).
+log = logging.getLogger("remat")
+
+
+class _DefaultHandler(logging.StreamHandler):
+    """Writes to the stderr of the moment (pytest and notebooks swap it), only while the user
+    has given the logger no handler of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if any(h is not self for h in log.handlers):
+            return
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+if not log.handlers:
+    log.addHandler(_DefaultHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False

@@ -23,6 +23,7 @@ from typing import Literal, get_args
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.schedule import Simulation, simulate
+from remat.units import format_bytes
 
 Optimizer = (
     Literal[
@@ -202,6 +203,19 @@ class MemoryEstimate:
             + self.input_bytes
             + self.grad_bytes
             + self.optimizer_state_bytes
+        )
+
+    def __repr__(self) -> str:
+        """One line: the peak, where it is, and what it is made of (every field: `to_dict()`)."""
+        per_rank = f" per rank of {self.shard}" if self.shard > 1 else ""
+        return (
+            f"MemoryEstimate(peak {format_bytes(self.peak_bytes)}{per_rank} at {self.peak_op} "
+            f"({self.peak_phase}); activations saved {format_bytes(self.activation_bytes)}, "
+            f"parameters {format_bytes(self.param_bytes)}, gradients "
+            f"{format_bytes(self.grad_bytes)}, optimizer state "
+            f"{format_bytes(self.optimizer_state_bytes)}, inputs and buffers "
+            f"{format_bytes(self.input_bytes + self.buffer_bytes)}; {len(self.by_module)} "
+            "modules in by_module)"
         )
 
     def to_dict(self) -> dict:

@@ -113,6 +113,22 @@ class FitReport:
     allocator: str = ""
     planner: Planner | None = field(default=None, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        """One line: does it fit, with what, and the advice's first sentence (all: `to_dict()`)."""
+        fitting = [r.strategy for r in self.rows if r.fits]
+        verdict = (
+            f"{len(fitting)} of {len(self.rows)} strategies fit ({', '.join(fitting)})"
+            if fitting
+            else f"none of {len(self.rows)} strategies fits"
+        )
+        shard = f" x {self.shard} ranks" if self.shard > 1 else ""
+        advice = f"; advice: {self.advice[0]}" if self.advice else ""
+        return (
+            f"FitReport({self.model} on {self.gpu}{shard}, batch {self.batch} x seq {self.seq}, "
+            f"{self.precision}, optimizer {self.optimizer}: {verdict} in "
+            f"{format_bytes(self.usable_bytes)} usable{advice})"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (the planner of the asked size left out); each row carries the
         figures of its judging allocator setting at the top level (`allocated_bytes`,

@@ -72,6 +72,15 @@ class Comparison:
     plan: Plan | None
     note: str
 
+    def __repr__(self) -> str:
+        if self.plan is None:
+            return f"Comparison({self.strategy}: {self.note})"
+        p = self.plan
+        return (
+            f"Comparison({self.strategy}: peak {format_bytes(p.predicted_peak_bytes)}, "
+            f"+{p.recompute_seconds * 1e3:.3g} ms recompute, {self.note})"
+        )
+
 
 @dataclass(frozen=True)
 class Frontier:
@@ -80,6 +89,17 @@ class Frontier:
 
     points: tuple[Plan, ...]
     named: tuple[Plan, ...]
+
+    def __repr__(self) -> str:
+        if not self.points:
+            return "Frontier(no points)"
+        low, high = self.points[0], self.points[-1]
+        return (
+            f"Frontier({len(self.points)} points from {format_bytes(low.predicted_peak_bytes)} "
+            f"at +{low.recompute_seconds * 1e3:.3g} ms to {format_bytes(high.predicted_peak_bytes)} "
+            f"at +{high.recompute_seconds * 1e3:.3g} ms; named: "
+            f"{', '.join(p.strategy for p in self.named)})"
+        )
 
 
 class Planner:

@@ -12,7 +12,7 @@ from remat.cost import PROFILES, op_seconds_all
 from remat.errors import BudgetError, PlanFormatError
 from remat.graph import Graph
 from remat.schedule import Region, simulate
-from remat.units import parse_bytes
+from remat.units import format_bytes, parse_bytes
 
 #: How sure a plan is: a rule applied as written (`fixed`), a solver's proven optimum for its model
 #: (`optimal`), or a solver's answer that fits but is not proven best (`feasible`: a time limit, a
@@ -61,6 +61,32 @@ class Plan:
         """Extra FLOPs as a share of the forward's (full checkpointing is about 100% of the forward,
         i.e. about 33% of a step)."""
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+    def __repr__(self) -> str:
+        """One line: what was chosen and what it predicts (the fields: `to_dict()`)."""
+        budget = f" (budget {format_bytes(self.budget_bytes)})" if self.budget_bytes else ""
+        kept = sum(len(r.keep) for r in self.regions)
+        return (
+            f"Plan({self.strategy}: peak {format_bytes(self.predicted_peak_bytes)}{budget}, "
+            f"held {format_bytes(self.held_bytes)}, recompute "
+            f"{self.recompute_flops_share:.1%} of the forward's FLOPs "
+            f"(+{self.recompute_seconds * 1e3:.3g} ms on {self.profile}), "
+            f"{len(self.regions)} regions, {kept} kept ops, {self.status})"
+        )
+
+    def __str__(self) -> str:
+        """A few lines for a person: the repr, why, and the regions (the first few)."""
+        lines = [repr(self), f"  why: {self.reason}"]
+        shown = 6
+        for region in self.regions[:shown]:
+            modules = region.modules[0] + (
+                f" .. {region.modules[-1]}" if len(region.modules) > 1 else ""
+            )
+            keep = f", keeps {len(region.keep)} ops" if region.keep else ", recomputed whole"
+            lines.append(f"  region {modules or '<root>'}{keep}")
+        if len(self.regions) > shown:
+            lines.append(f"  ... {len(self.regions) - shown} more regions (plan.regions)")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PLAN_FORMAT, **asdict(self)}
