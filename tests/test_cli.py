@@ -344,3 +344,39 @@ def test_report_fit_table_refuses_a_dtype_fit_does_not_have(tmp_path, capsys):
     args = ["report", "--model", "gpt2", "--tiny", "--dtype", "fp16", "--gpu", "h100"]
     assert main([*args, "--html", str(path)]) == 2
     assert "--dtype fp32 or bf16" in capsys.readouterr().err and not path.exists()
+
+
+def test_messages_keep_bracketed_text_the_terminal_library_would_read_as_markup(capsys, monkeypatch):
+    """`pip install 'remat[hf]'` lost its `[hf]` to rich's markup."""
+    import remat.models.hf as hf
+
+    def no_transformers(*args, **kwargs):
+        raise remat.errors.UnknownModelError("hf:llama needs it: pip install 'remat[hf]'")
+
+    monkeypatch.setattr(hf, "build", no_transformers)
+    assert main(["estimate", "--model", "hf:llama", "--tiny"]) == 2
+    assert "pip install 'remat[hf]'" in capsys.readouterr().err
+
+
+def test_the_first_readme_command_installs_what_the_hugging_face_lines_need():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    first = next(line for line in readme.splitlines() if line.endswith("remat demo"))
+    assert "'.[hf]'" in first
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "--model", "gpt2", "--tiny"],
+        ["estimate", "--model", "gpt2", "--tiny"],
+        ["fit", "--model", "gpt2", "--tiny", "--seq", "64", "--gpu", "h100"],
+    ],
+)
+def test_piped_output_honours_columns_and_cuts_no_name(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "…" not in out
+    if argv[0] == "plan":
+        assert "selective:save-matmuls" in out and "vs budget" in out

@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 
 from remat import __version__
 from remat.bench import ROUNDS
@@ -434,7 +436,7 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
     console.print(
         f"[bold]chosen: {chosen.strategy}[/bold]: predicted peak {format_bytes(chosen.predicted_peak_bytes)}, "
         f"recompute {chosen.recompute_flops_share:.1%} of forward FLOPs "
-        f"({chosen.recompute_seconds / step_seconds:+.1%} step time on {planner.profile.name})\n{chosen.reason}"
+        f"({chosen.recompute_seconds / step_seconds:+.1%} step time on {planner.profile.name})\n{escape(chosen.reason)}"
     )
     regions = ", ".join(
         r.modules[0]
@@ -442,13 +444,13 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
         + (f" (keeps {len(r.keep)} ops)" if r.keep else "")
         for r in chosen.regions
     )
-    console.print(f"checkpoint regions: {regions or 'none'}")
+    console.print(f"checkpoint regions: {escape(regions) or 'none'}")
     if args.out:
-        console.print(f"plan written to {args.out}")
+        console.print(f"plan written to {escape(args.out)}")
     if args.plot:
-        console.print(f"frontier plotted to {args.plot}")
+        console.print(f"frontier plotted to {escape(args.plot)}")
     if args.html:
-        console.print(f"report written to {args.html}")
+        console.print(f"report written to {escape(args.html)}")
     return 0
 
 
@@ -523,7 +525,7 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
     if failed:
         console.print(
             f"[yellow]{len(failed)} of {len(rows)} rows could not run:[/yellow] "
-            + "; ".join(f"{r.strategy} ({r.note.split(';')[0]})" for r in failed)
+            + escape("; ".join(f"{r.strategy} ({r.note.split(';')[0]})" for r in failed))
         )
     if args.plot:
         plot_bench(
@@ -534,12 +536,12 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
             title=title,
             budget_bytes=budget_bytes,
         )
-        console.print(f"plot written to {args.plot}")
+        console.print(f"plot written to {escape(args.plot)}")
     if args.html:
         from remat.html import write_report
 
         write_report(args.html, planner, title=title, budget_bytes=budget_bytes, bench_rows=rows)
-        console.print(f"report written to {args.html}")
+        console.print(f"report written to {escape(args.html)}")
     return 0
 
 
@@ -615,7 +617,9 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     console.rule("3. apply and measure: real CPU steps, side by side with the baselines")
     demo.json, demo.plot = str(out / "bench.json"), str(out / "bench.png")
     _show_bench(planner, demo, console)
-    console.print(f"[bold]results in {out}/[/bold]: plan.json, pareto.png, bench.json, bench.png")
+    console.print(
+        f"[bold]results in {escape(str(out))}/[/bold]: plan.json, pareto.png, bench.json, bench.png"
+    )
     return 0
 
 
@@ -703,11 +707,27 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         f"{report.optimizer or 'no optimizer'}, on {gpu}"
         + (f", sharded over {args.shard} ranks (per-rank figures)" if args.shard > 1 else "")
     )
-    table = Table(title=title, title_justify="left")
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+    )
     simulated = any(r.gpu_memory for r in report.rows)
-    columns = ["strategy", "peak", "fits", "step time", "max batch", "max seq"]
+    columns = [
+        "strategy",
+        "peak\n(live)",
+        "fits",
+        "step\ntime",
+        f"max batch\n(seq {args.seq})",
+        f"max seq\n(batch {args.batch})",
+    ]
     if simulated:
-        columns[2:2] = ["allocated", "reserved", "expandable"]
+        columns[2:2] = ["allocated", "reserved", "expand-\nable"]
     for col in columns:
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for r in report.rows:
@@ -723,8 +743,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
             "[green]yes[/green]" if r.fits else "[red]no[/red]",
             "-" if r.overhead is None else f"+{r.overhead:.1%}",
-            f"{r.max_batch} at seq {args.seq}" if r.max_batch else "-",
-            f"{r.max_seq} at batch {args.batch}" if r.max_seq else "-",
+            str(r.max_batch) if r.max_batch else "-",
+            str(r.max_seq) if r.max_seq else "-",
         ]
         table.add_row(*cells)
     if simulated:
@@ -746,13 +766,17 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         f"{report.seconds:.0f} s"
     )
     console.print(table)
+    by_note: dict[str, list[str]] = {}
     for r in report.rows:
         if r.note:
-            console.print(f"[dim]{r.strategy}: {r.note}[/dim]")
+            by_note.setdefault(r.note, []).append(r.strategy)
+    for note, names in by_note.items():  # each fact once
+        who = "every row" if len(names) == len(report.rows) > 1 else ", ".join(names)
+        console.print(f"[dim]{escape(who)}: {escape(note)}[/dim]")
     for line in report.advice:
-        console.print(f"[bold]advice:[/bold] {line}")
+        console.print(f"[bold]advice:[/bold] {escape(line)}")
     if args.html:
-        console.print(f"report written to {args.html}")
+        console.print(f"report written to {escape(args.html)}")
     return 0
 
 
@@ -980,14 +1004,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "steps"):
             args.steps = min(args.steps, 2)
     console = Console()
-    if not console.is_terminal:  # piped or captured: rich would assume 80 columns
-        console = Console(width=120)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=120)  # piped or captured: rich would assume 80 columns
     err = Console(stderr=True, soft_wrap=True)  # paths and sizes in messages stay whole
     try:
         return args.func(args, console)
     except RematError as e:
         kind = "infeasible budget" if isinstance(e, InfeasibleBudget) else "error"
-        err.print(f"[red]{kind}:[/red] {e}")
+        err.print(f"[red]{kind}:[/red] {escape(str(e))}")
         return exit_code(e)
 
 

@@ -131,7 +131,7 @@ def estimate_tables(
         )
 
     modules = Table(title="Saved bytes by module (one block broken down)", title_justify="left")
-    modules.add_column("module")
+    modules.add_column("module", no_wrap=True)
     modules.add_column("saved", justify="right")
     modules.add_column("share", justify="right")
     by_path = {m.module: m.activation_bytes for m in est.by_module}
@@ -151,7 +151,7 @@ def estimate_tables(
         modules.add_row(label, format_bytes(by_path[path]), f"{share:.1%}")
 
     ops = Table(title="Saved bytes by op", title_justify="left")
-    ops.add_column("op")
+    ops.add_column("op", no_wrap=True)
     ops.add_column("tensors", justify="right")
     ops.add_column("saved", justify="right")
     for o in est.by_op[:top]:
@@ -164,15 +164,16 @@ def plan_table(
 ) -> Table:
     """Strategies side by side at one budget: predicted peak, kept bytes, extra FLOPs, time."""
     t = Table(title=f"Strategies at a budget of {format_bytes(budget_bytes)}", title_justify="left")
-    for col, just in [
-        ("strategy", "left"),
-        ("peak", "right"),
-        ("held", "right"),
-        ("recompute FLOPs", "right"),
-        ("time overhead", "right"),
-        ("", "left"),
-    ]:
-        t.add_column(col, justify=just)
+    t.caption = (
+        "peak: the step's predicted highest memory; kept for backward: activations live when the "
+        "forward ends; recompute FLOPs: extra forward work, share of the forward's; step time: "
+        "predicted change"
+    )
+    t.caption_justify = "left"
+    t.add_column("strategy", no_wrap=True)  # names are never cut
+    for col in ("peak", "kept for backward", "recompute FLOPs", "step time"):
+        t.add_column(col, justify="right")
+    t.add_column("vs budget")
     for row in rows:
         name, p, note = row.strategy, row.plan, row.note
         if p is None:
