@@ -346,7 +346,9 @@ def test_report_fit_table_refuses_a_dtype_fit_does_not_have(tmp_path, capsys):
     assert "--dtype fp32 or bf16" in capsys.readouterr().err and not path.exists()
 
 
-def test_messages_keep_bracketed_text_the_terminal_library_would_read_as_markup(capsys, monkeypatch):
+def test_messages_keep_bracketed_text_the_terminal_library_would_read_as_markup(
+    capsys, monkeypatch
+):
     """`pip install 'remat[hf]'` lost its `[hf]` to rich's markup."""
     import remat.models.hf as hf
 

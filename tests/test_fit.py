@@ -225,3 +225,31 @@ def test_rows_are_judged_by_the_caching_allocators_reserved_bytes():
             assert row["reserved_bytes"] == memory.reserved_bytes
             assert row["requested_bytes"] <= row["allocated_bytes"] <= row["reserved_bytes"]
         assert "expandable_segments:False" in report.allocator
+
+
+def test_when_nothing_fits_the_advice_ends_with_a_command_that_fits(capsys):
+    """`fit` searches precision, optimizer and ranks for a setup that fits at the least cost and
+    prints it as one command; run as printed, that command answers "fits"."""
+    import json
+    import shlex
+
+    from remat.cli import main
+
+    asked = ["fit", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "256"]
+    asked += ["--precision", "bf16-mixed", "--optimizer", "adamw"]
+    assert main([*asked, "--capacity", "80GiB", "--json"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    lowest = min(r["reserved_bytes"] for r in roomy["rows"])
+    limit = roomy["rows"][0]["gpu_memory"][0]["limit_bytes"]
+    capacity = roomy["capacity_bytes"] - (limit - (lowest - 4 * 2**20))  # 4 MiB short
+
+    assert main([*asked, "--capacity", f"{capacity}B"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits" in out
+    run = next(line for line in out.splitlines() if line.startswith("run: "))
+    command = shlex.split(run.removeprefix("run: "))
+    assert command[:2] == ["remat", "fit"] and f"{capacity}B" in command
+    assert main([*command[1:], "--json"]) == 0
+    advised = json.loads(capsys.readouterr().out)
+    assert any(r["fits"] for r in advised["rows"])
+    assert (advised["precision"], advised["optimizer"]) != ("bf16-mixed", "adamw")

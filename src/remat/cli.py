@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -635,6 +636,22 @@ def _report_precision(args: argparse.Namespace) -> str:
     return args.dtype
 
 
+def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
+    """The `remat fit` command of these arguments under another precision, optimizer and rank
+    count: what the advice says fits, to run as printed."""
+    parts = ["remat", "fit", "--model", args.model, "--batch", str(args.batch)]
+    parts += ["--seq", str(args.seq)]
+    parts += ["--capacity", args.capacity] if args.capacity else []
+    parts += ["--gpu", args.gpu] if args.gpu else []
+    parts += ["--precision", setup["precision"], "--optimizer", setup["optimizer"] or "none"]
+    parts += ["--shard", str(setup["shard"])] if setup["shard"] > 1 else []
+    parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
+    parts += ["--tiny"] if args.tiny else []
+    for item in args.set or []:
+        parts += ["--set", item]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
 def _fit_report(
     args: argparse.Namespace,
     console: Console,
@@ -651,17 +668,24 @@ def _fit_report(
 
     gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
     overrides = _parse_overrides(args.set)
-    dtype = PRECISIONS[precision].param_dtype
 
-    def build(batch: int, seq: int):
-        return models.build(
-            args.model, batch=batch, seq=seq, dtype=dtype, tiny=args.tiny, **overrides
-        )
+    def build_for(precision: str):
+        def build(batch: int, seq: int):
+            return models.build(
+                args.model,
+                batch=batch,
+                seq=seq,
+                dtype=PRECISIONS[precision].param_dtype,
+                tiny=args.tiny,
+                **overrides,
+            )
+
+        return build
 
     optimizer = getattr(args, "optimizer", None)
     with console.status("tracing ...") as status:
         return fit(
-            build,
+            build_for(precision),
             model=args.model,
             batch=args.batch,
             seq=args.seq,
@@ -673,6 +697,7 @@ def _fit_report(
             compile=compile,
             ac=ac,
             progress=lambda text: status.update(text),
+            build_for=build_for,
         )
 
 
@@ -731,12 +756,16 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     for col in columns:
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for r in report.rows:
+        # a simulation that ran out of memory stopped at the limit: its peaks are not the step's
         memory = [
-            format_bytes(m[k])
+            "OOM" if m["out_of_memory"] else format_bytes(m[k])
             for m in r.gpu_memory[:1]
             for k in ("allocated_bytes", "reserved_bytes")
         ]
-        expandable = [format_bytes(m["reserved_bytes"]) for m in r.gpu_memory[1:2]]
+        expandable = [
+            "OOM" if m["out_of_memory"] else format_bytes(m["reserved_bytes"])
+            for m in r.gpu_memory[1:2]
+        ]
         cells = [
             r.strategy,
             "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
@@ -750,7 +779,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     if simulated:
         limit = report.rows[0].gpu_memory[0]["limit_bytes"] if report.rows[0].gpu_memory else 0
         judged = (
-            f"peak: live tensors; allocated / reserved: the CUDA caching allocator simulated, "
+            f"peak: live tensors; allocated / reserved: the CUDA caching allocator simulated (OOM: "
+            "it ran out of memory), "
             f"expandable: reserved with expandable_segments:True; fits: {report.allocator} "
             f"({format_bytes(limit)} = total_memory {format_bytes(report.capacity_bytes)} - CUDA "
             "context - NCCL buffers; nvidia-smi shows reserved + context, see --json)"
@@ -775,6 +805,9 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[dim]{escape(who)}: {escape(note)}[/dim]")
     for line in report.advice:
         console.print(f"[bold]advice:[/bold] {escape(line)}")
+    found = report.extra.get("setup_that_fits")
+    if found:
+        console.print(f"[bold]run:[/bold] {escape(_fit_command(args, found))}", soft_wrap=True)
     if args.html:
         console.print(f"report written to {escape(args.html)}")
     return 0

@@ -372,19 +372,11 @@ def _fit_row(
     reserved bytes do (the allocator's limit, under torch's default settings), and the searches
     for the largest batch and sequence run on live bytes against the limit less the workspaces
     and the allocator's overhead (reserved - requested) measured at (batch, seq)."""
-    peak, p = steps.peak(name, batch, seq, usable)
-    if peak is None:
+    judged = _judge(steps, name, batch, seq, usable)
+    if judged is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
-    memories = steps.gpu_memories(batch, seq, p)
-    if memories:
-        row_usable = _usable_by_allocator(memories[0])
-        if name == "auto" and row_usable != usable:  # choose again, against the allocator's judge
-            peak, p = steps.peak(name, batch, seq, row_usable)
-            memories = steps.gpu_memories(batch, seq, p)
-            row_usable = _usable_by_allocator(memories[0])
-        usable = row_usable
+    peak, p, memories, usable, overhead = judged
     planner = steps.planner(batch, seq)
-    overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
     floor = estimate(
         planner.graph,
         optimizer=steps.optimizer,
@@ -460,13 +452,52 @@ def _fit_row(
         apply=_apply_line(p, steps),
         plan=p.strategy,
         peak_bytes=peak,
-        fits=peak <= usable if not memories else memories[0].fits,
+        fits=_fits(peak, memories, usable),
         overhead=overhead,
         max_batch=best_batch,
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
         note=_allocator_note(memories) + (f"max seq: {limits[-1]}" if limits else ""),
         gpu_memory=tuple(m.to_dict() for m in memories),
     )
+
+
+def _judge(
+    steps: _Steps, name: str, batch: int, seq: int, usable: int
+) -> tuple[int, Any, list[Any], int, float] | None:
+    """A strategy's step at (batch, seq): its per-rank peak, plan, GPU memories, the live bytes it
+    may reach (the allocator's judge where simulated) and its predicted step-time overhead; None
+    for a per-block strategy on a model without blocks."""
+    peak, p = steps.peak(name, batch, seq, usable)
+    if peak is None:
+        return None
+    memories = steps.gpu_memories(batch, seq, p)
+    planner = steps.planner(batch, seq)
+    if memories and name == "auto":
+        # Choose again against the allocator's judge: live bytes within its limit less the
+        # overhead it showed, lowered while the reserved bytes still do not fit; then the plan of
+        # least recompute among the fixed ones whose reserved bytes fit, if auto's never did.
+        target = usable
+        for _ in range(4):
+            if memories[0].fits:
+                break
+            lower = _usable_by_allocator(memories[0])
+            target = lower if lower < target else target - memories[0].limit_bytes // 50
+            peak, p = steps.peak(name, batch, seq, target)
+            memories = steps.gpu_memories(batch, seq, p)
+        if not memories[0].fits:
+            for fixed in sorted(steps.candidates(planner), key=lambda c: c.recompute_seconds):
+                fixed_memories = steps.gpu_memories(batch, seq, fixed)
+                if fixed_memories[0].fits:
+                    peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
+                    break
+    if memories:
+        usable = _usable_by_allocator(memories[0])
+    overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
+    return peak, p, memories, usable, overhead
+
+
+def _fits(peak: int, memories: list[Any], usable: int) -> bool:
+    return peak <= usable if not memories else memories[0].fits
 
 
 def _usable_by_allocator(memory: Any) -> int:
@@ -561,6 +592,7 @@ def fit(
     compile: str | None = None,
     ac: str | None = None,
     progress: Callable[[str], None] | None = None,
+    build_for: Callable[[str], Build] | None = None,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -574,7 +606,11 @@ def fit(
     `compile` (`whole` or `blocks`): one more row, `compile:<mode>`, the step under torch.compile
     with no recomputation of remat's (`remat.compiled_estimate`): its peak at (batch, seq) only
     (each size is one compilation, so no largest batch or sequence is searched). On one rank.
-    `ac="full"` (with `blocks`): each block checkpointed before it is compiled."""
+    `ac="full"` (with `blocks`): each block checkpointed before it is compiled.
+
+    `build_for(precision)`: the `build` of another precision. Given, and nothing fits as asked,
+    `extra["setup_that_fits"]` is `setup_that_fits`'s answer (precision, optimizer and ranks
+    that do fit at the least cost), or absent when none does."""
     import time
 
     if precision not in PRECISIONS:
@@ -592,15 +628,7 @@ def fit(
             "(FSDP's per-rank arithmetic runs on the eager step)"
         )
     start = time.perf_counter()
-    if reserve is None:  # the allocator's judge: its limit less the workspaces it holds
-        usable = allocator_limit_bytes(gpu, shard) - fixed_memory(gpu, shard).cublas_workspace_bytes
-        if usable <= 0:
-            raise BudgetError(
-                f"{gpu.name}'s {format_bytes(gpu.capacity_bytes)} leave nothing to a training step "
-                "once the CUDA context, NCCL's buffers and the BLAS workspaces are taken"
-            )
-    else:
-        usable = usable_bytes(gpu, reserve, ranks=shard)
+    usable = _usable(gpu, shard, reserve)
     steps = _Steps(build, gpu, precision, optimizer, shard, progress)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     rows = [
@@ -612,6 +640,14 @@ def fit(
     peaks = [r.peak_bytes for r in rows if r.peak_bytes is not None]
     if peaks and min(peaks) > usable:
         extra["ranks_to_fit"] = _ranks_to_fit(steps, batch, seq, usable)
+    if build_for is not None and not any(r.fits for r in rows):
+        asked = Setup(precision, optimizer, shard)
+        found = setup_that_fits(
+            build_for, batch=batch, seq=seq, gpu=gpu, asked=asked, reserve=reserve,
+            progress=progress, traced={precision: steps.traced},
+        )  # fmt: skip
+        if found is not None:
+            extra["setup_that_fits"] = asdict(found)
     report = FitReport(
         model=model,
         batch=batch,
@@ -633,6 +669,93 @@ def fit(
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))
+
+
+def _usable(gpu: Gpu, shard: int, reserve: int | str | None) -> int:
+    """What a rank's step may take: the allocator's limit less the workspaces it holds, or the
+    capacity less a user's `reserve`."""
+    if reserve is not None:
+        return usable_bytes(gpu, reserve, ranks=shard)
+    usable = allocator_limit_bytes(gpu, shard) - fixed_memory(gpu, shard).cublas_workspace_bytes
+    if usable <= 0:
+        raise BudgetError(
+            f"{gpu.name}'s {format_bytes(gpu.capacity_bytes)} leave nothing to a training step "
+            "once the CUDA context, NCCL's buffers and the BLAS workspaces are taken"
+        )
+    return usable
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a step is trained: precision, optimizer and FSDP2 ranks; with the plan `auto` makes
+    under it and that plan's predicted step-time overhead, where it was judged."""
+
+    precision: str
+    optimizer: Optimizer
+    shard: int
+    plan: str = ""
+    overhead: float = 0.0
+
+    def changes(self, asked: Setup) -> list[str]:
+        """What differs from `asked`, in words."""
+        out = []
+        if self.precision != asked.precision:
+            out.append(f"precision {asked.precision} -> {self.precision}")
+        if self.optimizer != asked.optimizer:
+            out.append(f"optimizer {asked.optimizer} -> {self.optimizer}")
+        if self.shard != asked.shard:
+            out.append(f"ranks {asked.shard} -> {self.shard}")
+        return out
+
+
+#: Optimizers `setup_that_fits` may trade for: 8-bit AdamW keeps 2 bytes of state per parameter
+#: element instead of 8 (the step's math is AdamW's).
+_LEANER_OPTIMIZER = {
+    o: "adamw-8bit" for o in ("adamw", "adamw-foreach", "adamw-for-loop", "adamw-fused")
+}
+
+
+def setup_that_fits(
+    build_for: Callable[[str], Build],
+    *,
+    batch: int,
+    seq: int,
+    gpu: Gpu,
+    asked: Setup,
+    reserve: int | str | None = None,
+    max_ranks: int = 1024,
+    progress: Callable[[str], None] | None = None,
+    traced: dict[str, dict[tuple[int, int], Graph]] | None = None,
+) -> Setup | None:
+    """The setup under which remat's plan of the step at (batch, seq) fits `gpu`, at the least
+    cost: the fewest ranks first (GPUs cost more than time), then the least predicted step time,
+    then the fewest changes from `asked`. Tried: the asked precision, bf16-mixed, bf16-fsdp
+    (sharded only) and bf16; the asked optimizer and, for AdamW, 8-bit AdamW; the asked ranks and
+    powers of two up to `max_ranks`. None when nothing up to `max_ranks` fits. `traced`:
+    graphs already traced, by precision (the optimizer does not change the trace)."""
+    traced = {} if traced is None else traced
+    levels = [asked.shard, *(2**k for k in range(1, 11) if asked.shard < 2**k <= max_ranks)]
+    precisions = list(dict.fromkeys([asked.precision, "bf16-mixed", "bf16-fsdp", "bf16"]))
+    optimizers = list(dict.fromkeys([asked.optimizer, _LEANER_OPTIMIZER.get(asked.optimizer)]))
+    for ranks in levels:
+        usable = _usable(gpu, ranks, reserve)
+        found = []
+        for precision in precisions:
+            if ranks == 1 and PRECISIONS[precision].master_scale != 1:
+                continue  # FSDP2's mixed precision needs sharded parameters
+            for optimizer in (o for o in optimizers if o is not None or asked.optimizer is None):
+                steps = _Steps(build_for(precision), gpu, precision, optimizer, ranks, progress)
+                steps.traced = traced.setdefault(precision, {})
+                steps.simulate_allocator = reserve is None
+                judged = _judge(steps, "auto", batch, seq, usable)
+                if judged is None:
+                    return None  # no blocks to plan: no setup changes that
+                peak, p, memories, row_usable, overhead = judged
+                if _fits(peak, memories, row_usable):
+                    found.append(Setup(precision, optimizer, ranks, p.strategy, overhead))
+        if found:
+            return min(found, key=lambda s: (round(s.overhead, 4), len(s.changes(asked))))
+    return None
 
 
 def _ranks_to_fit(steps: _Steps, batch: int, seq: int, usable: int) -> int | None:
@@ -693,7 +816,21 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"with {math.ceil(report.batch / auto.max_batch)} gradient-accumulation steps."
         )
     ranks = report.extra.get("ranks_to_fit")
-    if ranks:
+    found = report.extra.get("setup_that_fits")
+    if found:
+        asked = Setup(report.precision, report.optimizer, report.shard)
+        setup = Setup(**found)
+        lines.append(
+            f"fits with {', '.join(setup.changes(asked))}: {setup.plan} at +{setup.overhead:.1%} "
+            "predicted step time, the fewest GPUs and then the least time of the setups tried "
+            "(precisions bf16-mixed, bf16-fsdp, bf16; 8-bit AdamW; up to 1024 ranks)."
+        )
+        if ranks and ranks != setup.shard:
+            lines.append(
+                f"keeping {report.precision} and {report.optimizer}: --shard {ranks} "
+                "(FSDP2 / ZeRO-3: parameters, gradients and optimizer state split)."
+            )
+    elif ranks:
         lines.append(
             f"sharded over {ranks} ranks (FSDP2 / ZeRO-3: parameters, gradients and optimizer "
             f"state split, activations per rank as traced) the lowest plan fits: --shard {ranks}."
@@ -717,6 +854,11 @@ def _held(row: FitRow, usable: str) -> str:
     allocator was simulated, else live bytes against the usable memory."""
     if row.gpu_memory:
         judged = row.gpu_memory[0]
+        if judged["out_of_memory"]:
+            return (
+                f"{format_bytes(row.peak_bytes)} of live tensors, out of memory in the "
+                f"allocator's {format_bytes(judged['limit_bytes'])}"
+            )
         return (
             f"{format_bytes(judged['reserved_bytes'])} reserved of the allocator's "
             f"{format_bytes(judged['limit_bytes'])}"

@@ -337,10 +337,11 @@ def custom_gpu(capacity: int | str, profile: str = DEFAULT_CUSTOM_PROFILE) -> Gp
     """A device with `capacity` bytes ("70GiB", "80e9", an int) priced with cost profile `profile`.
     Its architecture is unknown: `fixed_memory` takes the largest figures of the catalogue's.
     Raises `UnknownProfileError` for an unknown profile, `BudgetError` for an unreadable size or a
-    text under 1 GiB (a number without a unit is bytes: "40" is 40 bytes, write "40GB"); an int is
-    taken as given (small devices in tests)."""
+    text without a unit under 1 GiB (a number without a unit is bytes: "40" is 40 bytes, write
+    "40GB"); a size with a unit ("700MiB", "734003200B") and an int are taken as given."""
     capacity_bytes = parse_bytes(capacity)
-    if capacity_bytes < 1 or (isinstance(capacity, str) and capacity_bytes < 2**30):
+    unitless = isinstance(capacity, str) and capacity.strip()[-1:].isdigit()
+    if capacity_bytes < 1 or (unitless and capacity_bytes < 2**30):
         raise BudgetError(
             f"a GPU of {format_bytes(capacity_bytes)} ({capacity!r})? Give its memory with a unit, "
             "e.g. 70GiB or 80GB"
