@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -223,3 +224,52 @@ def test_gradient_differences_are_given_relative_to_the_gradients_scale():
     diff, rel = _max_diff(compiled, reference)
     assert diff == pytest.approx(0.8, rel=1e-3) and rel == pytest.approx(0.8 / 2e4, rel=1e-3)
     assert _max_diff(reference, reference) == (0.0, 0.0)
+
+
+def test_one_slow_round_of_store_all_does_not_put_every_row_within_noise():
+    """Min-max overlap called 1.5x "within noise" when store_all had one slow round; the middle
+    halves of the rounds do not."""
+    from remat.bench import _timed_row, quartile_range
+
+    base = [0.100] * 8 + [0.500]
+    row = _timed_row(BenchRow("full"), [0.150] * 9, 0.100, quartile_range(base))
+    assert row.within_noise is False and not row.noisy
+    close = _timed_row(BenchRow("auto"), [0.101, 0.099] * 4 + [0.100], 0.100, quartile_range(base))
+    assert close.within_noise is True
+
+
+def test_a_row_whose_rounds_disagree_is_marked_noisy_with_advice_to_rerun():
+    from remat.bench import _timed_row, quartile_range
+
+    rounds = [0.247, 0.251, 2.042, 0.260, 0.255]  # a busy machine, as the first `remat demo`
+    row = _timed_row(replace(table_rows()[1], note=""), rounds, 0.2, quartile_range([0.2] * 5))
+    assert row.noisy and row.rounds == tuple(rounds)
+    text = _render(bench_table([table_rows()[0], row], title="t"), width=200)
+    assert "!" in text and "noisy" in text and "re-run" in text
+
+
+def test_gradient_column_is_relative_and_every_row_over_the_budget_is_named():
+    compiled = replace(table_rows()[3], grad_max_abs_diff=0.44, grad_max_rel_diff=7.6e-6, note="")
+    rows = [table_rows()[0], replace(table_rows()[1], note=""), compiled]
+    text = _render(bench_table(rows, title="t", budget_bytes=3000 * MIB), width=200)
+    assert "7.6e-06" in text and "4.4e-01" not in text
+    assert "over the budget" in text
+    named = text.split("over the budget", 1)[1].split("\n")[0]
+    assert "store_all" in named and "torch.compile@0.5" not in named  # 2345 MiB < 3000 MiB
+
+
+def _render(table, width: int) -> str:
+    console = Console(file=io.StringIO(), width=width)
+    console.print(table)
+    return console.file.getvalue()
+
+
+def test_no_series_of_the_bench_plot_has_the_budget_lines_colour():
+    from matplotlib.colors import to_rgb
+
+    from remat.report import _COLORS, _MARKERS
+
+    assert to_rgb("crimson") not in [to_rgb(c) for c in _COLORS]
+    assert to_rgb("C3") not in [to_rgb(c) for c in _COLORS]  # tab10's red, next to crimson
+    styles = {(_COLORS[k % len(_COLORS)], _MARKERS[k % len(_MARKERS)]) for k in range(24)}
+    assert len(styles) == 24  # every row of a bench keeps its own marker and colour

@@ -60,12 +60,16 @@ class BenchRow:
         predicted_peak_bytes: remat's prediction (for an infeasible budget: the least feasible).
         step_seconds: median step time over the rounds.
         step_seconds_min, step_seconds_max: fastest and slowest round.
+        rounds: every round's step time, in order.
         time_ratio: `step_seconds` / store_all's `step_seconds` (the eager store_all row's, for
             compiled rows).
-        within_noise: True when this row's [min, max] range of step times overlaps store_all's
-            [min, max]: the rounds cannot tell the two apart, so the ratio is not evidence of a
-            difference; False when every round of one is faster than every round of the other.
-            store_all's own row is True. None where there is no time or no reference range.
+        within_noise: True when the middle half of this row's rounds (their interquartile
+            range) overlaps store_all's: the rounds cannot tell the two apart, so the ratio is
+            not evidence of a difference. Quartiles, not min-max: one slow round of store_all
+            does not make every row "within noise". store_all's own row is True. None where
+            there is no time or no reference range.
+        noisy: the row's slowest round took more than `NOISY_SPREAD` times its fastest: the
+            machine was busy, and its median is no result (re-run with more rounds, or idle).
         grad_max_abs_diff: largest absolute difference from store_all's parameter gradients.
         grad_max_rel_diff: that difference over the largest store_all gradient magnitude.
         grad_vs_compiled_rel_diff: for compiled rows, the same relative difference from
@@ -83,6 +87,8 @@ class BenchRow:
     step_seconds_max: float | None = None
     time_ratio: float | None = None
     within_noise: bool | None = None
+    noisy: bool = False
+    rounds: tuple[float, ...] = ()  # every round's step seconds, in order
     grad_max_abs_diff: float | None = None
     grad_max_rel_diff: float | None = None
     grad_vs_compiled_rel_diff: float | None = None
@@ -236,14 +242,26 @@ def _overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
+#: A row whose slowest round is more than this many times its fastest is marked noisy.
+NOISY_SPREAD = 1.5
+
+
+def quartile_range(times: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of `times` (inclusive method; one time: itself twice)."""
+    if len(times) < 2:
+        return times[0], times[0]
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return q1, q3
+
+
 def _timed_row(
     row: BenchRow,
     times: list[float],
     base_seconds: float | None,
     base_range: tuple[float, float] | None,
 ) -> BenchRow:
-    """`row` with the median and range of `times`, its ratio to `base_seconds` and whether its
-    range overlaps `base_range`."""
+    """`row` with the median and range of `times`, its ratio to `base_seconds`, whether its
+    interquartile range overlaps `base_range` (store_all's) and whether it is noisy."""
     median, low, high = statistics.median(times), min(times), max(times)
     return replace(
         row,
@@ -251,7 +269,9 @@ def _timed_row(
         step_seconds_min=low,
         step_seconds_max=high,
         time_ratio=median / base_seconds if base_seconds else None,
-        within_noise=_overlaps((low, high), base_range) if base_range else None,
+        within_noise=_overlaps(quartile_range(times), base_range) if base_range else None,
+        noisy=high > NOISY_SPREAD * low,
+        rounds=tuple(times),
     )
 
 
@@ -333,7 +353,7 @@ def bench(
     base_range: tuple[float, float] | None = None
     for (i, _), t in zip(timed, times, strict=True):
         if rows[i].strategy == "store_all":  # the first row: the reference of every ratio
-            base_seconds, base_range = statistics.median(t), (min(t), max(t))
+            base_seconds, base_range = statistics.median(t), quartile_range(t)
         rows[i] = _timed_row(rows[i], t, base_seconds, base_range)
     return rows
 
@@ -362,7 +382,7 @@ def bench_compiled(
     the eager rows. All compiled variants stay alive and are then timed in `steps` interleaved
     rounds among themselves (progress "torch.compile round i/steps"), without recompiling: a
     variant that recompiled anyway says so in its note. Ratios are to `base_seconds` (the eager
-    store_all median); `within_noise` compares with `base_range` (the eager store_all's min and
+    store_all median); `within_noise` compares with `base_range` (the eager store_all's quartiles,
     max step time), and is None without it."""
     from torch._functorch import config as functorch_config
 

@@ -464,7 +464,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> int:
     from remat import models
-    from remat.bench import bench, bench_compiled, progress_total
+    from remat.bench import bench, bench_compiled, progress_total, quartile_range
     from remat.plans import describe_budget
     from remat.report import bench_table, plot_bench
     from remat.units import format_bytes
@@ -499,7 +499,7 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
                 compiler=args.compiler,
                 profile=args.profile,
                 base_seconds=base.step_seconds,
-                base_range=(base.step_seconds_min, base.step_seconds_max),
+                base_range=quartile_range(list(base.rounds)),
                 progress=advance,
             )
     title = (
@@ -521,7 +521,7 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
                 f,
                 indent=2,
             )
-    console.print(bench_table(rows, title=title))
+    console.print(bench_table(rows, title=title, budget_bytes=budget_bytes))
     failed = [r for r in rows if not r.ran]
     if failed:
         console.print(

@@ -203,13 +203,15 @@ def plan_dict(plan, **context) -> dict[str, Any]:
     return {**context, **d, "recompute_flops_share": plan.recompute_flops_share}
 
 
-def bench_table(rows, title: str) -> Table:
+def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
     """Measured against predicted, per strategy, with store_all as the reference.
 
     "step ms" is the median step time over the timing rounds and "min-max" its fastest and
     slowest round; "ratio" is the median over store_all's median, marked "~" where the row is
-    within noise of store_all (its min-max range overlaps store_all's: the rounds cannot tell
-    them apart). Numeric cells never wrap or truncate: on a narrow console only the strategy
+    within noise of store_all (the middle halves of their rounds overlap: the rounds cannot tell
+    them apart) and "!" where its own rounds are more than 1.5x apart (noisy, with a note to
+    re-run). Rows whose measured peak is over `budget_bytes` are named under the table. Numeric
+    cells never wrap or truncate: on a narrow console only the strategy
     column folds. Notes (why a row was not measured, what a compiled row ran) are listed under
     the table, each after its row's name; rows without a measurement show "-"."""
     from rich import box
@@ -234,11 +236,12 @@ def bench_table(rows, title: str) -> Table:
         "step ms\nmedian",
         "\nmin-max",
         "\nratio",
-        "grad\ndiff",
+        "grad diff\n(rel.)",
     ):
         t.add_column(col, justify="right", no_wrap=True)
     mib = 2**20
     notes = Text()
+    over: list[str] = []
     for r in rows:
         if r.note and r.note != r.strategy:
             notes.append(f"\n{r.strategy}: ", style="bold")
@@ -249,6 +252,14 @@ def bench_table(rows, title: str) -> Table:
         low = getattr(r, "step_seconds_min", None)  # rows from before the spread had none
         high = getattr(r, "step_seconds_max", None)
         noise = "~" if getattr(r, "within_noise", None) and r.strategy != "store_all" else ""
+        if getattr(r, "noisy", False):
+            noise = "!" + noise
+            notes.append(f"\n{r.strategy}: ", style="bold")
+            notes.append(
+                f"noisy: its rounds took {_ms(low)}-{_ms(high)} ms, more than 1.5x apart; the "
+                "machine was busy: re-run with more --steps on an idle machine before reading "
+                "its ratio"
+            )
         t.add_row(
             r.strategy,
             f"{r.held_bytes / mib:.1f}",
@@ -257,21 +268,37 @@ def bench_table(rows, title: str) -> Table:
             _ms(r.step_seconds) if r.step_seconds is not None else "-",
             f"{_ms(low)}-{_ms(high)}" if low is not None and high is not None else "-",
             f"{noise}{r.time_ratio:.2f}x" if r.time_ratio else "-",
-            f"{r.grad_max_abs_diff:.1e}" if r.grad_max_abs_diff is not None else "-",
+            _grad_cell(r),
         )
-        rel = getattr(r, "grad_max_rel_diff", None)
-        if rel and r.grad_max_abs_diff:  # a compiled row's rounding: say how large it is
+        vs_compiled = getattr(r, "grad_vs_compiled_rel_diff", None)
+        if vs_compiled is not None and r.strategy != "torch.compile@1" and r.grad_max_abs_diff:
             notes.append(f"\n{r.strategy}: ", style="bold")
-            notes.append(f"grad diff {r.grad_max_abs_diff:.1e} = {rel:.1e} of max |g|")
-            vs_compiled = getattr(r, "grad_vs_compiled_rel_diff", None)
-            if vs_compiled is not None and r.strategy != "torch.compile@1":
-                notes.append(f"; {vs_compiled:.1e} from torch.compile@1's")
+            notes.append(f"grad diff {vs_compiled:.1e} from torch.compile@1's (relative)")
+        if budget_bytes is not None and r.peak_bytes > budget_bytes:
+            over.append(r.strategy)
     t.caption = Text.assemble(
-        "ratio = median step / store_all's median; ~ = within noise of store_all "
-        "(their min-max ranges overlap); grad diff = max |g - g_store_all|",
+        "ratio = median step / store_all's median; ~ = within noise of store_all (the middle "
+        "halves of their rounds overlap); ! = noisy rounds; grad diff = max |g - g_store_all| / "
+        "max |g_store_all|",
+        *(
+            [
+                f"; over the budget of {format_bytes(budget_bytes)} (measured peak): {', '.join(over)}"
+            ]
+            if over
+            else []
+        ),
         notes,
     )
     return t
+
+
+def _grad_cell(row) -> str:
+    """The gradient difference from store-all's, relative to its largest gradient (an absolute
+    4e-1 on gradients near 5e4 is rounding); the absolute one where no relative one was kept."""
+    rel = getattr(row, "grad_max_rel_diff", None)
+    if rel is not None:
+        return f"{rel:.1e}"
+    return f"{row.grad_max_abs_diff:.1e}" if row.grad_max_abs_diff is not None else "-"
 
 
 def _ms(seconds: float) -> str:
@@ -282,7 +309,8 @@ def _ms(seconds: float) -> str:
 
 #: Marker shapes and colours given to strategies in order; the star is kept for the chosen plan.
 _MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">", "h", "p", "d")
-_COLORS = tuple(f"C{i}" for i in range(10))
+#: tab10 without its red (C3), which is the budget line's colour: no series is drawn in it.
+_COLORS = tuple(f"C{i}" for i in range(10) if i != 3)
 
 
 def _byte_unit(values) -> tuple[str, int]:
