@@ -134,12 +134,18 @@ def test_json_block_matches_the_planner(report):
     assert d["timelines"][0]["peak_bytes"] == planner.estimate.peak_bytes
     assert d["timelines"][-1]["peak_bytes"] == chosen.predicted_peak_bytes
     for t in d["timelines"]:
-        assert len(t["live_bytes"]) == len(t["schedule"]) >= len(planner.graph.ops)
+        assert t["positions"] >= len(planner.graph.ops)
+        assert len(t["live_bytes"]) == -(-t["positions"] // t["stride"]) <= 400
+        assert max(t["live_bytes"]) == t["peak_bytes"]  # max-pooled: the peak survives
     assert sum(m["activation_bytes"] for m in d["by_module"]) == planner.estimate.activation_bytes
     assert [c["strategy"] for c in d["comparison"]] == [
         c.strategy for c in planner.compare(report.budget)
     ]
-    assert len(d["decisions"]) == len(chosen.explain(planner.graph))
+    explained = chosen.explain(planner.graph)
+    assert d["decisions_total"]["tensors"] == len(explained)
+    assert len(d["decisions"]) <= TOP_DECISIONS
+    shown = [r["bytes"] for r in d["decisions"]]
+    assert shown == sorted(shown, reverse=True) and shown[0] >= max(r["bytes"] for r in explained)
     assert d["fit"][0]["model"] == "gpt2" and d["bench"][0]["strategy"] == "store_all"
 
 
@@ -156,7 +162,7 @@ def test_tables(report):
     assert f'<tr class="pick"><td>{picked} (chosen)</td>' in text
     # numbers right-aligned, bytes formatted, None as "-"
     assert f'<td class="num">{format_bytes(2_450_000)}</td>' in text
-    assert '<th class="num">predicted_peak_bytes</th>' in text
+    assert '<th class="num">predicted peak</th>' in text  # a reader's header, not a key
     assert '<td class="num">-</td>' in text
     assert '<td class="num">12 ms</td>' in text and '<td class="num">1.00x</td>' in text
 
@@ -247,3 +253,60 @@ def test_renders_in_chromium(report, tmp_path):
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1280, 4000)
     assert len(data) > 100_000  # a blank page compresses to a few KiB
+
+
+def test_embedded_data_is_a_minor_part_of_the_page(report):
+    """The data block once was 725 KB of a 921 KB page (full timelines with their schedules, every
+    plan's regions); the page is for reading."""
+    block = re.search(r'id="remat-data">(.*?)</script>', report.text, re.S).group(1)
+    assert len(block) < 0.3 * len(report.text), (len(block), len(report.text))
+
+
+def test_a_fit_page_leads_with_the_advice_the_fit_table_and_its_arithmetic(tmp_path):
+    model, inputs = models.build("gpt2", tiny=True)
+    planner = remat.Planner(remat.trace(model, *inputs))
+    advice = ["nothing fits: the lowest is full.", "run: remat fit --model gpt2 --shard 2"]
+    rows = [{"strategy": "full", "peak_bytes": 3 * 2**20, "fits": "no"}]
+    write_report(
+        str(tmp_path / "fit.html"), planner, title="t", budget_bytes=2**20, fit_rows=rows,
+        advice=advice, fit_caption="usable 1 MiB = capacity 2 MiB - reserve 1 MiB",
+    )  # fmt: skip
+    text = (tmp_path / "fit.html").read_text(encoding="utf-8")
+    order = [
+        text.index(x) for x in ('class="advice"', 'class="facts"', 'id="fit"', 'id="timeline"')
+    ]
+    assert order == sorted(order)
+    assert "<code>remat fit --model gpt2 --shard 2</code>" in text
+    assert "usable 1 MiB = capacity 2 MiB - reserve 1 MiB" in text
+    assert '<th class="num">peak</th>' in text
+    assert data_block(text)["advice"] == advice
+
+
+@pytest.mark.parametrize("width", [360, 1280])
+def test_the_page_does_not_overflow_a_phone_or_a_desktop(report, tmp_path, width):
+    """At 360 px the charts scroll inside their frames (their text keeps a readable size) and
+    tables inside theirs: the page itself never scrolls sideways. Headless Chromium's window is
+    at least 500 px wide, so the page is laid out in an iframe of the width asked."""
+    probe = tmp_path / "probe.html"
+    probe.write_text(
+        '<!DOCTYPE html><html><head><title>probe</title></head><body style="margin:0">'
+        f'<iframe id="f" style="border:0;width:{width}px;height:3000px" '
+        f'srcdoc="{html.escape(report.text, quote=True)}"></iframe><script>'
+        "const f = document.getElementById('f');"
+        "f.addEventListener('load', () => { const d = f.contentDocument;"
+        "const svgs = [...d.querySelectorAll('figure svg')].map(s => s.getBoundingClientRect().width);"
+        "document.title = 'W' + d.documentElement.scrollWidth + 'S' + Math.min(...svgs) + 'E'; });"
+        "</script></body></html>",
+        encoding="utf-8",
+    )
+    window = f"--window-size={width + 40},900"
+    run = chromium(window, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri())
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = re.search(r"<title>W(\d+)S([\d.]+)E</title>", run.stdout)
+    assert found, run.stdout[-500:]
+    page_width, smallest_svg = int(found.group(1)), float(found.group(2))
+    assert page_width <= width
+    assert smallest_svg >= 900  # chart text at 0.85 of its size or more, never ~4 px
+    png = tmp_path / f"report-{width}.png"
+    shot = chromium(window, "--virtual-time-budget=5000", f"--screenshot={png}", probe.as_uri())
+    assert shot.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

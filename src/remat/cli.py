@@ -636,6 +636,32 @@ def _report_precision(args: argparse.Namespace) -> str:
     return args.dtype
 
 
+def _fit_caption(report: Any) -> str:
+    """What the fit table's columns mean and how usable memory was reckoned: under the table in
+    the terminal and on the page."""
+    from remat.units import format_bytes
+
+    if any(r.gpu_memory for r in report.rows):
+        limit = report.rows[0].gpu_memory[0]["limit_bytes"] if report.rows[0].gpu_memory else 0
+        judged = (
+            "peak: live tensors; allocated / reserved: the CUDA caching allocator simulated (OOM: "
+            "it ran out of memory), expandable: reserved with expandable_segments:True; fits: "
+            f"{report.allocator} ({format_bytes(limit)} = total_memory "
+            f"{format_bytes(report.capacity_bytes)} - CUDA context - NCCL buffers; nvidia-smi "
+            "shows reserved + context, see --json)"
+        )
+    else:
+        judged = (
+            f"fits: {report.allocator}; usable {format_bytes(report.usable_bytes)} = capacity "
+            f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)}"
+        )
+    return (
+        f"{judged}; step time: predicted recompute on the {report.profile} profile; max seq in "
+        f"steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} traced in "
+        f"{report.seconds:.0f} s"
+    )
+
+
 def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     """The `remat fit` command of these arguments under another precision, optimizer and rank
     count: what the advice says fits, to run as printed."""
@@ -713,16 +739,19 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         )
     report = _fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
     gpu = report.gpu
+    found = report.extra.get("setup_that_fits")
+    run = [f"run: {_fit_command(args, found)}"] if found else []
     if args.html:
         from remat.html import write_report
 
-        planner = report.planner
         write_report(
             args.html,
-            planner,
+            report.planner,
             title=f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}",
             budget_bytes=report.usable_bytes,
             fit_rows=report.table_rows(),
+            advice=[*report.advice, *run],
+            fit_caption=_fit_caption(report),
         )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -776,25 +805,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             str(r.max_seq) if r.max_seq else "-",
         ]
         table.add_row(*cells)
-    if simulated:
-        limit = report.rows[0].gpu_memory[0]["limit_bytes"] if report.rows[0].gpu_memory else 0
-        judged = (
-            f"peak: live tensors; allocated / reserved: the CUDA caching allocator simulated (OOM: "
-            "it ran out of memory), "
-            f"expandable: reserved with expandable_segments:True; fits: {report.allocator} "
-            f"({format_bytes(limit)} = total_memory {format_bytes(report.capacity_bytes)} - CUDA "
-            "context - NCCL buffers; nvidia-smi shows reserved + context, see --json)"
-        )
-    else:
-        judged = (
-            f"fits: {report.allocator}; usable {format_bytes(report.usable_bytes)} = capacity "
-            f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)}"
-        )
-    table.caption = (
-        f"{judged}; step time: predicted recompute on the {report.profile} profile; max seq in "
-        f"steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} traced in "
-        f"{report.seconds:.0f} s"
-    )
+    table.caption = _fit_caption(report)
     console.print(table)
     by_note: dict[str, list[str]] = {}
     for r in report.rows:
@@ -805,9 +816,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[dim]{escape(who)}: {escape(note)}[/dim]")
     for line in report.advice:
         console.print(f"[bold]advice:[/bold] {escape(line)}")
-    found = report.extra.get("setup_that_fits")
-    if found:
-        console.print(f"[bold]run:[/bold] {escape(_fit_command(args, found))}", soft_wrap=True)
+    for line in run:
+        console.print(f"[bold]run:[/bold] {escape(line.removeprefix('run: '))}", soft_wrap=True)
     if args.html:
         console.print(f"report written to {escape(args.html)}")
     return 0

@@ -144,6 +144,9 @@ class FitReport:
                 "strategy": r.strategy,
                 "plan": r.plan,
                 "peak_bytes": r.peak_bytes,
+                "reserved_bytes": "OOM"
+                if r.gpu_memory and r.gpu_memory[0]["out_of_memory"]
+                else r.reserved_bytes,
                 "fits": "yes" if r.fits else "no",
                 "step time": "-" if r.overhead is None else f"+{r.overhead:.1%}",
                 "max batch": r.max_batch,

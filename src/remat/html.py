@@ -13,7 +13,7 @@ import html
 import io
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from remat import __version__
@@ -24,12 +24,12 @@ from remat.units import format_bytes
 
 #: The section headings, in order (ids are the anchors of the page's contents line).
 SECTIONS = {
+    "fit": "Fit",
     "timeline": "Memory over the step",
     "breakdown": "Where the saved bytes come from",
     "frontier": "Memory / recompute frontier",
     "decisions": "The plan's decisions",
     "strategies": "Strategies at the budget",
-    "fit": "Fit",
     "bench": "Measured",
 }
 #: Rows of the decisions table; the rest are counted under it.
@@ -74,6 +74,19 @@ tr.more td { color: var(--muted); font-style: italic; }
 .tag.keep { background: #e6eef9; color: #1f4f8f; }
 .tag.recompute { background: #fdf0dc; color: #8a5300; }
 footer { margin-top: 40px; font-size: 12px; color: var(--muted); }
+.scroll { overflow-x: auto; max-width: 100%; }
+figure { overflow-x: auto; }
+figure svg { min-width: 900px; }
+.advice { border-left: 4px solid #1f4f8f; background: #eef3fa; padding: 10px 14px;
+  border-radius: 0 6px 6px 0; margin: 12px 0; }
+.advice p { margin: 4px 0; overflow-wrap: anywhere; }
+.advice code { white-space: pre-wrap; word-break: break-word; }
+@media (max-width: 640px) {
+  main { padding: 12px 12px 32px; }
+  h1 { font-size: 20px; }
+  .facts { grid-template-columns: repeat(2, minmax(0, 1fr)); }
+  .fact .v { font-size: 16px; }
+}
 """
 
 
@@ -86,12 +99,16 @@ def write_report(
     chosen: Plan | None = None,
     fit_rows: list[dict] | None = None,
     bench_rows: list | None = None,
+    advice: Sequence[str] = (),
+    fit_caption: str = "",
 ) -> str:
     """Write the HTML report of `planner`'s step at `budget_bytes` to `path` and return `path`.
 
     `chosen` is the plan to show (default: `planner.plan(budget_bytes)`, strategy auto, or none
     when nothing fits). `fit_rows` (dicts, one column per key) and `bench_rows` (objects with
-    `to_dict()`, such as `remat.bench.BenchRow`) add their tables when given."""
+    `to_dict()`, such as `remat.bench.BenchRow`) add their tables when given. `advice` (a fit's
+    advice, the command that fits last) leads the page; `fit_caption` is the fit table's
+    arithmetic (what fits means, what usable memory is)."""
     text = render_report(
         planner,
         title=title,
@@ -99,6 +116,8 @@ def write_report(
         chosen=chosen,
         fit_rows=fit_rows,
         bench_rows=bench_rows,
+        advice=advice,
+        fit_caption=fit_caption,
     )
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -113,6 +132,8 @@ def render_report(
     chosen: Plan | None = None,
     fit_rows: list[dict] | None = None,
     bench_rows: list | None = None,
+    advice: Sequence[str] = (),
+    fit_caption: str = "",
 ) -> str:
     """The page `write_report` writes, as a string."""
     from remat.report import (
@@ -190,35 +211,37 @@ def render_report(
         },
         "estimate": {k: v for k, v in est.to_dict().items() if k != "timeline"}
         | {"fixed_bytes": est.fixed_bytes, "base_bytes": planner.base_bytes},
-        "chosen": _plan_summary(chosen, step) if chosen is not None else None,
+        "chosen": _plan_summary(chosen, step, whole=True) if chosen is not None else None,
         "nothing_fits": nothing_fits or None,
-        "timelines": [
-            {
-                "label": label,
-                "peak_bytes": max(sim.timeline, default=0),
-                "live_bytes": list(sim.timeline),
-                "schedule": [f"{kind}:{i}" for kind, i in sim.schedule],
-            }
-            for label, _, sim in plans
-        ],
+        "timelines": [_timeline_data(label, sim.timeline) for label, _, sim in plans],
         "by_module": [{"module": p, "activation_bytes": b} for p, b in modules],
         "by_op": [{"op": o, "activation_bytes": b, "tensors": n} for o, b, n in ops],
         "frontier": {
             "points": [_plan_summary(p, step) for p in frontier.points],
             "named": [_plan_summary(p, step) for p in frontier.named],
         },
-        "decisions": explained,
+        "decisions": _decision_rows(explained)[:TOP_DECISIONS],
+        "decisions_total": {
+            "tensors": len(explained),
+            "recomputed": sum(r["decision"] == "recompute" for r in explained),
+        },
         "comparison": [
             {"strategy": c.strategy, "note": c.note}
             | (_plan_summary(c.plan, step) if c.plan is not None else {})
             for c in comparison
         ],
         "fit": fit_rows,
+        "advice": list(advice),
         "bench": [r.to_dict() for r in bench_rows] if bench_rows is not None else None,
     }
 
     body = [
-        _header(planner, title, budget_bytes, chosen, nothing_fits, fit_rows, bench_rows),
+        _header(planner, title, budget_bytes, chosen, nothing_fits, fit_rows, bench_rows, advice),
+    ]
+    if fit_rows is not None:  # a fit's answer comes first
+        caption = f'<p class="note">{_e(fit_caption)}</p>' if fit_caption else ""
+        body.append(_section("fit", _generic_table(fit_rows) + caption))
+    body += [
         _section(
             "timeline",
             _figure(
@@ -261,8 +284,6 @@ def render_report(
         _section("decisions", _decisions(explained, chosen)),
         _section("strategies", _strategies(comparison, chosen, step, budget_bytes)),
     ]
-    if fit_rows is not None:
-        body.append(_section("fit", _generic_table(fit_rows)))
     if bench_rows is not None:
         body.append(
             _section(
@@ -298,6 +319,7 @@ def _header(
     nothing_fits: str,
     fit_rows,
     bench_rows,
+    advice: Sequence[str] = (),
 ) -> str:
     graph, est = planner.graph, planner.estimate
     params = graph.info.get("param_count")
@@ -306,7 +328,11 @@ def _header(
         ("activations saved", format_bytes(est.activation_bytes), ""),
         ("store-all peak", format_bytes(est.peak_bytes), ""),
         ("fixed (params, grads, state)", format_bytes(est.fixed_bytes), ""),
-        ("budget", format_bytes(budget_bytes), "budget"),
+        (
+            "usable for the step (live)" if advice else "budget",
+            format_bytes(budget_bytes),
+            "budget",
+        ),
         ("predicted step", _seconds(planner.step_seconds), ""),
         ("blocks", str(len(planner.blocks)) if planner.blocks else "none", ""),
         ("ops (forward + backward)", f"{len(graph.forward_ops)} + {len(graph.backward_ops)}", ""),
@@ -345,16 +371,32 @@ def _header(
             f"{format_bytes(budget_bytes)}.</strong>"
             f'<div class="reason">{_e(nothing_fits)}</div></div>'
         )
-    shown = [k for k in SECTIONS if k not in ("fit", "bench")]
-    shown += ["fit"] if fit_rows is not None else []
+    if advice:  # a fit's page: its advice is the answer, which a plan at one budget would blur
+        plan = ""
+    shown = ["fit"] if fit_rows is not None else []
+    shown += [k for k in SECTIONS if k not in ("fit", "bench")]
     shown += ["bench"] if bench_rows is not None else []
     nav = " ".join(f'<a href="#{k}">{_e(SECTIONS[k])}</a>' for k in shown)
     return (
         f"<header><h1>{_e(title)}</h1>"
         '<p class="sub">remat report of one traced training step: what autograd saves, what a '
         "plan keeps and recomputes, and what it costs.</p>"
-        f'<nav>{nav}</nav><div class="facts">{cards}</div>{plan}</header>'
+        f"<nav>{nav}</nav>{_advice(advice)}"
+        f'<div class="facts">{cards}</div>{plan}</header>'
     )
+
+
+def _advice(lines: Sequence[str]) -> str:
+    """A fit's advice, the answer, first; a line that is a command is shown as code."""
+    if not lines:
+        return ""
+    body = "".join(
+        f"<p><strong>Run:</strong> <code>{_e(line.removeprefix('run: '))}</code></p>"
+        if line.startswith("run: ")
+        else f"<p>{_e(line)}</p>"
+        for line in lines
+    )
+    return f'<div class="advice"><strong>Advice</strong>{body}</div>'
 
 
 def _section(key: str, content: str) -> str:
@@ -368,13 +410,7 @@ def _figure(fig, key: str, caption: str) -> str:
 def _decisions(rows: list[dict[str, Any]], chosen: Plan | None) -> str:
     if chosen is None:
         return '<p class="note">No plan fits the budget: nothing to decide.</p>'
-    # Tensors of one op with the same fate share a row (layer norm saves its mean and its rstd).
-    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for r in rows:
-        g = groups.setdefault((r["name"], r["decision"], r["why"]), {**r, "bytes": 0, "tensors": 0})
-        g["bytes"] += r["bytes"]
-        g["tensors"] += 1
-    ordered = sorted(groups.values(), key=lambda r: -r["bytes"])
+    ordered = _decision_rows(rows)
     shown, rest = ordered[:TOP_DECISIONS], ordered[TOP_DECISIONS:]
     recomputed = [r for r in rows if r["decision"] == "recompute"]
     recomputed_bytes = sum(r["bytes"] for r in recomputed)
@@ -414,6 +450,17 @@ def _decisions(rows: list[dict[str, Any]], chosen: Plan | None) -> str:
         ],
         body,
     )
+
+
+def _decision_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decisions, largest first; tensors of one op with the same fate share a row (layer norm
+    saves its mean and its rstd)."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        g = groups.setdefault((r["name"], r["decision"], r["why"]), {**r, "bytes": 0, "tensors": 0})
+        g["bytes"] += r["bytes"]
+        g["tensors"] += 1
+    return sorted(groups.values(), key=lambda r: -r["bytes"])
 
 
 def _strategies(rows: list[Comparison], chosen: Plan | None, step: float, budget_bytes: int) -> str:
@@ -487,7 +534,14 @@ def _generic_table(rows: list[dict[str, Any]]) -> str:
         + "</tr>"
         for r in rows
     ]
-    return _table([(k, "num" if k in numeric else "") for k in columns], body, "compact")
+    return _table(
+        [(_header_text(k), "num" if k in numeric else "") for k in columns], body, "compact"
+    )
+
+
+def _header_text(key: str) -> str:
+    """A column key as a reader's header: `predicted_peak_bytes` -> "predicted peak"."""
+    return key.removesuffix("_bytes").replace("_", " ")
 
 
 # -- pieces ---------------------------------------------------------------------------------------
@@ -497,7 +551,10 @@ def _table(columns: Iterable[tuple[str, str]], body: list[str], cls: str = "") -
         for name, kind in columns
     )
     attr = f' class="{cls}"' if cls else ""
-    return f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return (
+        f'<div class="scroll"><table{attr}><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _cell(key: str, value: Any) -> str:
@@ -531,8 +588,28 @@ def _seconds(s: float) -> str:
     return f"{s * 1e6:.3g} \N{MICRO SIGN}s"
 
 
-def _plan_summary(p: Plan, step: float) -> dict[str, Any]:
+#: Points of a timeline in the data block: the live bytes are max-pooled down to this many.
+TIMELINE_POINTS = 400
+
+
+def _timeline_data(label: str, timeline: Iterable[int]) -> dict[str, Any]:
+    """A timeline for the data block: its peak exactly, and the live bytes max-pooled over runs of
+    `stride` positions (at most `TIMELINE_POINTS` points: the page is for reading)."""
+    live = list(timeline)
+    stride = max(1, -(-len(live) // TIMELINE_POINTS))
     return {
+        "label": label,
+        "peak_bytes": max(live, default=0),
+        "positions": len(live),
+        "stride": stride,
+        "live_bytes": [max(live[i : i + stride]) for i in range(0, len(live), stride)],
+    }
+
+
+def _plan_summary(p: Plan, step: float, whole: bool = False) -> dict[str, Any]:
+    """A plan's figures for the data block; `whole` adds its reason and regions (the chosen plan:
+    the others' would make the page mostly data)."""
+    figures = {
         "strategy": p.strategy,
         "predicted_peak_bytes": p.predicted_peak_bytes,
         "held_bytes": p.held_bytes,
@@ -542,6 +619,10 @@ def _plan_summary(p: Plan, step: float) -> dict[str, Any]:
         "step_time_overhead": p.recompute_seconds / step if step else None,
         "status": p.status,
         "appliable": p.appliable,
+    }
+    if not whole:
+        return figures
+    return figures | {
         "reason": p.reason,
         "regions": [{"modules": list(r.modules), "keep": list(r.keep)} for r in p.regions],
     }
