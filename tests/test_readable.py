@@ -68,3 +68,25 @@ def test_auto_logs_one_line_on_the_remat_logger_and_can_be_silenced(planned, cap
         logger.setLevel(logging.INFO)
         logger.removeHandler(caplog.handler)
         remat.remove(model)
+
+
+def test_auto_is_never_fixed_and_the_solver_speaks_plainly(planned):
+    _, _, _, planner = planned
+    for budget in ("100%", "90%", "1TiB"):
+        plan = planner.plan(budget, "auto")
+        assert plan.status in ("optimal", "feasible"), (budget, plan.status)
+    milp = planner.plan("90%", "milp")
+    assert "HiGHS proved" not in milp.reason and "proved optimal by the MILP solver" in milp.reason
+    assert " ms " in milp.reason or " us " in milp.reason  # a reader's unit, not 0.000395 s
+
+
+def test_the_glossary_defines_the_words_the_answers_use():
+    from pathlib import Path
+
+    import re
+
+    glossary = (Path(__file__).parent.parent / "docs" / "glossary.md").read_text().lower()
+    terms = re.findall(r"\*\*(.+?)\*\*", glossary)  # each entry's defined words
+    for word in ("held", "kept for backward", "reserved", "usable", "within noise", "noisy",
+                 "plan status", "kernel scratch", "random control flow", "budget", "profile"):  # fmt: skip
+        assert any(word in term for term in terms), word

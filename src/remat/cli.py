@@ -436,8 +436,7 @@ def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> 
         console.print(explain_table(chosen.explain(planner.graph)))
     console.print(
         f"[bold]chosen: {chosen.strategy}[/bold]: predicted peak {format_bytes(chosen.predicted_peak_bytes)}, "
-        f"recompute {chosen.recompute_flops_share:.1%} of forward FLOPs "
-        f"({chosen.recompute_seconds / step_seconds:+.1%} step time on {planner.profile.name})\n{escape(chosen.reason)}"
+        f"{_step_time_words(chosen, step_seconds, planner.profile.name)}\n{escape(chosen.reason)}"
     )
     regions = ", ".join(
         r.modules[0]
@@ -634,6 +633,20 @@ def _report_precision(args: argparse.Namespace) -> str:
             "`remat fit --precision ...` covers mixed precision"
         )
     return args.dtype
+
+
+def _step_time_words(plan: Any, step_seconds: float, profile: str) -> str:
+    """What a plan costs, time first: FLOPs alone mislead where the recomputed ops move memory
+    (norms, activations) rather than multiply."""
+    if not plan.recompute_seconds:
+        return "no recompute"
+    time = (
+        f"{plan.recompute_seconds / step_seconds:+.1%} predicted step time on the {profile} profile"
+    )
+    share = plan.recompute_flops_share
+    if share < 0.005:
+        return f"{time} (the recomputed ops move memory; they add almost no FLOPs)"
+    return f"{time} (recomputing {share:.1%} of the forward's FLOPs)"
 
 
 def _fit_caption(report: Any) -> str:

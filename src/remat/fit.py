@@ -740,22 +740,32 @@ def setup_that_fits(
     levels = [asked.shard, *(2**k for k in range(1, 11) if asked.shard < 2**k <= max_ranks)]
     precisions = list(dict.fromkeys([asked.precision, "bf16-mixed", "bf16-fsdp", "bf16"]))
     optimizers = list(dict.fromkeys([asked.optimizer, _LEANER_OPTIMIZER.get(asked.optimizer)]))
+    combos: dict[tuple[str, Optimizer], _Steps] = {}  # one per setup: planners are per rank count
+    for precision in precisions:
+        for optimizer in (o for o in optimizers if o is not None or asked.optimizer is None):
+            steps = _Steps(build_for(precision), gpu, precision, optimizer, asked.shard, progress)
+            steps.traced = traced.setdefault(precision, {})
+            steps.simulate_allocator = reserve is None
+            combos[(precision, optimizer)] = steps
     for ranks in levels:
         usable = _usable(gpu, ranks, reserve)
         found = []
-        for precision in precisions:
-            if ranks == 1 and PRECISIONS[precision].master_scale != 1:
+        for (precision, optimizer), steps in combos.items():
+            if ranks == 1 and steps.setup.master_scale != 1:
                 continue  # FSDP2's mixed precision needs sharded parameters
-            for optimizer in (o for o in optimizers if o is not None or asked.optimizer is None):
-                steps = _Steps(build_for(precision), gpu, precision, optimizer, ranks, progress)
-                steps.traced = traced.setdefault(precision, {})
-                steps.simulate_allocator = reserve is None
-                judged = _judge(steps, "auto", batch, seq, usable)
-                if judged is None:
-                    return None  # no blocks to plan: no setup changes that
-                peak, p, memories, row_usable, overhead = judged
-                if _fits(peak, memories, row_usable):
-                    found.append(Setup(precision, optimizer, ranks, p.strategy, overhead))
+            steps.shard = ranks
+            planner = steps.planner(batch, seq)
+            # Cheap first: where no fixed plan comes within 5% of the memory, auto's solvers
+            # (which only mix those plans' choices per block) need not run.
+            lowest = min(steps.rank_peak(planner, p) for p in steps.fixed_plans(planner))
+            if lowest > 1.05 * usable:
+                continue
+            judged = _judge(steps, "auto", batch, seq, usable)
+            if judged is None:
+                return None  # no blocks to plan: no setup changes that
+            peak, p, memories, row_usable, overhead = judged
+            if _fits(peak, memories, row_usable):
+                found.append(Setup(precision, optimizer, ranks, p.strategy, overhead))
         if found:
             return min(found, key=lambda s: (round(s.overhead, 4), len(s.changes(asked))))
     return None

@@ -277,6 +277,7 @@ def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
         if budget_bytes is not None and r.peak_bytes > budget_bytes:
             over.append(r.strategy)
     t.caption = Text.assemble(
+        "held = bytes live for the backward when the forward ends; predicted = remat's peak; "
         "ratio = median step / store_all's median; ~ = within noise of store_all (the middle "
         "halves of their rounds overlap); ! = noisy rounds; grad diff = max |g - g_store_all| / "
         "max |g_store_all|",

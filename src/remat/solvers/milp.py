@@ -421,11 +421,14 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
         choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
     seconds = block_recompute_seconds(problem, choice)
     if run.optimal:
-        why = f"HiGHS proved {seconds:.3g} s the least recompute that fits"
+        why = (
+            f"the least recompute that fits, proved optimal by the MILP solver (HiGHS): "
+            f"{_time(seconds)} a step within"
+        )
     else:
         why = (
-            f"HiGHS stopped at the {time_limit_s:g} s time limit with {seconds:.3g} s of "
-            f"recompute, at most {run.gap:.2%} above the least that fits"
+            f"the MILP solver (HiGHS) stopped at its {time_limit_s:g} s time limit with "
+            f"{_time(seconds)} of recompute a step, at most {run.gap:.2%} above the least that fits"
         )
     return _result(
         problem,
@@ -434,6 +437,15 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
         run.gap,
         f"{why} {format_bytes(budget_bytes)}",
     )
+
+
+def _time(seconds: float) -> str:
+    """Seconds as a reader's figure: 0.000395 -> "0.395 ms"."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
 
 
 def min_peak(problem: BlockProblem) -> int:

@@ -46,6 +46,8 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
     return replace(
         best,
         strategy=f"auto ({best.strategy})",
+        # a choice among candidates: "optimal" only where the chosen one was proved so
+        status="feasible" if best.status == "fixed" else best.status,
         reason=f"fastest that fits: {best.reason}" + (f"; other fits: {others}" if others else ""),
     )
 
