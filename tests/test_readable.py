@@ -81,9 +81,8 @@ def test_auto_is_never_fixed_and_the_solver_speaks_plainly(planned):
 
 
 def test_the_glossary_defines_the_words_the_answers_use():
-    from pathlib import Path
-
     import re
+    from pathlib import Path
 
     glossary = (Path(__file__).parent.parent / "docs" / "glossary.md").read_text().lower()
     terms = re.findall(r"\*\*(.+?)\*\*", glossary)  # each entry's defined words
