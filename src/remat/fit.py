@@ -816,7 +816,12 @@ def advice(report: FitReport) -> tuple[str, ...]:
             + (", then wrap with fully_shard as usual." if report.shard > 1 else "."),
         )
     lowest = min((r for r in report.rows if r.peak_bytes is not None), key=lambda r: r.peak_bytes)
-    lines = [f"nothing fits: the lowest is {lowest.plan}, {_held(lowest, usable)}."]
+    name = (
+        lowest.plan
+        if lowest.plan.startswith(lowest.strategy)
+        else (f"{lowest.strategy} ({lowest.plan})")
+    )
+    lines = [f"nothing fits: the lowest is {name}, {_held(lowest, usable)}."]  # a row's name
     expandable = [r for r in report.rows if "expandable_segments:True" in r.note]
     if expandable:
         lines.append(
