@@ -146,6 +146,10 @@ def progress_total(names: list[str], steps: int = ROUNDS, compiled: bool = False
     return total
 
 
+#: The row of `bench` for `remat.auto(..., tune=True)`: the fastest measured plan that fits.
+TUNED = "auto:tuned"
+
+
 def _row_names(names: list[str]) -> list[str]:
     return list(dict.fromkeys(["store_all", *names]))
 
@@ -311,11 +315,16 @@ def bench(
                 rows.append(BenchRow(name, note=setup))
                 continue
         else:
-            strategy = strategies.get(name, "eager")
-            try:  # a fixed strategy is measured even over the budget: it is a point of reference
-                p = planner.solve(strategy, budget_bytes)
-                if strategy.budgeted and p.predicted_peak_bytes > budget_bytes:
-                    p = planner.plan(budget_bytes, name)  # raises, naming the least feasible
+            try:
+                if name == TUNED:  # the machine's pick among the plans that fit (remat.tune)
+                    from remat.tune import tune
+
+                    p = tune(model, *inputs, planner=planner, budget_bytes=budget_bytes).chosen
+                else:  # a fixed strategy is measured even over the budget: a point of reference
+                    strategy = strategies.get(name, "eager")
+                    p = planner.solve(strategy, budget_bytes)
+                    if strategy.budgeted and p.predicted_peak_bytes > budget_bytes:
+                        p = planner.plan(budget_bytes, name)  # raises, naming the least feasible
             except InfeasibleBudget as e:
                 rows.append(BenchRow(name, predicted_peak_bytes=e.min_feasible_bytes, note=str(e)))
                 continue

@@ -1007,7 +1007,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         default=None,
         help="comma-separated strategies and baselines (torch:checkpoint-per-block, "
-        "torch:checkpoint_sequential, hf:gradient_checkpointing) (default: "
+        "torch:checkpoint_sequential, hf:gradient_checkpointing; auto:tuned, the fastest of the "
+        "plans that fit timed on the model, as remat.auto(..., tune=True)) (default: "
         f"{BENCH_STRATEGIES}, plus hf:gradient_checkpointing for hf: models)",
     )
     be.add_argument(

@@ -400,10 +400,16 @@ def auto(
     profile: str = "cpu",
     optimizer: str | None = None,
     trace_device: str | None = None,
+    tune: bool = False,
     **kwargs: Any,
 ) -> Plan:
     """Trace one step of `model(*example_inputs, **kwargs)`, plan under `budget` and apply the
     plan in place: the one line to add to a training script. Returns the plan.
+
+    `tune=True`: where the cost model and the machine disagree, the machine wins: the best few
+    plans that fit are timed on the model for a few steps and the fastest is applied
+    (`remat.tune`; cached per model, shapes and budget for the process). The inputs must then be
+    real tensors on the model's device.
 
     The step is traced on fake tensors (`trace_device=None` or "meta"); when an op cannot run on
     them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
@@ -436,7 +442,27 @@ def auto(
                 graph = trace(model, *example_inputs, device="cpu", **kwargs)
         else:
             graph = trace(model, *example_inputs, device=trace_device, **kwargs)
-        chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
+        if tune and strategy != "auto":
+            raise RematError(
+                f"tune=True times the plans of every strategy that fit and keeps the fastest: "
+                f"it replaces strategy={strategy!r}; leave strategy at 'auto'"
+            )
+        if tune:
+            from remat.planner import Planner
+            from remat.tune import tune as fastest
+
+            planner = Planner(graph, profile, optimizer)
+            chosen = fastest(
+                model,
+                *example_inputs,
+                planner=planner,
+                budget_bytes=planner.budget_bytes(budget),
+                **kwargs,
+            ).chosen
+        else:
+            chosen = plan(
+                graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer
+            )
     except BaseException:
         if previous is not None:
             apply(model, previous.plan)

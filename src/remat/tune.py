@@ -1,0 +1,147 @@
+"""Where the cost model and the machine disagree, the machine wins: time the best few plans that
+fit on the real model for a few steps and keep the fastest, as inductor autotunes its kernels.
+
+The planner ranks plans by predicted recompute time on a cost profile (a roofline plus
+checkpointing's own host cost). On a small model or a busy CPU the ranking can be wrong by more
+than the plans differ: a MILP mix of selective regions predicted cheapest can run slower than
+`chain_dp`'s few whole-block segments, whose per-op policy cost is nil. `tune` takes the
+candidates (every appliable plan that fits the budget, least predicted time first, distinct
+regions only, at most `candidates`), times them in interleaved rounds (each round one step of
+every candidate, applied just before and removed just after, starting one later each round; a
+warmup step each in the first), and keeps the one of least median step time; a tie goes to the
+earlier, the cost model's pick. Results are cached for the process per model (its class and
+parameter shapes), input shapes, budget and profile.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from remat.planner import Planner
+from remat.plans import Plan
+
+#: A step timer: (model with a plan installed, inputs, kwargs) -> seconds of one training step.
+Timer = Callable[[nn.Module, tuple, dict[str, Any]], float]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What `tune` timed and chose: `chosen` (its reason says so), each candidate's median step
+    seconds by strategy, in the order tried, the rounds, and whether this came from the cache."""
+
+    chosen: Plan
+    seconds: dict[str, float]
+    rounds: int
+    cached: bool = False
+
+    def __repr__(self) -> str:
+        timed = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.seconds.items())
+        return (
+            f"Tuning({self.chosen.strategy} fastest of {len(self.seconds)} in {self.rounds} "
+            f"rounds: {timed}{'; cached' if self.cached else ''})"
+        )
+
+
+_CACHE: dict[tuple[Any, ...], Tuning] = {}
+
+
+def candidate_plans(planner: Planner, budget_bytes: int, candidates: int = 4) -> list[Plan]:
+    """Every appliable plan of every strategy that fits `budget_bytes`, least predicted recompute
+    first, one per distinct set of regions, at most `candidates`."""
+    fitting = [
+        c.plan
+        for c in planner.compare(budget_bytes)
+        if c.plan is not None and c.plan.appliable and c.plan.predicted_peak_bytes <= budget_bytes
+    ]
+    fitting.sort(key=lambda p: (p.recompute_seconds, p.predicted_peak_bytes))
+    out: list[Plan] = []
+    seen: set[tuple] = set()
+    for p in fitting:
+        key = tuple((r.modules, r.keep) for r in p.regions)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out[:candidates]
+
+
+def tune(
+    model: nn.Module,
+    *inputs: Any,
+    planner: Planner,
+    budget_bytes: int,
+    candidates: int = 4,
+    rounds: int = 3,
+    timer: Timer | None = None,
+    **kwargs: Any,
+) -> Tuning:
+    """The fastest of `candidate_plans` on `model` (real tensors), by `rounds` interleaved rounds
+    of one step each (`timer`: seconds of one step of the model as it is installed; default a
+    real training step, `remat.measure.time_steps`). Raises `InfeasibleBudget` (through the
+    planner) when no plan fits."""
+    key = (
+        type(model).__qualname__,
+        tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()),
+        _shapes((inputs, kwargs)),
+        budget_bytes,
+        planner.profile.name,
+        candidates,
+    )
+    if key in _CACHE:
+        return replace(_CACHE[key], cached=True)
+    plans = candidate_plans(planner, budget_bytes, candidates)
+    if not plans:
+        planner.plan(budget_bytes, "auto")  # raises InfeasibleBudget, naming the least that fits
+    timer = timer or _time_one_step
+    times: list[list[float]] = [[] for _ in plans]
+    from remat.eager import apply, remove
+
+    for r in range(rounds):
+        for k in range(len(plans)):
+            i = (r + k) % len(plans)
+            apply(model, plans[i])
+            try:
+                if r == 0:
+                    timer(model, inputs, kwargs)  # warmup: allocator, lazy buffers
+                times[i].append(timer(model, inputs, kwargs))
+            finally:
+                remove(model)
+    medians = [statistics.median(t) for t in times]
+    best = min(range(len(plans)), key=lambda i: (medians[i], i))
+    seconds = {p.strategy: m for p, m in zip(plans, medians, strict=True)}
+    others = ", ".join(
+        f"{p.strategy} {m * 1e3:.3g} ms"
+        for i, (p, m) in enumerate(zip(plans, medians, strict=True))
+        if i != best
+    )
+    chosen = replace(
+        plans[best],
+        strategy=f"auto ({plans[best].strategy.removeprefix('auto (').removesuffix(')')}, tuned)",
+        status="feasible",
+        reason=f"fastest measured of {len(plans)} plans that fit ({medians[best] * 1e3:.3g} ms a "
+        f"step, median of {rounds} rounds"
+        + (f"; {others}" if others else "")
+        + f"): {plans[best].reason}",
+    )
+    result = Tuning(chosen=chosen, seconds=seconds, rounds=rounds)
+    _CACHE[key] = result
+    return result
+
+
+def _shapes(tree: Any) -> tuple:
+    return tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+        for t in pytree.tree_leaves(tree)
+    )
+
+
+def _time_one_step(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> float:
+    from remat.measure import time_steps
+
+    return time_steps(model, *inputs, steps=1, **kwargs)[0]

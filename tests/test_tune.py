@@ -1,0 +1,81 @@
+"""`tune`: the fastest of the plans that fit, timed on the model, wins over the cost model's pick
+(checked with a fake clock, so the test does not depend on this machine's speed); results are
+cached per model, shapes and budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat import models
+from remat.tune import _CACHE, candidate_plans, tune
+
+
+@pytest.fixture()
+def setup():
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", tiny=True, device="cpu", batch=8, seq=128, n_layer=4)
+    planner = remat.Planner(remat.trace(model, *inputs))
+    budget = planner.budget_bytes("90%")
+    _CACHE.clear()
+    return model, inputs, planner, budget
+
+
+def _installed(model) -> str:
+    return vars(model)["_remat_applied"].plan.strategy
+
+
+def test_candidates_fit_the_budget_are_distinct_and_cheapest_first(setup):
+    _, _, planner, budget = setup
+    plans = candidate_plans(planner, budget, candidates=10)
+    assert len(plans) >= 2
+    assert all(p.predicted_peak_bytes <= budget and p.appliable for p in plans)
+    assert [p.recompute_seconds for p in plans] == sorted(p.recompute_seconds for p in plans)
+    assert len({tuple((r.modules, r.keep) for r in p.regions) for p in plans}) == len(plans)
+
+
+def test_the_fastest_measured_plan_wins_over_the_predicted_cheapest(setup):
+    model, inputs, planner, budget = setup
+    plans = candidate_plans(planner, budget)
+    slowest_predicted = plans[-1].strategy
+    calls: list[str] = []
+
+    def fake_clock(m, args, kwargs):  # the cost model's last pick is the machine's fastest
+        calls.append(_installed(m))
+        return 0.010 if _installed(m) == slowest_predicted else 0.050
+
+    tuned = tune(model, *inputs, planner=planner, budget_bytes=budget, rounds=3, timer=fake_clock)
+    assert (
+        tuned.chosen.strategy
+        == f"auto ({slowest_predicted.removeprefix('auto (').removesuffix(')')}, tuned)"
+    )
+    assert tuned.chosen.predicted_peak_bytes <= budget
+    assert "fastest measured" in tuned.chosen.reason
+    assert len(calls) == len(plans) * (3 + 1)  # three timed rounds and a warmup each
+    assert calls[: len(plans)] != calls[len(plans) * 2 : len(plans) * 3]  # order rotates
+    assert "_remat_applied" not in vars(model)  # every candidate removed after its step
+
+    again = tune(model, *inputs, planner=planner, budget_bytes=budget, timer=fake_clock)
+    assert again.cached and again.chosen == tuned.chosen and len(calls) == len(plans) * 4
+
+
+def test_a_tie_goes_to_the_cost_models_pick(setup):
+    model, inputs, planner, budget = setup
+    tuned = tune(model, *inputs, planner=planner, budget_bytes=budget, timer=lambda m, a, k: 0.02)
+    assert tuned.chosen.regions == candidate_plans(planner, budget)[0].regions
+
+
+def test_auto_with_tune_applies_the_fastest_and_keeps_gradients(setup, monkeypatch):
+    model, inputs, _, _ = setup
+    from remat.bench import gradients
+
+    reference = gradients(model, inputs)
+    plan = remat.auto(model, *inputs, budget="90%", tune=True)
+    assert plan.strategy.endswith(", tuned)") and _installed(model) == plan.strategy
+    got = gradients(model, inputs)
+    for name in reference:
+        torch.testing.assert_close(got[name], reference[name], rtol=1e-6, atol=1e-6)
+    with pytest.raises(remat.RematError, match="tune=True"):
+        remat.auto(model, *inputs, budget="90%", tune=True, strategy="milp")
+    remat.remove(model)
