@@ -118,3 +118,20 @@ def test_a_block_strategy_on_a_model_without_blocks_is_bad_input_not_infeasible(
 def test_a_strategy_needs_a_solve_function():
     with pytest.raises(remat.RematError, match="neither"):
         strategies.register(strategies.Strategy(name="empty", summary="nothing"))
+
+
+def test_first_k_checkpoints_the_fewest_first_blocks_that_fit():
+    """Megatron-LM's block method: the smallest k whose plan (blocks 0..k-1 checkpointed, the
+    rest kept) fits by the exact simulation; k - 1 does not."""
+    from remat.strategies import get
+
+    model, inputs = models.build("gpt2", tiny=True, batch=8, seq=128, n_layer=6)
+    planner = remat.Planner(remat.trace(model, *inputs))
+    budget = planner.budget_bytes("70%")
+    plan = planner.plan(budget, "first_k")
+    k = plan.details["k"]
+    assert [r.modules for r in plan.regions] == [(b.path,) for b in planner.blocks[:k]]
+    assert plan.predicted_peak_bytes <= budget
+    fewer = planner.make_plan(planner.block_regions([[b] for b in range(k - 1)]), "x", budget, "")
+    assert fewer.predicted_peak_bytes > budget
+    assert get("first_k").lowest_peak(planner).predicted_peak_bytes <= plan.predicted_peak_bytes
