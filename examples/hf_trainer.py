@@ -1,16 +1,17 @@
-"""remat with the Hugging Face `Trainer`: one line before `trainer.train()`.
+"""remat with the Hugging Face `Trainer`: one callback, `RematCallback(budget=...)`.
 
     python examples/hf_trainer.py                      # tiny GPT-2, 4 steps, budget 90%
     python examples/hf_trainer.py --model-type llama --steps 8 --budget 60%
 
 A causal LM is built from its transformers config with the defaults (dropout, `use_cache=True`)
 and only the sizes made small, and trained on random token ids by `transformers.Trainer` twice
-from the same seed and the same initial weights: once as is, once after
+from the same seed and the same initial weights: once as is, once with
 
-    plan = remat.auto(model, **example_batch, budget="70%")
+    Trainer(..., callbacks=[RematCallback(budget="70%")])
 
-which traces one training step on fake tensors, plans which activations to keep and which to
-recompute under the budget, and installs the checkpointing on `model` in place. Recomputation
+whose `on_train_begin` traces one training step of the Trainer's first batch on fake tensors,
+plans which activations to keep and which to recompute under the budget, and installs the
+checkpointing on the model in place (`remat.integrations.hf`). Recomputation
 replays the same dropout masks (checkpoint restores the RNG state), so the two runs log the same
 loss at every step; the script prints both side by side and fails if they differ.
 """
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 import remat
+from remat.integrations.hf import RematCallback
 from remat.units import format_bytes
 
 
@@ -52,7 +54,13 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 def train(
-    model: torch.nn.Module, dataset: RandomTokens, *, steps: int, batch: int, seed: int
+    model: torch.nn.Module,
+    dataset: RandomTokens,
+    *,
+    steps: int,
+    batch: int,
+    seed: int,
+    callbacks: list | None = None,
 ) -> dict[str, list[float]]:
     """Train with `Trainer` for `steps` optimizer steps; the loss and gradient norm at each."""
     from transformers import Trainer, TrainingArguments
@@ -72,29 +80,13 @@ def train(
             seed=seed,
             disable_tqdm=True,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
         trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {
         "loss": [entry["loss"] for entry in logged],
         "grad_norm": [entry["grad_norm"] for entry in logged],
     }
-
-
-def install(model: torch.nn.Module, example: dict[str, torch.Tensor], budget: str | int):
-    """`remat.auto`, and at the smallest feasible budget when the asked one is below it."""
-    # The loss the Trainer backpropagates is the model's own; without loss_fn remat would trace
-    # the backward of the sum of every output (loss and logits).
-    try:
-        return remat.auto(model, **example, budget=budget, loss_fn=lambda out: out.loss)
-    except remat.InfeasibleBudget as e:
-        print(f"remat: {e}")
-        if e.min_feasible_bytes is None:
-            raise
-        print(f"remat: planning at the smallest feasible budget, {e.min_feasible_bytes} bytes")
-        return remat.auto(
-            model, **example, budget=e.min_feasible_bytes, loss_fn=lambda out: out.loss
-        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -126,10 +118,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # KV cache off (TrainingArguments.use_cache), which remat.auto does by itself.
     model.load_state_dict(initial)
     model.config.use_cache = use_cache
+    callback = RematCallback(budget=args.budget)
+    with_remat = train(model, dataset, **run, callbacks=[callback])
+    plan = callback.plan
     example = {k: torch.stack([dataset[i][k] for i in range(args.batch)]) for k in dataset[0]}
-    plan = install(model, example, args.budget)
-    with_remat = train(model, dataset, **run)
-    check = remat.verify(model)  # what the plan's policies kept in the last training forward
+    # the plan carried out (kept ops matched), and one measured step's bytes against it
+    check = remat.verify(model, **example, loss_fn=lambda out: out.loss)
     remat.remove(model)
 
     regions = "; ".join(", ".join(r.modules) for r in plan.regions) or "nothing"
@@ -138,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"peak {format_bytes(plan.predicted_peak_bytes)}, held for backward "
         f"{format_bytes(plan.held_bytes)}, recompute +{plan.recompute_flops_share:.0%} of the "
         f"forward's FLOPs\n  checkpointed: {regions}; kept ops matched "
-        f"{check.kept_ops_matched}/{check.kept_ops_expected}"
+        f"{check.kept_ops_matched}/{check.kept_ops_expected}; verify ok: {check.ok}"
     )
     print(f"{'step':>4}  {'loss, no remat':>16}  {'loss, remat':>16}  {'grad norm, both':>19}")
     columns = (baseline["loss"], with_remat["loss"], baseline["grad_norm"], with_remat["grad_norm"])
@@ -152,12 +146,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         and torch.allclose(ref, got, rtol=1e-6, atol=0)
     )
     print("losses equal:", equal)
+    equal = equal and check.ok
     return {
         "baseline": baseline["loss"],
         "remat": with_remat["loss"],
         "grad_norm": {"baseline": baseline["grad_norm"], "remat": with_remat["grad_norm"]},
         "equal": equal,
         "plan": plan,
+        "verified": check.ok,
     }
 
 

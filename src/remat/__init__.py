@@ -5,7 +5,7 @@ apply -> `measure` (the independent ground truth) -> report.
 """
 
 from remat.compiled_estimate import CompiledEstimate, estimate_compiled
-from remat.eager import Verification, apply, auto, remove, verify
+from remat.eager import Verification, apply, auto, checkpointed_elsewhere, remove, verify
 from remat.errors import (
     BudgetError,
     InfeasibleBudget,
@@ -51,6 +51,7 @@ __all__ = [
     "apply",
     "auto",
     "backend",
+    "checkpointed_elsewhere",
     "compile",
     "estimate",
     "estimate_compiled",

@@ -221,10 +221,40 @@ class _RegionForward:
             )
 
 
+def checkpointed_elsewhere(model: nn.Module) -> list[str]:
+    """The paths of `model`'s modules that another tool already checkpoints: torch's
+    `CheckpointWrapper` (accelerate's and Lightning's FSDP activation checkpointing,
+    `apply_activation_checkpointing`), and Hugging Face layers with gradient checkpointing on
+    (`gradient_checkpointing_enable()`, `TrainingArguments(gradient_checkpointing=True)`)."""
+    found = []
+    for path, module in model.named_modules():
+        wrapped = type(module).__name__ in ("CheckpointWrapper", "OffloadWrapper")
+        if wrapped or getattr(module, "gradient_checkpointing", False) is True:
+            found.append(path or "<root>")
+    return found
+
+
+def _refuse_double_checkpointing(model: nn.Module) -> None:
+    found = checkpointed_elsewhere(model)
+    if found:
+        shown = ", ".join(repr(p) for p in found[:3]) + (
+            f" and {len(found) - 3} more" if len(found) > 3 else ""
+        )
+        raise RematError(
+            f"{len(found)} module(s) of the model are already checkpointed by another tool "
+            f"({shown}): remat would checkpoint them twice. Turn that off and let remat plan the "
+            "bare model: model.gradient_checkpointing_disable() (or TrainingArguments("
+            "gradient_checkpointing=False)) for Hugging Face layers; no activation_checkpointing"
+            " in accelerate's or Lightning's FSDP settings for CheckpointWrapper"
+        )
+
+
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """Install `plan` on `model` in place (undo with `remove`): a plan made for, or read from JSON
-    for, any model of the same architecture. The model then trains with caching off."""
+    for, any model of the same architecture. The model then trains with caching off. Refused for
+    a model another tool already checkpoints (`checkpointed_elsewhere`)."""
     remove(model)
+    _refuse_double_checkpointing(model)
     named = dict(model.named_modules())
     for region in plan.regions:
         missing = [p for p in region.modules if p not in named]
@@ -424,6 +454,7 @@ def auto(
     # tracing or planning fail, the model keeps the plan it had.
     previous = vars(model).get(_APPLIED)
     remove(model)
+    _refuse_double_checkpointing(model)  # before a trace that would run their checkpointing
     try:
         if trace_device in (None, "meta"):
             try:
