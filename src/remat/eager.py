@@ -369,7 +369,9 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
     measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes`. The
     parameters' `.grad` are as the caller left them afterwards (the measured step's gradients
     are discarded), so verify may sit between `backward()` and `optimizer.step()`; the step does
-    run the forward, so buffers a training forward updates (BatchNorm's statistics) move."""
+    run the forward, so buffers a training forward updates (BatchNorm's statistics) move. A step
+    whose ops depend on random draws (LayerDrop) is measured at both extremes of the draws and
+    the longer compared, as it was planned (`remat.draws`)."""
     state = vars(model).get(_APPLIED)
     if state is None:
         raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
