@@ -79,3 +79,15 @@ def test_auto_with_tune_applies_the_fastest_and_keeps_gradients(setup, monkeypat
     with pytest.raises(remat.RematError, match="tune=True"):
         remat.auto(model, *inputs, budget="90%", tune=True, strategy="milp")
     remat.remove(model)
+
+
+def test_candidates_are_ranked_with_checkpointings_cost_measured_on_this_device():
+    from remat.cost import get_profile
+    from remat.tune import with_measured_overheads
+
+    shipped = get_profile("cpu")
+    assert shipped.region_seconds == shipped.policy_op_seconds == 0  # rooflines: no launch cost
+    measured = with_measured_overheads(shipped, torch.device("cpu"))
+    assert measured.region_seconds > 0 and measured.policy_op_seconds > 0
+    assert (measured.peak_flops, measured.bandwidth) == (shipped.peak_flops, shipped.bandwidth)
+    assert with_measured_overheads(measured, torch.device("cpu")) is measured  # given: kept

@@ -481,10 +481,14 @@ def auto(
                 f"it replaces strategy={strategy!r}; leave strategy at 'auto'"
             )
         if tune:
+            from remat.cost import get_profile
             from remat.planner import Planner
             from remat.tune import tune as fastest
+            from remat.tune import with_measured_overheads
 
-            planner = Planner(graph, profile, optimizer)
+            device = next(iter(model.parameters())).device
+            measured = with_measured_overheads(get_profile(profile), device)
+            planner = Planner(graph, measured, optimizer)
             chosen = fastest(
                 model,
                 *example_inputs,

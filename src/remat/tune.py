@@ -5,8 +5,9 @@ The planner ranks plans by predicted recompute time on a cost profile (a rooflin
 checkpointing's own host cost). On a small model or a busy CPU the ranking can be wrong by more
 than the plans differ: a MILP mix of selective regions predicted cheapest can run slower than
 `chain_dp`'s few whole-block segments, whose per-op policy cost is nil. `tune` takes the
-candidates (every appliable plan that fits the budget, least predicted time first, distinct
-regions only, at most `candidates`), times them in interleaved rounds (each round one step of
+candidates (every appliable plan that fits the budget, least predicted time first on a profile
+whose checkpointing overheads were measured on this device, distinct regions only, at most
+`candidates`), times them in interleaved rounds (each round one step of
 every candidate, applied just before and removed just after, starting one later each round; a
 warmup step each in the first), and keeps the one of least median step time; a tie goes to the
 earlier, the cost model's pick. Results are cached for the process per model (its class and
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from remat.cost import DeviceProfile
 from remat.planner import Planner
 from remat.plans import Plan
 
@@ -50,6 +52,24 @@ class Tuning:
 
 
 _CACHE: dict[tuple[Any, ...], Tuning] = {}
+_OVERHEADS: dict[str, tuple[float, float]] = {}
+
+
+def with_measured_overheads(profile: DeviceProfile, device: torch.device) -> DeviceProfile:
+    """`profile` with checkpointing's own host cost (`region_seconds`, `policy_op_seconds`)
+    measured on `device` where the profile has none (the shipped ones: their rooflines have no
+    launch cost), so that the candidates are ranked with it; measured once per device and
+    process (`remat.measure.calibrate_profile`, under 3 s on a 2-core CPU)."""
+    if profile.region_seconds or profile.policy_op_seconds:
+        return profile
+    key = str(device)
+    if key not in _OVERHEADS:
+        from remat.measure import calibrate_profile
+
+        measured = calibrate_profile(key)
+        _OVERHEADS[key] = (measured.region_seconds, measured.policy_op_seconds)
+    region, per_op = _OVERHEADS[key]
+    return replace(profile, region_seconds=region, policy_op_seconds=per_op)
 
 
 def candidate_plans(planner: Planner, budget_bytes: int, candidates: int = 4) -> list[Plan]:
