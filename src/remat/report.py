@@ -243,9 +243,12 @@ def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
     notes = Text()
     over: list[str] = []
     for r in rows:
-        if r.note and r.note != r.strategy:
+        note = r.note
+        if budget_bytes is not None:  # the caption names every row over the budget, once
+            note = "; ".join(p for p in note.split("; ") if not p.startswith("over the budget"))
+        if note and note != r.strategy:
             notes.append(f"\n{r.strategy}: ", style="bold")
-            notes.append(r.note)
+            notes.append(note)
         if r.peak_bytes is None:
             t.add_row(r.strategy, *["-"] * 7, style="dim")
             continue
