@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich import box
 from rich.console import Console
 from rich.markup import escape
 
@@ -741,8 +740,7 @@ def _fit_report(
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
+    from remat.report import compact_table
     from remat.units import format_bytes
 
     _writable(args.html, "--html")
@@ -774,16 +772,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         f"{report.optimizer or 'no optimizer'}, on {gpu}"
         + (f", sharded over {args.shard} ranks (per-rank figures)" if args.shard > 1 else "")
     )
-    table = Table(
-        title=title,
-        title_justify="left",
-        caption_justify="left",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        padding=(0, 1),
-        collapse_padding=True,
-        pad_edge=False,
-    )
+    table = compact_table(title)
     simulated = any(r.gpu_memory for r in report.rows)
     columns = [
         "strategy",

@@ -203,6 +203,23 @@ def plan_dict(plan, **context) -> dict[str, Any]:
     return {**context, **d, "recompute_flops_share": plan.recompute_flops_share}
 
 
+def compact_table(title: str) -> Table:
+    """A table with a rule under its header and no frame: the most columns in a narrow terminal."""
+    from rich import box
+
+    return Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        caption_style="",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+    )
+
+
 def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
     """Measured against predicted, per strategy, with store_all as the reference.
 
@@ -214,20 +231,9 @@ def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
     cells never wrap or truncate: on a narrow console only the strategy
     column folds. Notes (why a row was not measured, what a compiled row ran) are listed under
     the table, each after its row's name; rows without a measurement show "-"."""
-    from rich import box
     from rich.text import Text
 
-    t = Table(
-        title=title,
-        title_justify="left",
-        caption_justify="left",
-        caption_style="",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        padding=(0, 1),
-        collapse_padding=True,
-        pad_edge=False,
-    )
+    t = compact_table(title)
     t.add_column("strategy", overflow="fold")
     for col in (
         "held\nMiB",
