@@ -871,7 +871,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  remat fit --model llama-3.1-8b --seq 8192 --gpu h100 --optimizer adamw --precision bf16-mixed\n"
         "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --shard 8\n"
-        "  remat fit --model gpt2 --seq 1024 --capacity 24GiB",
+        "  remat fit --model gpt2 --seq 1024 --capacity 24GiB\n\n"
+        "The table gives each strategy's per-rank peak (live bytes) and, on a GPU, the caching\n"
+        "allocator's allocated / reserved bytes; a row fits when its reserved bytes do. When\n"
+        "nothing fits, the advice ends with one command that does (run: remat fit ...): the\n"
+        "fewest GPUs, then the least step time, over precision, 8-bit AdamW and --shard.\n"
+        "Words: docs/glossary.md; arithmetic: docs/fit.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ft.add_argument(
