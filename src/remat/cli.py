@@ -736,7 +736,14 @@ def _fit_report(
             ac=ac,
             progress=lambda text: status.update(text),
             build_for=build_for,
+            layout=_layout(args),
         )
+
+
+def _layout(args: argparse.Namespace) -> Any:
+    from remat.parallel import Layout
+
+    return Layout(tp=getattr(args, "tp", 1), cp=getattr(args, "cp", 1))
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
@@ -770,7 +777,9 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     title = (
         f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
         f"{report.optimizer or 'no optimizer'}, on {gpu}"
-        + (f", sharded over {args.shard} ranks (per-rank figures)" if args.shard > 1 else "")
+        + (f", sharded over {args.shard} ranks" if args.shard > 1 else "")
+        + (f", {report.layout}" if report.layout else "")
+        + (" (per-rank figures)" if args.shard > 1 or report.layout else "")
     )
     table = compact_table(title)
     simulated = any(r.gpu_memory for r in report.rows)
@@ -871,6 +880,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  remat fit --model llama-3.1-8b --seq 8192 --gpu h100 --optimizer adamw --precision bf16-mixed\n"
         "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --shard 8\n"
+        "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --tp 8 --shard 4 --precision bf16-fsdp\n"
         "  remat fit --model gpt2 --seq 1024 --capacity 24GiB\n\n"
         "The table gives each strategy's per-rank peak (live bytes) and, on a GPU, the caching\n"
         "allocator's allocated / reserved bytes; a row fits when its reserved bytes do. When\n"
@@ -930,6 +940,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="FSDP2 / ZeRO-3 ranks that share parameters, gradients and optimizer state (default: %(default)s)",
+    )
+    ft.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel ranks (torch's parallelize_module with sequence parallelism, as "
+        "torchtitan lays out Llama): each rank's step is traced with its shards and collectives "
+        "(default: %(default)s)",
+    )
+    ft.add_argument(
+        "--cp",
+        type=_positive_int,
+        default=1,
+        help="context-parallel ranks, each holding seq / cp tokens (ring attention) "
+        "(default: %(default)s)",
     )
     ft.add_argument("--json", action="store_true", help="print the answer as JSON")
     ft.add_argument(

@@ -37,7 +37,11 @@ class DeviceProfile:
 
     `transcendental_ops`: vector operations one element of a transcendental op (exp, sin, tanh,
     erf, sigmoid, GELU, SiLU, ...) costs, for the compiled path's price of a pointwise op
-    recomputed inside a fused kernel (`fused_op_seconds_all`)."""
+    recomputed inside a fused kernel (`fused_op_seconds_all`).
+
+    `link_bandwidth`: bytes/s a rank sends over the interconnect of its tensor-parallel group,
+    which prices the collectives a tensor-parallel step runs (`collective_seconds`): recomputing
+    a region replays its all-gathers and all-reduces."""
 
     name: str
     peak_flops: float
@@ -46,6 +50,7 @@ class DeviceProfile:
     region_seconds: float = 0.0
     policy_op_seconds: float = 0.0
     transcendental_ops: float = 4.0
+    link_bandwidth: float = 450e9
 
 
 #: Checkpointing's own host cost (`DeviceProfile.region_seconds`, `policy_op_seconds`) is left at 0
@@ -56,6 +61,9 @@ class DeviceProfile:
 #: torch's selective-checkpoint mode alone, 39 us with remat's policy and module-scope hooks
 #: (docs/benchmarks.md, issue 11 item 7). A GPU host runs the same Python on a faster core, partly
 #: overlapped with the kernels: about 0.3 ms and 10 us, as an upper bound.
+#: `link_bandwidth` of the GPUs: one direction of their peer links, from the same datasheets: NVLink
+#: 4 (H100/H200 SXM) 450 GB/s, NVLink 3 (A100) 300, NVLink 2 (V100) 150, PCIe Gen5 x16 (H100 PCIe
+#: without a bridge) 64, PCIe Gen4 x16 (L4, RTX 4090) 32, MI300X's seven Infinity Fabric links 448.
 PROFILES: dict[str, DeviceProfile] = {
     # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run
     # `remat.measure.calibrate_profile()` to measure the machine at hand.
@@ -64,39 +72,67 @@ PROFILES: dict[str, DeviceProfile] = {
     # inductor fused cost 1.36 ns an element against 0.113 ns a vector operation, i.e. 12
     # (benchmarks/fused_recompute_cost.py). GPUs keep the default 4: their special-function
     # units run at a quarter to an eighth of the FP32 rate (calibrate_profile measures it).
+    # link_bandwidth: gloo between processes of one host, through shared memory and sockets.
     "cpu": DeviceProfile(
-        "cpu", peak_flops=1e11, vector_flops=2e10, bandwidth=2e10, transcendental_ops=10.0
+        "cpu",
+        peak_flops=1e11,
+        vector_flops=2e10,
+        bandwidth=2e10,
+        transcendental_ops=10.0,
+        link_bandwidth=2e9,
     ),
     # Dense (no sparsity) BF16 tensor-core peak, FP32 CUDA-core rate as the vector rate, and HBM
     # bandwidth, from NVIDIA's datasheets: "NVIDIA A100 Tensor Core GPU" (A100 80GB SXM),
     # "NVIDIA H100 Tensor Core GPU" (H100 SXM) and "NVIDIA H200 Tensor Core GPU" (H200 SXM).
-    "a100": DeviceProfile("a100", peak_flops=312e12, vector_flops=19.5e12, bandwidth=2.039e12),
-    "h100": DeviceProfile("h100", peak_flops=989e12, vector_flops=67e12, bandwidth=3.35e12),
-    "h200": DeviceProfile("h200", peak_flops=989e12, vector_flops=67e12, bandwidth=4.8e12),
+    "a100": DeviceProfile(
+        "a100", peak_flops=312e12, vector_flops=19.5e12, bandwidth=2.039e12, link_bandwidth=300e9
+    ),
+    "h100": DeviceProfile(
+        "h100", peak_flops=989e12, vector_flops=67e12, bandwidth=3.35e12, link_bandwidth=450e9
+    ),
+    "h200": DeviceProfile(
+        "h200", peak_flops=989e12, vector_flops=67e12, bandwidth=4.8e12, link_bandwidth=450e9
+    ),
     # H100 PCIe, the same datasheet's PCIe column: BF16 tensor 756 TFLOPS dense (1,513 with
     # sparsity), FP32 51 TFLOPS, HBM2e 2.0 TB/s.
     "h100-pcie": DeviceProfile(
-        "h100-pcie", peak_flops=756e12, vector_flops=51e12, bandwidth=2.0e12
+        "h100-pcie", peak_flops=756e12, vector_flops=51e12, bandwidth=2.0e12, link_bandwidth=64e9
     ),
     # "NVIDIA Tesla V100 GPU Accelerator" datasheet (SXM2): FP16 tensor 125 TFLOPS (Volta has no
     # BF16), FP32 15.7 TFLOPS, HBM2 900 GB/s.
-    "v100": DeviceProfile("v100", peak_flops=125e12, vector_flops=15.7e12, bandwidth=900e9),
+    "v100": DeviceProfile(
+        "v100", peak_flops=125e12, vector_flops=15.7e12, bandwidth=900e9, link_bandwidth=150e9
+    ),
     # A100 40GB SXM: the A100 datasheet's compute, with its 1,555 GB/s of HBM2.
     "a100-40gb": DeviceProfile(
-        "a100-40gb", peak_flops=312e12, vector_flops=19.5e12, bandwidth=1.555e12
+        "a100-40gb",
+        peak_flops=312e12,
+        vector_flops=19.5e12,
+        bandwidth=1.555e12,
+        link_bandwidth=300e9,
     ),
     # "NVIDIA L4 Tensor Core GPU" datasheet: BF16 tensor 242 TFLOPS with sparsity (121 dense),
     # FP32 30.3 TFLOPS, GDDR6 300 GB/s.
-    "l4": DeviceProfile("l4", peak_flops=121e12, vector_flops=30.3e12, bandwidth=300e9),
+    "l4": DeviceProfile(
+        "l4", peak_flops=121e12, vector_flops=30.3e12, bandwidth=300e9, link_bandwidth=32e9
+    ),
     # GeForce RTX 4090, "NVIDIA Ada GPU Architecture" whitepaper (appendix table): BF16 tensor with
     # FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP32 82.6 TFLOPS, GDDR6X 1,008 GB/s.
     "rtx4090": DeviceProfile(
-        "rtx4090", peak_flops=165.2e12, vector_flops=82.6e12, bandwidth=1.008e12
+        "rtx4090",
+        peak_flops=165.2e12,
+        vector_flops=82.6e12,
+        bandwidth=1.008e12,
+        link_bandwidth=32e9,
     ),
     # "AMD Instinct MI300X Accelerator" data sheet: BF16 matrix 1,307.4 TFLOPS dense (2,614.9 with
     # sparsity), FP32 vector 163.4 TFLOPS, HBM3 5.3 TB/s.
     "mi300x": DeviceProfile(
-        "mi300x", peak_flops=1307.4e12, vector_flops=163.4e12, bandwidth=5.3e12
+        "mi300x",
+        peak_flops=1307.4e12,
+        vector_flops=163.4e12,
+        bandwidth=5.3e12,
+        link_bandwidth=448e9,
     ),
 }
 
@@ -221,6 +257,19 @@ def is_matmul(op: Op) -> bool:
     return short in MATMUL_OPS or short.startswith(ATTENTION_PREFIXES)
 
 
+#: The functional collectives DTensor runs (`torch.ops._c10d_functional`), by target prefix.
+COLLECTIVE_PREFIX = "_c10d_functional."
+
+
+def collective_seconds(graph: Graph, op: Op, profile: DeviceProfile) -> float:
+    """Seconds of a collective on the interconnect, as a ring runs it: an all-reduce sends about
+    twice its tensor, an all-gather or reduce-scatter about its larger side (the whole tensor),
+    at `profile.link_bandwidth`."""
+    sizes = [graph.tensors[t].nbytes for t in (*op.inputs, *op.outputs)]
+    sent = 2 * max(sizes, default=0) if "all_reduce" in op.short else max(sizes, default=0)
+    return sent / profile.link_bandwidth
+
+
 def op_bytes_moved(graph: Graph, op: Op) -> int:
     """Bytes the op reads and writes: the `nbytes` of its distinct input and output tensors (an
     in-place op reads its input and writes its result, so both count). 0 for a view op."""
@@ -231,8 +280,11 @@ def op_bytes_moved(graph: Graph, op: Op) -> int:
 
 
 def op_seconds(graph: Graph, op: Op, profile: DeviceProfile | str) -> float:
-    """Roofline seconds of `op` on `profile`: max(compute time, memory time); 0 for a view op."""
+    """Roofline seconds of `op` on `profile`: max(compute time, memory time); 0 for a view op;
+    a collective's time on the interconnect."""
     p = get_profile(profile)
+    if op.target.startswith(COLLECTIVE_PREFIX):
+        return collective_seconds(graph, op, p)
     rate = p.peak_flops if is_matmul(op) else p.vector_flops
     return max(op.flops / rate, op_bytes_moved(graph, op) / p.bandwidth)
 
@@ -250,6 +302,9 @@ def op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
             kind = kinds[op.target] = (is_view(op), is_matmul(op))
         view, matmul = kind
         if view:
+            continue
+        if op.target.startswith(COLLECTIVE_PREFIX):
+            out[op.index] = collective_seconds(graph, op, p)
             continue
         moved = sum(nbytes[t] for t in set(op.inputs) | set(op.outputs))
         rate = p.peak_flops if matmul else p.vector_flops
@@ -272,7 +327,7 @@ def fused_op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[flo
     tensors = graph.tensors
     out = [0.0] * len(graph.ops)
     for op in graph.ops:
-        if is_matmul(op):
+        if is_matmul(op) or op.target.startswith(COLLECTIVE_PREFIX):
             out[op.index] = op_seconds(graph, op, p)
         elif not is_view(op):
             elements = max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0)

@@ -28,6 +28,7 @@ from remat.errors import BudgetError, InfeasibleBudget, NoBlocksError, RematErro
 from remat.estimate import Optimizer, estimate, shard_step
 from remat.gpus import Gpu, allocator_limit_bytes, fixed_memory, usable_bytes
 from remat.graph import Graph
+from remat.parallel import ONE_RANK, Layout
 from remat.planner import Planner
 from remat.sizes import SizeModel, same_graph
 from remat.units import format_bytes
@@ -111,6 +112,8 @@ class FitReport:
     #: how rows were judged: the allocator setting whose reserved bytes must fit its limit, or
     #: why live bytes were judged against `usable_bytes` instead
     allocator: str = ""
+    #: tensor / context parallelism of every per-rank figure ("tp 8 + sp, cp 2"), "" for none
+    layout: str = ""
     planner: Planner | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -122,6 +125,7 @@ class FitReport:
             else f"none of {len(self.rows)} strategies fits"
         )
         shard = f" x {self.shard} ranks" if self.shard > 1 else ""
+        shard += f" ({self.layout})" if self.layout else ""
         advice = f"; advice: {self.advice[0]}" if self.advice else ""
         return (
             f"FitReport({self.model} on {self.gpu}{shard}, batch {self.batch} x seq {self.seq}, "
@@ -179,8 +183,10 @@ class _Steps:
         optimizer: Optimizer,
         shard: int,
         progress: Callable[[str], None] | None,
+        layout: Layout = ONE_RANK,
     ) -> None:
         self.build, self.gpu, self.setup = build, gpu, PRECISIONS[precision]
+        self.layout = layout
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.simulate_allocator = True
         self.traced: dict[tuple[int, int], Graph] = {}
@@ -192,11 +198,8 @@ class _Steps:
         if key not in self.traced:
             if self.progress:
                 self.progress(f"tracing batch {batch}, seq {seq}")
-            from remat.trace import trace
-
-            model, inputs = self.build(batch, seq)
-            self.traced[key] = trace(
-                model, *inputs, autocast=self.setup.autocast, target=self.gpu.target
+            self.traced[key] = self.layout.trace(
+                self.build, batch, seq, autocast=self.setup.autocast, target=self.gpu.target
             )
         return self.traced[key]
 
@@ -596,6 +599,7 @@ def fit(
     ac: str | None = None,
     progress: Callable[[str], None] | None = None,
     build_for: Callable[[str], Build] | None = None,
+    layout: Layout = ONE_RANK,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -613,7 +617,11 @@ def fit(
 
     `build_for(precision)`: the `build` of another precision. Given, and nothing fits as asked,
     `extra["setup_that_fits"]` is `setup_that_fits`'s answer (precision, optimizer and ranks
-    that do fit at the least cost), or absent when none does."""
+    that do fit at the least cost), or absent when none does.
+
+    `layout`: tensor and context parallelism (`remat.parallel.Layout`): every figure is then one
+    rank's, its step traced as that rank runs it (its shards, its collectives); `shard` is the
+    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks."""
     import time
 
     if precision not in PRECISIONS:
@@ -625,14 +633,18 @@ def fit(
             f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
         )
+    if compile is not None and layout.ranks > 1:
+        raise RematError(
+            f"compile={compile!r} is predicted on one rank: leave out --compile with --tp / --cp"
+        )
     if compile is not None and shard > 1:
         raise RematError(
             f"compile={compile!r} is predicted on one rank: drop --shard, or leave out --compile "
             "(FSDP's per-rank arithmetic runs on the eager step)"
         )
     start = time.perf_counter()
-    usable = _usable(gpu, shard, reserve)
-    steps = _Steps(build, gpu, precision, optimizer, shard, progress)
+    usable = _usable(gpu, shard * layout.ranks, reserve)
+    steps = _Steps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     rows = [
         _fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
@@ -647,7 +659,7 @@ def fit(
         asked = Setup(precision, optimizer, shard)
         found = setup_that_fits(
             build_for, batch=batch, seq=seq, gpu=gpu, asked=asked, reserve=reserve,
-            progress=progress, traced={precision: steps.traced},
+            progress=progress, traced={precision: steps.traced}, layout=layout,
         )  # fmt: skip
         if found is not None:
             extra["setup_that_fits"] = asdict(found)
@@ -669,6 +681,7 @@ def fit(
         seconds=time.perf_counter() - start,
         extra=extra,
         allocator=_judged_by(steps),
+        layout=layout.describe(),
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))
@@ -729,13 +742,15 @@ def setup_that_fits(
     max_ranks: int = 1024,
     progress: Callable[[str], None] | None = None,
     traced: dict[str, dict[tuple[int, int], Graph]] | None = None,
+    layout: Layout = ONE_RANK,
 ) -> Setup | None:
     """The setup under which remat's plan of the step at (batch, seq) fits `gpu`, at the least
     cost: the fewest ranks first (GPUs cost more than time), then the least predicted step time,
     then the fewest changes from `asked`. Tried: the asked precision, bf16-mixed, bf16-fsdp
     (sharded only) and bf16; the asked optimizer and, for AdamW, 8-bit AdamW; the asked ranks and
     powers of two up to `max_ranks`. None when nothing up to `max_ranks` fits. `traced`:
-    graphs already traced, by precision (the optimizer does not change the trace)."""
+    graphs already traced, by precision (the optimizer does not change the trace). `layout`
+    (tensor and context parallelism) stays as asked: only the data-parallel ranks vary."""
     traced = {} if traced is None else traced
     levels = [asked.shard, *(2**k for k in range(1, 11) if asked.shard < 2**k <= max_ranks)]
     precisions = list(dict.fromkeys([asked.precision, "bf16-mixed", "bf16-fsdp", "bf16"]))
@@ -743,12 +758,14 @@ def setup_that_fits(
     combos: dict[tuple[str, Optimizer], _Steps] = {}  # one per setup: planners are per rank count
     for precision in precisions:
         for optimizer in (o for o in optimizers if o is not None or asked.optimizer is None):
-            steps = _Steps(build_for(precision), gpu, precision, optimizer, asked.shard, progress)
+            steps = _Steps(
+                build_for(precision), gpu, precision, optimizer, asked.shard, progress, layout
+            )
             steps.traced = traced.setdefault(precision, {})
             steps.simulate_allocator = reserve is None
             combos[(precision, optimizer)] = steps
     for ranks in levels:
-        usable = _usable(gpu, ranks, reserve)
+        usable = _usable(gpu, ranks * layout.ranks, reserve)
         found = []
         for (precision, optimizer), steps in combos.items():
             if ranks == 1 and steps.setup.master_scale != 1:

@@ -9,6 +9,10 @@ its peak from the profiler's allocation events. The scratch is that peak less th
 which the timeline already counts (`schedule.live_bytes`), so the op's position in the predicted
 timeline equals its measured peak. Results are cached per op and signature for the process.
 
+Collectives on gloo (CPU process groups) allocate too, by a rule measured on gloo:
+`gloo_collective_scratch_bytes`. NCCL's buffers live outside torch's allocator (`remat.gpus`
+counts them as fixed memory), and torch's fake process group allocates nothing.
+
 CUDA kernels' scratch is not measured here (no GPU needed to predict): `remat.targets`
 models the known cases (attention backwards, BLAS copies); cuDNN's convolution workspace is
 not modelled (docs/memory-model.md).
@@ -100,6 +104,18 @@ def cpu_scratch_bytes(func: Any, args: tuple, kwargs: dict, outs: list[torch.Ten
         del out
     _cache[signature] = max(0, peak - sum(outputs.values()))
     return _cache[signature]
+
+
+def gloo_collective_scratch_bytes(short: str, args: tuple, outs: list[torch.Tensor]) -> int:
+    """Bytes a functional collective on gloo allocates and frees beyond its output, as the
+    profiler's allocation events show on torch 2.13 (`docs/parallelism.md`): an all-gather
+    stages the gathered tensor once more (one output's bytes), a reduce-scatter copies its input
+    (one input's bytes); an all-reduce works in its output."""
+    if short == "all_gather_into_tensor":
+        return sum(t.nbytes for t in outs)
+    if short == "reduce_scatter_tensor":
+        return int(args[0].nbytes)
+    return 0
 
 
 def _walk(events: Any) -> Any:

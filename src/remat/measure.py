@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from remat.draws import Draws, ForcedDraws
 from remat.errors import RematError
@@ -270,7 +271,7 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     itself costs on the host (`_checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
     # Imported here, not at the top: the measurement of a training step shares no code with the
     # graph side of remat, and only this function needs the profile type.
-    from remat.cost import DeviceProfile
+    from remat.cost import PROFILES, DeviceProfile
 
     dev = torch.device(device)
     n, dtype = (4096, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
@@ -310,6 +311,9 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
         region_seconds=region,
         policy_op_seconds=per_op,
         transcendental_ops=max(transcendental_ops, 1.0),
+        # the interconnect is not timed here (no process group): the shipped CPU profile's gloo
+        # figure on CPU, NVLink 4's on a GPU
+        link_bandwidth=PROFILES["cpu"].link_bandwidth if dev.type == "cpu" else 450e9,
     )
 
 
@@ -477,7 +481,7 @@ class _SavedStorages:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         key = (storage.device, storage.data_ptr())
         seen = self._seen.get(key)
         if key not in self._excluded and (seen is None or seen() is not storage):
@@ -641,15 +645,24 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `t`'s bytes on this rank: the one tensor inside a wrapper
+    subclass that holds one (a DTensor's local shard, a pending collective's result), else `t`."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = [getattr(t, a) for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
+        if len(inner) == 1:
+            return _local(inner[0])
+    return t
+
+
 def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[_StorageKey]:
-    return {(t.untyped_storage().device, t.untyped_storage().data_ptr()) for t in tensors}
+    storages = [_local(t).untyped_storage() for t in tensors]
+    return {(s.device, s.data_ptr()) for s in storages}
 
 
 def _distinct_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
     """Bytes of the distinct storages on `device` among `tensors` (all alive at once)."""
-    sizes = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tensors
-        if t.device == device
-    }
+    storages = [_local(t).untyped_storage() for t in tensors if t.device == device]
+    sizes = {s.data_ptr(): s.nbytes() for s in storages}
     return sum(sizes.values())

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -112,6 +112,9 @@ _FAKE_KERNELS: dict[str, tuple[torch.dtype, Callable[..., torch.Tensor]]] = {
     "_grouped_mm": (torch.bfloat16, _fake_grouped_mm),
 }
 
+
+_WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
 
 LOSS_SCOPE = "<loss>"
 BACKWARD_SCOPE = "<backward>"
@@ -258,12 +261,19 @@ class _Tracer(TorchDispatchMode):
         self.kernel_scratch: dict[int, int] = {}
         #: the innermost module whose call an exception left (its forward hook still runs)
         self.failed_in: str | None = None
+        #: Collectives run on gloo (a CPU process group), which allocates beyond their outputs.
+        self.gloo = _process_group_backend() == "gloo" and not target.is_cuda
+        #: An op on DTensors is seen twice: first to run it again with this mode on the stack, then
+        #: (this flag set) to decline it to DTensor's own dispatch (`run_wrapper_op`).
+        self.declining_wrapper_op = False
 
     # -- storages and tensors --------------------------------------------------------------------
     def storage_id(
         self, t: torch.Tensor, kind: StorageKind, allocated_at: int | None = None
     ) -> int:
-        """The storage of `t`, registered with `kind` if it has not been seen."""
+        """The storage of `t` (of its local shard, for a DTensor), registered with `kind` if it
+        has not been seen."""
+        t = _shard(t)
         cdata = storage_key(t)
         sid = self.storage_by_cdata.get(cdata)
         if sid is not None:
@@ -379,6 +389,13 @@ class _Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
+        if _is_wrapper_op(args, kwargs):
+            return self.run_wrapper_op(func, args, kwargs)
+        if func is _WAIT_TENSOR and not self.real:
+            # Waiting on a collective returns its result itself (the schema aliases it; the fake
+            # kernel would make a second tensor). Not recorded: a real run waits lazily, at the
+            # result's first use, so a plan must not name the wait.
+            return args[0]
         call = sys._getframe().f_back  # None on autograd's device threads (no Python below)
         call_site = None if call is None else (id(call), call.f_lasti)
         if self.view_replay is not None:
@@ -419,6 +436,31 @@ class _Tracer(TorchDispatchMode):
         self.record(func, args, kwargs, out, call_site)
         return out
 
+    def run_wrapper_op(self, func, args: tuple, kwargs: dict) -> Any:
+        """An op on DTensors (tensor, sequence parallelism) is no rank's op: DTensor's dispatch
+        turns it into this rank's ops on its local shards, and the collectives a redistribution
+        needs (whose pending results are wrappers too). It is run again with this mode on the
+        stack, which declines it the second time (NotImplemented hands it to the subclass's
+        dispatch): what is recorded are the inner ops, at this rank's shapes and FLOPs.
+        Autograd's node for the op lands on the wrapper outputs; it is attributed to the op that
+        made their inner tensors."""
+        if self.declining_wrapper_op:
+            self.declining_wrapper_op = False
+            return NotImplemented
+        self.declining_wrapper_op = True
+        try:
+            with self:
+                out = func(*args, **kwargs)
+        finally:
+            self.declining_wrapper_op = False
+        if self.phase == "forward":
+            for t in pytree.tree_leaves(out):
+                tid = self.tensor_ids.get(_shard(t)) if isinstance(t, torch.Tensor) else None
+                producer = None if tid is None else self.tensors[tid].producer
+                if producer is not None and t is not _shard(t):
+                    self.pending_grad_fn.append((producer, t, self.read_grad_fn(t)))
+        return out
+
     def run_op(self, func, args: tuple, kwargs: dict) -> Any:
         packet = func._overloadpacket.__name__
         target_kernel = None if self.real else emulate.fake_kernel(self.target, packet)
@@ -457,6 +499,10 @@ class _Tracer(TorchDispatchMode):
             measured = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, outs)
             if measured is not None:
                 self.kernel_scratch[index] = measured
+        if self.gloo and func.namespace == "_c10d_functional":
+            scratch = kernel_scratch.gloo_collective_scratch_bytes(short, args, outs)
+            if scratch:
+                self.kernel_scratch[index] = scratch
         self.ops.append(
             _OpRecord(
                 index=index,
@@ -490,27 +536,30 @@ class _Tracer(TorchDispatchMode):
         self.before_event()
         self.paused = True
         try:
-            tid = self.tensor_id(t)
+            # A DTensor (tensor parallelism) is described by its local shard, this rank's bytes,
+            # and rebuilt around the shard's stand-in in unpack, autograd wanting a DTensor back.
+            inner = _shard(t)
+            tid = self.tensor_id(inner)
             sid = self.tensors[tid].storage
             handle = next(self.ids)
             persistent = self.storages[sid].kind not in ("activation", "grad")
             self.saved[handle] = _SavedRecord(
                 storage=sid,
                 tensor=tid,
-                shape=tuple(t.shape),
-                stride=tuple(t.stride()),
-                offset=int(t.storage_offset()),
-                dtype=t.dtype,
-                device=t.device,
-                storage_numel=storage_nbytes(t) // t.element_size(),
-                payload=t.untyped_storage().clone() if self.real and not persistent else None,
+                shape=tuple(inner.shape),
+                stride=tuple(inner.stride()),
+                offset=int(inner.storage_offset()),
+                dtype=inner.dtype,
+                device=inner.device,
+                storage_numel=storage_nbytes(inner) // inner.element_size(),
+                payload=inner.untyped_storage().clone() if self.real and not persistent else None,
             )
-            return (handle, t) if persistent else (handle, None)
+            return (handle, t, None) if persistent else (handle, None, _rewrapper(t))
         finally:
             self.paused = False
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        handle, direct = packed
+        handle, direct, rewrap = packed
         self.before_event()
         self.paused = True
         try:
@@ -529,7 +578,7 @@ class _Tracer(TorchDispatchMode):
             self.storage_by_cdata[cdata] = rec.storage
             self.stand_in_refs.append(StorageWeakRef(stand_in.untyped_storage()))
             self.tensor_ids[stand_in] = rec.tensor
-            return stand_in
+            return stand_in if rewrap is None else rewrap(stand_in)
         finally:
             self.paused = False
 
@@ -620,6 +669,31 @@ class _Tracer(TorchDispatchMode):
             modules=[m.freeze() for m in self.modules],
             info=info,
         )
+
+
+@contextlib.contextmanager
+def _unrecorded_sharding_propagation(tracer: _Tracer) -> Iterator[None]:
+    """DTensor infers an op's output shapes by running it on fake tensors at global shapes, once
+    per op and shapes (cached): no rank runs those, so the tracer pauses through them."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # torch built without distributed: no DTensor to trace
+        yield
+        return
+    infer = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def paused(self: Any, op_schema: Any) -> Any:
+        was, tracer.paused = tracer.paused, True
+        try:
+            return infer(self, op_schema)
+        finally:
+            tracer.paused = was
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = paused
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = infer
 
 
 @contextlib.contextmanager
@@ -718,9 +792,64 @@ def is_own_loss(output: Any) -> bool:
     )
 
 
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank holds: the one tensor inside a wrapper subclass that
+    holds one (a DTensor's local shard, a pending collective's result), else `t` itself."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = [getattr(t, a) for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
+        if len(inner) == 1:
+            return _shard(inner[0])
+    return t
+
+
+def _is_wrapper_op(args: tuple, kwargs: dict) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and _shard(t) is not t
+        for t in pytree.tree_leaves((args, kwargs))
+    )
+
+
+def _process_group_backend() -> str | None:
+    """The default process group's backend ("gloo", "nccl", "fake"), None without one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return str(dist.get_backend())
+
+
+def _rewrapper(t: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a wrapper subclass around one tensor (`_shard`), a function that rebuilds `t`'s wrapper
+    around another inner tensor, holding none of `t`'s tensors; None for a plain tensor."""
+    if _shard(t) is t:
+        return None
+    attrs, context = t.__tensor_flatten__()
+    (name,) = [a for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
+    others = {a: getattr(t, a) for a in attrs if a != name}
+    inner = _rewrapper(getattr(t, name))
+    cls, size, stride = type(t), t.size(), t.stride()
+
+    def rewrap(stand_in: torch.Tensor) -> torch.Tensor:
+        held = stand_in if inner is None else inner(stand_in)
+        return cls.__tensor_unflatten__({**others, name: held}, context, size, stride)
+
+    return rewrap
+
+
 def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A fake tensor of `t`'s layout; meta tensors become fake CPU tensors so that factory calls in
-    forward (which default to CPU) and traced tensors live on one device."""
+    forward (which default to CPU) and traced tensors live on one device. A DTensor (tensor or
+    sequence parallelism, `parallelize_module`) stays a DTensor on its mesh, over a fake local
+    shard: the trace then records this rank's local ops and its collectives."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = _fake_like(t.to_local(), False)
+        shard = DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+        return shard.requires_grad_(requires_grad)
     device = "cpu" if t.device.type == "meta" else t.device
     out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
     return out.requires_grad_(requires_grad)
@@ -888,6 +1017,7 @@ def _trace_once(
             forced = ForcedDraws(draws, scope=lambda: tracer.scopes[-1])
             with (
                 tracer,
+                _unrecorded_sharding_propagation(tracer),
                 forced,
                 torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack),
             ):
@@ -937,9 +1067,9 @@ def _trace_once(
                 tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
         info = {
             "trace_device": device,
-            "param_count": sum(p.numel() for p in params.values()),
+            "param_count": sum(_shard(p).numel() for p in params.values()),
             "trainable_param_bytes": sum(
-                tracer.storages[tracer.tensors[tracer.tensor_ids[t]].storage].nbytes
+                tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
                 for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
             ),
             "loss": "custom" if loss_fn is not None else own_loss,

@@ -125,10 +125,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        B, T, _ = x.shape
+        # heads counted from the projections (-1), as torchtitan does: under tensor parallelism a
+        # rank's projections hold its share of the heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
         q, k = apply_rotary_emb(q, k, freqs_cis)
         n_rep = self.n_heads // self.n_kv_heads
         if self.expand_kv:
@@ -138,7 +140,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
         )
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

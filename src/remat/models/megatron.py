@@ -105,9 +105,12 @@ class MegatronLayer(nn.Module):
         return torch.bmm(probs, v).transpose(0, 1).reshape(s, b, a * d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, h = x.shape
+        h = x.shape[-1]
         # Megatron's per-head [q | k | v] layout: splitting the fused output makes views, not copies.
-        qkv = self.qkv(self.ln_1(x)).view(s, b, self.n_heads, 3 * (h // self.n_heads))
+        # Heads from the width (-1), sequence from the output: a tensor-parallel rank's projection
+        # holds its share of the heads, over the whole sequence even when x is a sequence shard.
+        qkv = self.qkv(self.ln_1(x))
+        qkv = qkv.view(*qkv.shape[:2], -1, 3 * (h // self.n_heads))
         ctx = self.attention(*qkv.chunk(3, dim=-1))
         x = x + self.out_dropout(self.proj(ctx))
         return x + self.mlp_dropout(self.fc2(self.gelu(self.fc1(self.ln_2(x)))))

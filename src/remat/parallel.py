@@ -1,0 +1,246 @@
+"""Tensor and sequence parallelism with torch's own engine, for one rank's trace.
+
+A tensor-parallel step is traced as its rank runs it: the model is laid out with
+`torch.distributed.tensor.parallel.parallelize_module` (DTensor parameters, the collectives of
+the parallel styles), and the tracer records what DTensor's dispatch runs on this rank's local
+shards (`remat.trace._Tracer.run_dtensor_op`): local shapes, local FLOPs, the all-reduces,
+all-gathers and reduce-scatters, and the shards autograd saves. No real ranks are needed: torch's
+fake process group answers every collective, so a rank of a 70B layout is traced on a laptop.
+
+`tensor_parallel` lays out the zoo's transformers as torchtitan and Megatron-LM do (column-parallel
+QKV / gate / up / fc1, row-parallel output / down / fc2; with `sequence_parallel`, the norms,
+dropouts and residual stream sharded along the sequence and gathered before the column-parallel
+linears). A model of one's own is laid out by calling `parallelize_module` with its plan inside
+`fake_ranks`, then traced as any model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from remat.errors import RematError
+
+
+@contextlib.contextmanager
+def fake_ranks(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of `world_size` ranks, this process being `rank`, for the duration:
+    collectives return at once with tensors of the right shapes (torch's `fake` backend). An
+    existing process group (under torchrun) is used as is and left alone."""
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise RematError(f"world_size={world_size}: a layout needs at least one rank")
+    if dist.is_initialized():
+        if dist.get_world_size() < world_size:
+            raise RematError(
+                f"this process's group has {dist.get_world_size()} ranks, the layout needs "
+                f"{world_size}: plan outside the training job, or launch it on {world_size} ranks"
+            )
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel(
+    model: nn.Module, degree: int, *, sequence_parallel: bool = False, mesh: Any = None
+) -> nn.Module:
+    """Lay `model` (a zoo Llama or Megatron-style GPT) out over `degree` tensor-parallel ranks of
+    `mesh` (default: a 1-D CPU mesh over the current process group's first `degree` ranks), in
+    place, and return it. Its inputs stay whole (replicated); with `sequence_parallel`, the
+    Megatron stack (which has no embedding) takes this rank's sequence shard instead."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if degree < 1:
+        raise RematError(f"tensor-parallel degree {degree}: must be at least 1")
+    layers = getattr(model, "layers", None)
+    plan_of = _PLANS.get(type(model).__name__)
+    if plan_of is None or layers is None:
+        raise RematError(
+            f"no tensor-parallel plan for {type(model).__name__}: remat lays out its zoo's "
+            f"{' and '.join(_PLANS)}; lay out your model with torch's parallelize_module inside "
+            "remat.parallel.fake_ranks(world_size) and trace it as any model"
+        )
+    _check_divisible(model, degree)
+    if degree == 1:
+        return model
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (degree,))
+    top, per_layer = plan_of(sequence_parallel, _tied_embeddings(model))
+    if top:
+        parallelize_module(model, mesh, top)
+    for layer in layers:
+        parallelize_module(layer, mesh, per_layer)
+    return model
+
+
+def _check_divisible(model: nn.Module, degree: int) -> None:
+    """Heads (and K/V heads) and hidden widths must split evenly over the ranks, as in
+    torchtitan; say which does not."""
+    first = model.layers[0]
+    attn = getattr(first, "self_attn", None)
+    heads = {
+        "heads": getattr(attn, "n_heads", None) or getattr(first, "n_heads", None),
+        "key/value heads": getattr(attn, "n_kv_heads", None),
+    }
+    for what, n in heads.items():
+        if n is not None and n % degree:
+            raise RematError(
+                f"{n} {what} do not split over tensor-parallel degree {degree}: choose a degree "
+                "that divides them"
+            )
+
+
+def _tied_embeddings(model: nn.Module) -> bool:
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _llama_plan(sequence_parallel: bool, tied: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """torchtitan's Llama plan (`apply_tp`), with Hugging Face's module names and the logits
+    gathered (loss parallelism is not modelled: each rank holds the whole logits). A head tied to
+    the embedding (Llama 3.2 1B and 3B) stays whole on every rank, as sharding the two along
+    different dimensions would untie them."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if tied:
+        top = {}
+        if sequence_parallel:
+            top = {
+                "embed_tokens": PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1)
+                ),
+                "norm": SequenceParallel(),
+                "lm_head": PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+            }
+    elif not sequence_parallel:
+        top = {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        }
+    else:
+        top = {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    if not sequence_parallel:
+        layer = {
+            **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        return top, layer
+    layer = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return top, layer
+
+
+def _megatron_plan(sequence_parallel: bool, tied: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Megatron-LM's layer (Shoeybi et al. 2019; Korthikanti et al. 2022 for the sequence
+    parallel regions), sequence-first: with sequence parallelism the column-parallel linears
+    gather the sequence-sharded input and the row-parallel ones reduce-scatter their output."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if not sequence_parallel:
+        columns, rows, norms = ColwiseParallel(), RowwiseParallel(), {}
+    else:
+        columns = ColwiseParallel(input_layouts=Shard(0))
+        rows = RowwiseParallel(output_layouts=Shard(0))
+        norms = {n: SequenceParallel(sequence_dim=0) for n in ("ln_1", "ln_2")}
+    layer = {"qkv": columns, "proj": rows, "fc1": columns, "fc2": rows, **norms}
+    return {}, layer
+
+
+_PLANS = {"Llama": _llama_plan, "MegatronGPT": _megatron_plan}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is laid out over ranks besides FSDP2's data-parallel sharding (`shard`
+    elsewhere): `tp` tensor-parallel ranks (with sequence parallelism, as torchtitan lays out
+    tensor parallelism) and `cp` context-parallel ranks, each holding `seq / cp` tokens of every
+    sequence. Ring attention keeps only the local chunk's Q, K, V, output and log-sum-exp for
+    backward, so a context-parallel rank's step is traced as the step at `seq / cp`; the K/V chunk
+    in flight around the ring (2 x the local K and V) and attention's FLOPs against the other
+    ranks' keys are not in that trace (docs/parallelism.md)."""
+
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        for name, degree in (("tp", self.tp), ("cp", self.cp)):
+            if degree < 1:
+                raise RematError(f"--{name} {degree}: a degree is at least 1")
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.cp
+
+    def local_seq(self, seq: int) -> int:
+        """This rank's tokens of a `seq`-token sequence."""
+        if seq % self.cp:
+            raise RematError(
+                f"sequence {seq} does not split into {self.cp} context-parallel chunks: choose a "
+                f"multiple of {self.cp}"
+            )
+        return seq // self.cp
+
+    def trace(self, build: Any, batch: int, seq: int, **trace_kwargs: Any) -> Any:
+        """One rank's step of the model `build(batch, local seq)` returns, laid out and traced
+        on fake tensors (`remat.trace`) with a fake process group of `tp` ranks."""
+        from remat.trace import trace
+
+        model, inputs = build(batch, self.local_seq(seq))
+        if self.tp == 1:
+            return trace(model, *inputs, **trace_kwargs)
+        with fake_ranks(self.tp):
+            tensor_parallel(model, self.tp, sequence_parallel=self.sequence_parallel)
+            return trace(model, *inputs, **trace_kwargs)
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}" + (" + sp" if self.sequence_parallel else "")] * (self.tp > 1)
+        return ", ".join([*parts, *[f"cp {self.cp}"] * (self.cp > 1)])
+
+
+#: No tensor or context parallelism: one rank's step is the step.
+ONE_RANK = Layout()
