@@ -1,0 +1,148 @@
+"""A 2-stage pipeline of a tiny Llama under torch.distributed.pipelining, on CPU with gloo: each
+rank's measured peak against remat's prediction for its stage, and the gradients against the
+single-process run.
+
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule gpipe --budget 4MiB
+
+The model is cut by `remat.pipeline.split`; each rank runs its stage in a `PipelineStage` under
+torch's `ScheduleGPipe` or `Schedule1F1B`, 4 micro-batches. The prediction comes from the same
+architecture built on the meta device (`remat.pipeline.predict`, or `plan` under `--budget`,
+whose plan for this rank's stage is applied before the run). One step warms up (it allocates
+`PipelineStage`'s receive buffers), then the second is measured with the profiler's CPU memory
+events (`remat.measure.cpu_peak_bytes`) above what is live before it: the stage's parameters and
+buffers, the receive buffers and the rank's part of the batch. The gradients, averaged over the
+micro-batches as the schedule scales them, must equal those of the whole model on the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+import remat
+from remat import models
+from remat import pipeline as pp
+from remat.measure import cpu_peak_bytes
+
+BATCH, SEQ, MICROBATCHES = 8, 128, 4
+
+
+def build(batch: int, seq: int, device: str = "meta"):
+    torch.manual_seed(0)
+    return models.build("llama-2-7b", batch=batch, seq=seq, device=device, tiny=True, n_layers=4)
+
+
+def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(0, 512, (BATCH, SEQ), generator=g) for _ in range(2))
+
+
+def reference_grads() -> dict[str, torch.Tensor]:
+    """The whole model on the whole batch, in one process: the mean loss's gradients."""
+    model, _ = build(BATCH, SEQ, device="cpu")
+    model(*full_batch()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], required=True)
+    parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    shape = {"stages": world, "microbatches": MICROBATCHES, "schedule": args.schedule}
+    if args.budget:
+        report = pp.plan(build, BATCH, SEQ, args.budget, **shape)
+    else:
+        report = pp.predict(build, BATCH, SEQ, **shape)
+    predicted = report.stages[rank]
+
+    model, _ = build(BATCH, SEQ, device="cpu")
+    stage = pp.split(model, world)[rank]
+    del model  # the other stages' parameters
+    if predicted.plan is not None:
+        remat.apply(stage, predicted.plan)
+    pipe = PipelineStage(stage, rank, world, torch.device("cpu"))
+    schedule = pp.SCHEDULES[args.schedule](pipe, MICROBATCHES, loss_fn=stage.loss_fn)
+
+    ids, labels = full_batch()
+    inputs = (ids,) if stage.is_first else ()
+    target = {"target": labels} if stage.is_last else {}
+    in_flight = []
+    forward_one_chunk = pipe.forward_one_chunk
+
+    def counted(*a, **kw):
+        out = forward_one_chunk(*a, **kw)
+        in_flight.append(len(pipe.fwd_cache))
+        return out
+
+    pipe.forward_one_chunk = counted
+
+    def step() -> None:
+        schedule.step(*inputs, **target, return_outputs=False)
+
+    step()  # builds PipelineStage's buffers
+    for p in stage.parameters():
+        p.grad = None
+    pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
+    in_flight.clear()
+    peak = cpu_peak_bytes(step)
+    buffers = [
+        info.buffer
+        for infos in (*pipe.args_recv_info.values(), *pipe.grad_recv_info.values())
+        for info in infos
+        if getattr(info, "buffer", None) is not None
+    ]
+    kept = [*stage.parameters(), *stage.buffers(), *buffers, *inputs, *target.values()]
+    measured = distinct_bytes(kept) + peak
+
+    expected = reference_grads()
+    worst = max((p.grad - expected[n]).abs().max().item() for n, p in stage.named_parameters())
+    error = (predicted.peak_bytes - measured) / measured
+    line = (
+        f"rank {rank} (stage {rank}, {max(in_flight)} in flight, plan "
+        f"{predicted.plan.strategy if predicted.plan else 'none'}): predicted "
+        f"{predicted.peak_bytes} B, measured {measured} B ({error:+.2%}), of which in the step "
+        f"{predicted.peak_bytes - predicted.fixed_bytes} B predicted, {peak} B measured; "
+        f"max |grad - single-process grad| = {worst:.1e}"
+    )
+    lines = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print(f"{args.schedule}, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES}:")
+        print("\n".join(lines))
+    assert max(in_flight) == predicted.in_flight, (in_flight, predicted.in_flight)
+    assert worst < 1e-5, worst
+    assert abs(error) < 0.02, error
+    dist.barrier()
+    if rank == 0:
+        print("OK")
+    dist.destroy_process_group()
+
+
+def exit_before_interpreter_teardown() -> None:
+    """End without Python's finalisation, which races with gloo's worker threads (see
+    examples/distributed.py and pytorch/pytorch#179291); everything said is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
+    exit_before_interpreter_teardown()
