@@ -352,11 +352,17 @@ def _trace_stages(
     tensors): the first stage from the token ids, each later one from hidden states shaped as
     the stage before returns them, requiring grad as `PipelineStage` receives them."""
     out, x = [], ids
-    # the labels are real (token ids are small) so that the loss, traced on fake tensors, reads them
-    real_labels = torch.zeros(labels.shape, dtype=labels.dtype)
+    target = torch.zeros(labels.shape, dtype=labels.dtype)  # token ids: small, real
+
+    def last_loss(logits: torch.Tensor, stage: Stage) -> torch.Tensor:
+        """The loss on the labels, made a fake tensor of the trace's own mode up front: one the
+        mode converts itself would come out of the loss's first view as a new storage."""
+        mode = getattr(logits, "fake_mode", None)
+        return stage.loss_fn(logits, target if mode is None else mode.from_tensor(target))
+
     for stage in stages:
         if stage.is_last:
-            loss_fn = lambda logits, stage=stage: stage.loss_fn(logits, real_labels)  # noqa: E731
+            loss_fn = lambda logits, stage=stage: last_loss(logits, stage)  # noqa: E731
         else:
             loss_fn = _GradientFromOutput.apply
         arg = x if stage.is_first else x.detach().requires_grad_()
