@@ -58,66 +58,81 @@ def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], required=True)
+    parser.add_argument("--schedule", choices=list(pp.SCHEDULES), required=True)
     parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    interleaved = args.schedule == "interleaved-1f1b"
+    n_stages = 2 * world if interleaved else world  # interleaved: stages r and r + world on rank r
 
-    shape = {"stages": world, "microbatches": MICROBATCHES, "schedule": args.schedule}
+    shape = {"stages": n_stages, "microbatches": MICROBATCHES, "schedule": args.schedule}
     if args.budget:
         report = pp.plan(build, BATCH, SEQ, args.budget, **shape)
     else:
-        report = pp.predict(build, BATCH, SEQ, **shape)
-    predicted = report.stages[rank]
+        report = pp.predict(build, BATCH, SEQ, ranks=world, **shape)
+    mine = [s for s in report.stages if s.rank == rank]
 
     model, _ = build(BATCH, SEQ, device="cpu")
-    stage = pp.split(model, world)[rank]
+    stages = [pp.split(model, n_stages)[s.stage] for s in mine]
     del model  # the other stages' parameters
-    if predicted.plan is not None:
-        remat.apply(stage, predicted.plan)
-    pipe = PipelineStage(stage, rank, world, torch.device("cpu"))
-    schedule = pp.SCHEDULES[args.schedule](pipe, MICROBATCHES, loss_fn=stage.loss_fn)
+    for stage, predicted in zip(stages, mine, strict=True):
+        if predicted.plan is not None:
+            remat.apply(stage, predicted.plan)
+    cpu = torch.device("cpu")
+    pipes = [PipelineStage(stage, stage.index, n_stages, cpu) for stage in stages]
+    schedule = pp.SCHEDULES[args.schedule](
+        pipes if interleaved else pipes[0], MICROBATCHES, loss_fn=stages[0].loss_fn
+    )
 
     ids, labels = full_batch()
-    inputs = (ids,) if stage.is_first else ()
-    target = {"target": labels} if stage.is_last else {}
-    in_flight = []
-    forward_one_chunk = pipe.forward_one_chunk
+    inputs = (ids,) if stages[0].is_first else ()
+    target = {"target": labels} if stages[-1].is_last else {}
+    in_flight = {stage.index: 0 for stage in stages}
+    for pipe in pipes:
 
-    def counted(*a, **kw):
-        out = forward_one_chunk(*a, **kw)
-        in_flight.append(len(pipe.fwd_cache))
-        return out
+        def counted(*a, pipe=pipe, forward=pipe.forward_one_chunk, **kw):
+            out = forward(*a, **kw)
+            in_flight[pipe.stage_index] = max(in_flight[pipe.stage_index], len(pipe.fwd_cache))
+            return out
 
-    pipe.forward_one_chunk = counted
+        pipe.forward_one_chunk = counted
 
     def step() -> None:
         schedule.step(*inputs, **target, return_outputs=False)
 
     step()  # builds PipelineStage's buffers
-    for p in stage.parameters():
+    for pipe in pipes:
+        pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
+    params = [p for stage in stages for p in stage.parameters()]
+    for p in params:
         p.grad = None
-    pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
-    in_flight.clear()
     peak = cpu_peak_bytes(step)
     buffers = [
         info.buffer
+        for pipe in pipes
         for infos in (*pipe.args_recv_info.values(), *pipe.grad_recv_info.values())
         for info in infos
         if getattr(info, "buffer", None) is not None
     ]
-    kept = [*stage.parameters(), *stage.buffers(), *buffers, *inputs, *target.values()]
-    measured = distinct_bytes(kept) + peak
+    buffers += [b for stage in stages for b in stage.buffers()]
+    measured = distinct_bytes([*params, *buffers, *inputs, *target.values()]) + peak
+    predicted = report.rank_peak_bytes[rank]
+    fixed = sum(s.fixed_bytes for s in mine)
 
     expected = reference_grads()
-    worst = max((p.grad - expected[n]).abs().max().item() for n, p in stage.named_parameters())
-    error = (predicted.peak_bytes - measured) / measured
+    worst = max(
+        (p.grad - expected[n]).abs().max().item()
+        for stage in stages
+        for n, p in stage.named_parameters()
+    )
+    error = (predicted - measured) / measured
+    plans = ", ".join(s.plan.strategy if s.plan else "none" for s in mine)
+    flights = ", ".join(f"{in_flight[s.stage]} (predicted {s.in_flight})" for s in mine)
     line = (
-        f"rank {rank} (stage {rank}, {max(in_flight)} in flight, plan "
-        f"{predicted.plan.strategy if predicted.plan else 'none'}): predicted "
-        f"{predicted.peak_bytes} B, measured {measured} B ({error:+.2%}), of which in the step "
-        f"{predicted.peak_bytes - predicted.fixed_bytes} B predicted, {peak} B measured; "
+        f"rank {rank} (stages {', '.join(str(s.stage) for s in mine)}, in flight {flights}, plan "
+        f"{plans}): predicted {predicted} B, measured {measured} B ({error:+.2%}), of which in "
+        f"the step {predicted - fixed} B predicted, {peak} B measured; "
         f"max |grad - single-process grad| = {worst:.1e}"
     )
     lines = [None] * world
@@ -125,7 +140,7 @@ def main() -> None:
     if rank == 0:
         print(f"{args.schedule}, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES}:")
         print("\n".join(lines))
-    assert max(in_flight) == predicted.in_flight, (in_flight, predicted.in_flight)
+    assert all(in_flight[s.stage] == s.in_flight for s in mine), in_flight
     assert worst < 1e-5, worst
     assert abs(error) < 0.02, error
     dist.barrier()

@@ -103,11 +103,19 @@ def test_first_stage_holds_the_most_and_is_planned_to_recompute_more():
     assert planned.peak_bytes <= budget
     with pytest.raises(InfeasibleBudget, match="stage"):
         pp.plan(build, 8, 64, 1000, stages=2, microbatches=4, schedule="1f1b")
+    with pytest.raises(RematError, match="one stage per rank"):
+        pp.plan(build, 8, 64, budget, stages=4, microbatches=4, schedule="interleaved-1f1b")
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "args", [["--schedule", "1f1b"], ["--schedule", "gpipe", "--budget", "8MiB"]], ids=str
+    "args",
+    [  # 1F1B with only the first stage recomputing, GPipe, interleaved 1F1B (2 stages per rank)
+        ["--schedule", "1f1b", "--budget", "5.8MiB"],
+        ["--schedule", "gpipe"],
+        ["--schedule", "interleaved-1f1b"],
+    ],
+    ids=" ".join,
 )
 def test_each_ranks_peak_and_gradients_match_a_real_pipeline(args):
     result = subprocess.run(

@@ -652,6 +652,10 @@ def plan(
     that holds more micro-batches (the first, under 1F1B) gets less room per micro-batch, and so
     may recompute more. One stage per rank. Raises `InfeasibleBudget` naming the stage and the
     smallest budget its plans reach."""
+    if issubclass(_schedule_class(schedule), torch_schedules.PipelineScheduleMulti):
+        raise RematError(
+            f"plan() plans one stage per rank; {schedule!r} runs several: use predict()"
+        )
     budget_bytes = parse_bytes(budget)
     traced, order, counts, size = _build_stages(
         build, batch, seq, stages, microbatches, schedule, None
