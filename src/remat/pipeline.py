@@ -11,13 +11,14 @@ stage `i`; interleaved 1F1B holds what its per-rank order says. The counts here 
 torch's own action orders (`pipeline_order`), never re-derived.
 
 The prediction walks that order for each rank over one traced step per stage (`StageStep`): before
-each action, what the earlier micro-batches still hold (their forward's held bytes until their
-backward, then the gradient of the stage input, which `PipelineStage` leaves on its receive buffer
-until the next step), plus the action's own peak from the trace: the forward's, or the backward's,
-with the parameters' gradients already there from the second backward on. On top sits what a rank
-keeps for the whole step: the stage's parameters, buffers and optimizer state, `PipelineStage`'s
-receive buffers (one per micro-batch for activations on every stage but the first, for gradients
-on every stage but the last) and the rank's slice of the batch.
+each action, what the other micro-batches keep (their forward's held bytes until their backward,
+then what the schedule's loop still references through their sends: the output sent on and the
+input's gradient sent back), plus the action's own peak from the trace: the forward's, or the
+backward's, with the parameters' gradients already there from the second backward on. On top sits
+what a rank keeps for the whole step: the stage's parameters, buffers and optimizer state,
+`PipelineStage`'s receive buffers (one per micro-batch for activations on every stage but the
+first, for gradients on every stage but the last) and the rank's slice of the batch. Checked
+against real pipelines by `examples/pipeline.py` (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from remat.units import format_bytes, parse_bytes
 
 __all__ = [
     "SCHEDULES",
+    "Action",
     "PipelineReport",
     "Stage",
     "StagePrediction",
@@ -305,6 +307,7 @@ class StageStep:
 
     @classmethod
     def of(cls, graph: Graph, sim: Simulation, base_bytes: int, output_bytes: int) -> StageStep:
+        """From `sim`, a simulation of `graph` over `base_bytes` that exist before the step."""
         ops = graph.ops
         grads = [s for s in graph.storages.values() if s.kind == "grad"]
         grad_bytes = trainable_param_bytes(graph)
@@ -504,13 +507,13 @@ def _walk(
             in_flight[a.stage] -= 1
         # 1F1B's steady phase: a forward, or a backward right after one
         steady = {t: previous[t] == "F" or (t == a.stage and a.kind == "F") for t in steps}
-        kept = {
-            t: in_flight[t] * s.held_bytes + _sent_bytes(s, schedule, done[t], counts[t], steady[t])
+        kept = sum(
+            in_flight[t] * s.held_bytes
+            + _sent_bytes(s, schedule, done[t], counts[t], steady[t])
+            + (s.grad_bytes if done[t] and t != a.stage else 0)  # the action's own: in its peak
             for t, s in steps.items()
-        }
-        others = sum(kept[t] + (s.grad_bytes if done[t] else 0) for t, s in steps.items())
+        )
         s = steps[a.stage]
-        others -= s.grad_bytes if done[a.stage] else 0  # in the action's own peak below
         if a.kind == "F":
             own = s.forward_peak_bytes + (s.grad_bytes if done[a.stage] else 0)
             in_flight[a.stage] += 1
@@ -518,7 +521,7 @@ def _walk(
             own = s.later_backward_peak_bytes if done[a.stage] else s.backward_peak_bytes
             done[a.stage] += 1
         previous[a.stage] = a.kind
-        peak = max(peak, others + own)
+        peak = max(peak, kept + own)
     return peak
 
 
@@ -551,6 +554,8 @@ def _build_stages(
     schedule: str,
     ranks: int | None,
 ) -> tuple[list[_TracedStage], dict[int, list[Action]], tuple[int, ...], int]:
+    """The model at the micro-batch size, cut and traced stage by stage; torch's order per rank,
+    the in-flight counts per stage, and the micro-batch size."""
     if batch % microbatches:
         raise RematError(f"batch {batch} does not split into {microbatches} equal micro-batches")
     ranks = stages if ranks is None else ranks
