@@ -1,18 +1,22 @@
-"""A 2-stage pipeline of a tiny Llama under torch.distributed.pipelining, on CPU with gloo: each
-rank's measured peak against remat's prediction for its stage, and the gradients against the
+"""A tiny Llama pipelined over 2 ranks with torch.distributed.pipelining, on CPU with gloo: each
+rank's measured peak against remat's prediction for its stages, and the gradients against the
 single-process run.
 
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b
-    torchrun --nproc_per_node=2 examples/pipeline.py --schedule gpipe --budget 4MiB
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule gpipe --budget 8MiB
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule interleaved-1f1b
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --optimizer adamw
 
-The model is cut by `remat.pipeline.split`; each rank runs its stage in a `PipelineStage` under
-torch's `ScheduleGPipe` or `Schedule1F1B`, 4 micro-batches. The prediction comes from the same
-architecture built on the meta device (`remat.pipeline.predict`, or `plan` under `--budget`,
-whose plan for this rank's stage is applied before the run). One step warms up (it allocates
-`PipelineStage`'s receive buffers), then the second is measured with the profiler's CPU memory
-events (`remat.measure.cpu_peak_bytes`) above what is live before it: the stage's parameters and
-buffers, the receive buffers and the rank's part of the batch. The gradients, averaged over the
-micro-batches as the schedule scales them, must equal those of the whole model on the whole batch.
+The model is cut by `remat.pipeline.split` (2 stages, or 4 interleaved: stages r and r + 2 on
+rank r); each rank runs its stages in `PipelineStage`s under torch's schedule, 4 micro-batches.
+The prediction comes from the same architecture built on the meta device
+(`remat.pipeline.predict`, or `plan` under `--budget`, whose plan for this rank's stage is applied
+before the run). One step warms up (it allocates `PipelineStage`'s receive buffers and the
+optimizer's state), then the second is measured with the profiler's CPU memory events
+(`remat.measure.cpu_peak_bytes`) above what is live before it: the stages' parameters and
+buffers, the receive buffers, the optimizer's state and the rank's part of the batch. The
+gradients, averaged over the micro-batches as the schedule scales them, must equal those of the
+whole model on the whole batch, and the in-flight micro-batches those predicted.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from remat import pipeline as pp
 from remat.measure import cpu_peak_bytes
 
 BATCH, SEQ, MICROBATCHES = 8, 128, 4
+# lr 0: the optimizers keep and allocate what they do in training, and leave the weights as they are
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.0),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.0, momentum=0.9),
+}
 
 
 def build(batch: int, seq: int, device: str = "meta"):
@@ -60,13 +69,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--schedule", choices=list(pp.SCHEDULES), required=True)
     parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], help="step it too")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     interleaved = args.schedule == "interleaved-1f1b"
     n_stages = 2 * world if interleaved else world  # interleaved: stages r and r + world on rank r
 
-    shape = {"stages": n_stages, "microbatches": MICROBATCHES, "schedule": args.schedule}
+    shape = {
+        "stages": n_stages,
+        "microbatches": MICROBATCHES,
+        "schedule": args.schedule,
+        "optimizer": args.optimizer,
+    }
     if args.budget:
         report = pp.plan(build, BATCH, SEQ, args.budget, **shape)
     else:
@@ -98,13 +113,17 @@ def main() -> None:
 
         pipe.forward_one_chunk = counted
 
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = OPTIMIZERS[args.optimizer](params) if args.optimizer else None
+
     def step() -> None:
         schedule.step(*inputs, **target, return_outputs=False)
+        if optimizer is not None:
+            optimizer.step()
 
     step()  # builds PipelineStage's buffers
     for pipe in pipes:
         pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
-    params = [p for stage in stages for p in stage.parameters()]
     for p in params:
         p.grad = None
     peak = cpu_peak_bytes(step)
@@ -116,7 +135,9 @@ def main() -> None:
         if getattr(info, "buffer", None) is not None
     ]
     buffers += [b for stage in stages for b in stage.buffers()]
-    measured = distinct_bytes([*params, *buffers, *inputs, *target.values()]) + peak
+    state = [t for s in (optimizer.state.values() if optimizer else ()) for t in s.values()]
+    state = [t for t in state if isinstance(t, torch.Tensor)]
+    measured = distinct_bytes([*params, *buffers, *inputs, *target.values(), *state]) + peak
     predicted = report.rank_peak_bytes[rank]
     fixed = sum(s.fixed_bytes for s in mine)
 

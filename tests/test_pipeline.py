@@ -110,8 +110,8 @@ def test_first_stage_holds_the_most_and_is_planned_to_recompute_more():
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "args",
-    [  # 1F1B with only the first stage recomputing, GPipe, interleaved 1F1B (2 stages per rank)
-        ["--schedule", "1f1b", "--budget", "5.8MiB"],
+    [  # 1F1B with AdamW and only the first stage recomputing, GPipe, interleaved 1F1B
+        ["--schedule", "1f1b", "--budget", "6.4MiB", "--optimizer", "adamw"],
         ["--schedule", "gpipe"],
         ["--schedule", "interleaved-1f1b"],
     ],
