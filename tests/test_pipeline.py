@@ -128,3 +128,15 @@ def test_each_ranks_peak_and_gradients_match_a_real_pipeline(args):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout
+
+
+def test_largest_microbatch_fits_and_the_next_one_does_not():
+    def build(batch, seq):
+        return tiny("llama-2-7b", layers=2, batch=batch, seq=seq)
+
+    shape = {"stages": 2, "microbatches": 4, "schedule": "1f1b"}
+    budget = pp.predict(build, 4 * 5, 16, **shape).peak_bytes  # exactly 5 fits
+    found = pp.largest_microbatch(build, 16, budget, **shape)
+    assert found.microbatch_size == 5 and found.peak_bytes <= budget
+    assert pp.predict(build, 4 * 6, 16, **shape).peak_bytes > budget
+    assert pp.largest_microbatch(build, 16, 1000, **shape) is None

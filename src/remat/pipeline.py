@@ -59,6 +59,7 @@ __all__ = [
     "StagePrediction",
     "StageStep",
     "in_flight",
+    "largest_microbatch",
     "pipeline_order",
     "plan",
     "predict",
@@ -691,3 +692,46 @@ def plan(
                 min_feasible_bytes=best,
             )
     return _report(traced, steps, plans, order, counts, schedule, microbatches, size, optimizer)
+
+
+def largest_microbatch(
+    build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
+    seq: int,
+    budget: int | str,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    ranks: int | None = None,
+    optimizer: Optimizer = None,
+    limit: int = 1 << 16,
+) -> PipelineReport | None:
+    """The prediction (`predict`, store-all) of the largest micro-batch size, at most `limit`,
+    whose every rank fits `budget` with `microbatches` of them (None: not even 1 fits): doubled,
+    then bisected, as a rank's peak grows with the micro-batch."""
+    budget_bytes = parse_bytes(budget)
+
+    def at(size: int) -> PipelineReport:
+        return predict(
+            build,
+            size * microbatches,
+            seq,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            ranks=ranks,
+            optimizer=optimizer,
+        )
+
+    best, low, high = None, 0, 1  # low fits (0: none known), high is the next size to try
+    while high <= limit and (report := at(high)).peak_bytes <= budget_bytes:
+        best, low, high = report, high, 2 * high
+    high = min(high, limit + 1)  # the smallest size known not to fit (or past the limit)
+    while high - low > 1:
+        mid = (low + high) // 2
+        report = at(mid)
+        if report.peak_bytes <= budget_bytes:
+            best, low = report, mid
+        else:
+            high = mid
+    return best
