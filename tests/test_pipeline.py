@@ -59,6 +59,8 @@ def test_unknown_schedule_and_misplaced_stages_are_refused():
         pp.in_flight("zb", 2, 4)
     with pytest.raises(RematError, match="per rank"):
         pp.in_flight("1f1b", 4, 4, ranks=2)
+    with pytest.raises(RematError, match="greater than"):  # torch's: 1F1B needs n >= p
+        pp.in_flight("1f1b", 4, 2)
 
 
 @pytest.mark.parametrize("name", ["llama-2-7b", "gpt2"])

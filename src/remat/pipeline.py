@@ -234,13 +234,16 @@ def pipeline_order(
             f"per rank: {stages} stages on {ranks} ranks do not fit"
         )
     if interleaved:
-        local = [
+        placed: Any = [
             types.SimpleNamespace(num_stages=stages, group_size=ranks, group_rank=0, stage_index=s)
             for s in range(0, stages, ranks)
         ]
-        order = cls(local, microbatches).pipeline_order
     else:
-        order = cls(types.SimpleNamespace(num_stages=stages), microbatches).pipeline_order
+        placed = types.SimpleNamespace(num_stages=stages)
+    try:
+        order = cls(placed, microbatches).pipeline_order
+    except ValueError as e:  # torch's own checks: 1F1B needs n >= p, interleaving whole rounds
+        raise RematError(f"schedule {schedule!r} with {microbatches} micro-batches: {e}") from None
     return {
         rank: [
             Action(
