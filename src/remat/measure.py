@@ -46,7 +46,14 @@ from remat.trace import is_own_loss
 if TYPE_CHECKING:
     from remat.cost import DeviceProfile
 
-__all__ = ["Measurement", "calibrate_profile", "measure", "saved_tensor_bytes", "time_steps"]
+__all__ = [
+    "Measurement",
+    "calibrate_profile",
+    "cpu_peak_bytes",
+    "measure",
+    "saved_tensor_bytes",
+    "time_steps",
+]
 
 _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
@@ -496,20 +503,51 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 def _cpu_memory_step(step: _TrainingStep, saved: _SavedStorages) -> tuple[int, int]:
     """Run `step` under the profiler; return (retained, peak) bytes allocated within it."""
+
+    def run() -> None:
+        with record_function(_FORWARD_RANGE), saved.hooks():
+            out, loss = step.forward()  # both stay live until the step is over
+        step.backward(loss)
+
+    events = _profiled_cpu(run)
+    forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD_RANGE)
+    live = retained = peak = 0
+    for when, size in _cpu_allocations(events):
+        live += size
+        peak = max(peak, live)
+        if when <= forward_end:
+            retained = live
+    return retained, peak
+
+
+def cpu_peak_bytes(run: Callable[[], object]) -> int:
+    """The highest level, while `run()` runs, of bytes allocated through c10's CPU allocator since
+    it began minus those of them freed again: `measure`'s CPU instrument, for a step that is not
+    one model call (a pipeline schedule's `step`). Storages older than `run` are not seen."""
+    live = peak = 0
+    for _, size in _cpu_allocations(_profiled_cpu(run)):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def _profiled_cpu(run: Callable[[], object]) -> list[Any]:
+    """The profiler's events, with memory, of one call of `run`."""
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with quiet_fd(2):
         prof.__enter__()
     try:
-        with record_function(_FORWARD_RANGE), saved.hooks():
-            out, loss = step.forward()  # both stay live until the step is over
-        step.backward(loss)
+        run()
     finally:
         with quiet_fd(2):
             prof.__exit__(None, None, None)
-    events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    forward_end = next(e.end_time_ns for e in events if e.name == _FORWARD_RANGE)
+    return list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+
+
+def _cpu_allocations(events: list[Any]) -> list[tuple[int, int]]:
+    """(time, bytes) of every CPU allocation (negative: a free) among `events`, in time order."""
     allocation = torch._C._profiler._EventType.Allocation
-    allocations = sorted(
+    return sorted(
         (
             (e.start_time_ns, e.extra_fields.alloc_size)  # negative for frees
             for e in events
@@ -517,13 +555,6 @@ def _cpu_memory_step(step: _TrainingStep, saved: _SavedStorages) -> tuple[int, i
         ),
         key=lambda event: event[0],  # stable: equal timestamps keep the tree's order
     )
-    live = retained = peak = 0
-    for when, size in allocations:
-        live += size
-        peak = max(peak, live)
-        if when <= forward_end:
-            retained = live
-    return retained, peak
 
 
 def _cuda_memory_step(

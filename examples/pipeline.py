@@ -1,0 +1,184 @@
+"""A tiny Llama pipelined over 2 ranks with torch.distributed.pipelining, on CPU with gloo: each
+rank's measured peak against remat's prediction for its stages, and the gradients against the
+single-process run.
+
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule gpipe --budget 8MiB
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule interleaved-1f1b
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --optimizer adamw
+
+The model is cut by `remat.pipeline.split` (2 stages, or 4 interleaved: stages r and r + 2 on
+rank r); each rank runs its stages in `PipelineStage`s under torch's schedule, 4 micro-batches.
+The prediction comes from the same architecture built on the meta device
+(`remat.pipeline.predict`, or `plan` under `--budget`, whose plan for this rank's stage is applied
+before the run). One step warms up (it allocates `PipelineStage`'s receive buffers and the
+optimizer's state), then the second is measured with the profiler's CPU memory events
+(`remat.measure.cpu_peak_bytes`) above what is live before it: the stages' parameters and
+buffers, the receive buffers, the optimizer's state and the rank's part of the batch. The
+gradients, averaged over the micro-batches as the schedule scales them, must equal those of the
+whole model on the whole batch, and the in-flight micro-batches those predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+import remat
+from remat import models
+from remat import pipeline as pp
+from remat.measure import cpu_peak_bytes
+
+BATCH, SEQ, MICROBATCHES = 8, 128, 4
+# lr 0: the optimizers keep and allocate what they do in training, and leave the weights as they are
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.0),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.0, momentum=0.9),
+}
+
+
+def build(batch: int, seq: int, device: str = "meta"):
+    torch.manual_seed(0)
+    return models.build("llama-2-7b", batch=batch, seq=seq, device=device, tiny=True, n_layers=4)
+
+
+def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(0, 512, (BATCH, SEQ), generator=g) for _ in range(2))
+
+
+def reference_grads() -> dict[str, torch.Tensor]:
+    """The whole model on the whole batch, in one process: the mean loss's gradients."""
+    model, _ = build(BATCH, SEQ, device="cpu")
+    model(*full_batch()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--schedule", choices=list(pp.SCHEDULES), required=True)
+    parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], help="step it too")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    interleaved = args.schedule == "interleaved-1f1b"
+    n_stages = 2 * world if interleaved else world  # interleaved: stages r and r + world on rank r
+
+    shape = {
+        "stages": n_stages,
+        "microbatches": MICROBATCHES,
+        "schedule": args.schedule,
+        "optimizer": args.optimizer,
+    }
+    if args.budget:
+        report = pp.plan(build, BATCH, SEQ, args.budget, **shape)
+    else:
+        report = pp.predict(build, BATCH, SEQ, ranks=world, **shape)
+    mine = [s for s in report.stages if s.rank == rank]
+
+    model, _ = build(BATCH, SEQ, device="cpu")
+    stages = [pp.split(model, n_stages)[s.stage] for s in mine]
+    del model  # the other stages' parameters
+    for stage, predicted in zip(stages, mine, strict=True):
+        if predicted.plan is not None:
+            remat.apply(stage, predicted.plan)
+    cpu = torch.device("cpu")
+    pipes = [PipelineStage(stage, stage.index, n_stages, cpu) for stage in stages]
+    schedule = pp.SCHEDULES[args.schedule](
+        pipes if interleaved else pipes[0], MICROBATCHES, loss_fn=stages[0].loss_fn
+    )
+
+    ids, labels = full_batch()
+    inputs = (ids,) if stages[0].is_first else ()
+    target = {"target": labels} if stages[-1].is_last else {}
+    in_flight = {stage.index: 0 for stage in stages}
+    for pipe in pipes:
+
+        def counted(*a, pipe=pipe, forward=pipe.forward_one_chunk, **kw):
+            out = forward(*a, **kw)
+            in_flight[pipe.stage_index] = max(in_flight[pipe.stage_index], len(pipe.fwd_cache))
+            return out
+
+        pipe.forward_one_chunk = counted
+
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = OPTIMIZERS[args.optimizer](params) if args.optimizer else None
+
+    def step() -> None:
+        schedule.step(*inputs, **target, return_outputs=False)
+        if optimizer is not None:
+            optimizer.step()
+
+    step()  # builds PipelineStage's buffers
+    for pipe in pipes:
+        pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
+    for p in params:
+        p.grad = None
+    peak = cpu_peak_bytes(step)
+    buffers = [
+        info.buffer
+        for pipe in pipes
+        for infos in (*pipe.args_recv_info.values(), *pipe.grad_recv_info.values())
+        for info in infos
+        if getattr(info, "buffer", None) is not None
+    ]
+    buffers += [b for stage in stages for b in stage.buffers()]
+    state = [t for s in (optimizer.state.values() if optimizer else ()) for t in s.values()]
+    state = [t for t in state if isinstance(t, torch.Tensor)]
+    measured = distinct_bytes([*params, *buffers, *inputs, *target.values(), *state]) + peak
+    predicted = report.rank_peak_bytes[rank]
+    fixed = sum(s.fixed_bytes for s in mine)
+
+    expected = reference_grads()
+    worst = max(
+        (p.grad - expected[n]).abs().max().item()
+        for stage in stages
+        for n, p in stage.named_parameters()
+    )
+    error = (predicted - measured) / measured
+    plans = ", ".join(s.plan.strategy if s.plan else "none" for s in mine)
+    flights = ", ".join(f"{in_flight[s.stage]} (predicted {s.in_flight})" for s in mine)
+    line = (
+        f"rank {rank} (stages {', '.join(str(s.stage) for s in mine)}, in flight {flights}, plan "
+        f"{plans}): predicted {predicted} B, measured {measured} B ({error:+.2%}), of which in "
+        f"the step {predicted - fixed} B predicted, {peak} B measured; "
+        f"max |grad - single-process grad| = {worst:.1e}"
+    )
+    lines = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print(f"{args.schedule}, {MICROBATCHES} micro-batches of {BATCH // MICROBATCHES}:")
+        print("\n".join(lines))
+    assert all(in_flight[s.stage] == s.in_flight for s in mine), in_flight
+    assert worst < 1e-5, worst
+    assert abs(error) < 0.02, error
+    dist.barrier()
+    if rank == 0:
+        print("OK")
+    dist.destroy_process_group()
+
+
+def exit_before_interpreter_teardown() -> None:
+    """End without Python's finalisation, which races with gloo's worker threads (see
+    examples/distributed.py and pytorch/pytorch#179291); everything said is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
+    exit_before_interpreter_teardown()

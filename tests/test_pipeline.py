@@ -1,0 +1,144 @@
+"""Pipeline stages: the cut keeps the model, the in-flight counts are torch's schedules', and each
+rank's predicted peak is what a real 2-rank pipeline measures (torchrun, gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+from remat import models
+from remat import pipeline as pp
+from remat.errors import InfeasibleBudget, RematError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline.py"
+
+
+def tiny(name: str, layers: int, device: str = "meta", batch: int = 2, seq: int = 32):
+    torch.manual_seed(0)
+    overrides = {"n_layers": layers} if name.startswith("llama") else {"n_layer": layers}
+    return models.build(name, batch=batch, seq=seq, device=device, tiny=True, **overrides)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 4), (4, 8), (3, 5)])
+def test_single_stage_schedules_hold_what_their_loops_hold(stages, microbatches):
+    # GPipe runs every forward first; 1F1B's warmup runs min(n, p - i) forwards before its first
+    # backward (Schedule1F1B._step_microbatches), and its order says the same
+    assert pp.in_flight("gpipe", stages, microbatches) == (microbatches,) * stages
+    assert pp.in_flight("1f1b", stages, microbatches) == tuple(
+        min(microbatches, stages - i) for i in range(stages)
+    )
+
+
+@pytest.mark.parametrize("ranks, local, microbatches", [(2, 2, 4), (4, 2, 8), (4, 2, 12)])
+def test_interleaved_ranks_hold_torchs_warmup_plus_one(ranks, local, microbatches):
+    """Each rank of ScheduleInterleaved1F1B runs its warmup forwards, then one more forward
+    before its first backward: the most chunks it holds at once, summed over its stages."""
+    order = pp.pipeline_order("interleaved-1f1b", ranks * local, microbatches, ranks)
+    per_round = microbatches // max(1, microbatches // ranks)
+    for rank, actions in order.items():
+        now = most = 0
+        for a in actions:
+            assert a.stage % ranks == rank
+            now += 1 if a.kind == "F" else -1
+            most = max(most, now)
+        warmup = _get_warmup_ops(rank, local, per_round, ranks, microbatches)
+        assert most == min(warmup + 1, local * microbatches)
+    assert max(pp.in_flight("interleaved-1f1b", ranks * local, microbatches, ranks)) <= (
+        microbatches
+    )
+
+
+def test_unknown_schedule_and_misplaced_stages_are_refused():
+    with pytest.raises(RematError, match="unknown pipeline schedule"):
+        pp.in_flight("zb", 2, 4)
+    with pytest.raises(RematError, match="per rank"):
+        pp.in_flight("1f1b", 4, 4, ranks=2)
+    with pytest.raises(RematError, match="greater than"):  # torch's: 1F1B needs n >= p
+        pp.in_flight("1f1b", 4, 2)
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "gpt2"])
+def test_split_keeps_every_parameter_once_under_the_models_names(name):
+    model, _ = tiny(name, layers=5)
+    stages = pp.split(model, 3)
+    assert [list(s.layer_indices) for s in stages] == [[0, 1], [2, 3], [4]]  # first ones get more
+    whole = dict(model.named_parameters(remove_duplicate=False))
+    seen: dict[str, int] = {}
+    for stage in stages:
+        for n, p in stage.named_parameters(remove_duplicate=False):
+            assert whole[n] is p
+            seen[n] = seen.get(n, 0) + 1
+    assert set(seen) == set(whole)
+    assert all(count == 1 for count in seen.values())
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "gpt2"])
+def test_stage_chain_computes_the_whole_models_loss(name):
+    model, (ids, labels) = tiny(name, layers=3, device="cpu")
+    x = ids
+    stages = pp.split(model, 3)
+    for stage in stages:
+        x = stage(x)
+    assert torch.equal(stages[-1].loss_fn(x, labels), model(ids, labels))
+
+
+def test_first_stage_holds_the_most_and_is_planned_to_recompute_more():
+    def build(batch, seq):
+        return tiny("llama-2-7b", layers=4, batch=batch, seq=seq)
+
+    report = pp.predict(build, 8, 64, stages=2, microbatches=4, schedule="1f1b")
+    first, last = report.stages
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    assert report.tightest_rank == 0 and report.tightest_stages == (0,)
+    assert "stage 0 on rank 0" in repr(report)
+    # a budget between the two ranks' store-all peaks: only the first stage recomputes
+    budget = (first.peak_bytes + last.peak_bytes) // 2
+    planned = pp.plan(build, 8, 64, budget, stages=2, microbatches=4, schedule="1f1b")
+    assert planned.stages[0].plan.recompute_seconds > 0
+    assert planned.stages[1].plan.recompute_seconds == 0
+    assert planned.peak_bytes <= budget
+    with pytest.raises(InfeasibleBudget, match="stage"):
+        pp.plan(build, 8, 64, 1000, stages=2, microbatches=4, schedule="1f1b")
+    with pytest.raises(RematError, match="one stage per rank"):
+        pp.plan(build, 8, 64, budget, stages=4, microbatches=4, schedule="interleaved-1f1b")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "args",
+    [  # 1F1B with AdamW and only the first stage recomputing, GPipe, interleaved 1F1B
+        ["--schedule", "1f1b", "--budget", "6.4MiB", "--optimizer", "adamw"],
+        ["--schedule", "gpipe"],
+        ["--schedule", "interleaved-1f1b"],
+    ],
+    ids=" ".join,
+)
+def test_each_ranks_peak_and_gradients_match_a_real_pipeline(args):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(EXAMPLE), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "OK" in result.stdout
+
+
+def test_largest_microbatch_fits_and_the_next_one_does_not():
+    def build(batch, seq):
+        return tiny("llama-2-7b", layers=2, batch=batch, seq=seq)
+
+    shape = {"stages": 2, "microbatches": 4, "schedule": "1f1b"}
+    budget = pp.predict(build, 4 * 5, 16, **shape).peak_bytes  # exactly 5 fits
+    found = pp.largest_microbatch(build, 16, budget, **shape)
+    assert found.microbatch_size == 5 and found.peak_bytes <= budget
+    assert pp.predict(build, 4 * 6, 16, **shape).peak_bytes > budget
+    assert pp.largest_microbatch(build, 16, 1000, **shape) is None
