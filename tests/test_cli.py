@@ -382,3 +382,22 @@ def test_piped_output_honours_columns_and_cuts_no_name(argv, capsys, monkeypatch
     assert "…" not in out
     if argv[0] == "plan":
         assert "selective:save-matmuls" in out and "vs budget" in out
+
+
+def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys):
+    """`estimate --tp 2` is one tensor-parallel rank's step (less than the whole step's);
+    `fit --tp 2 --pp 2` answers per stage, with the layout in its JSON."""
+    args = ["estimate", "--model", "llama-2-7b", "--tiny", "--seq", "64", "--json"]
+    one, rank = [], []
+    for tp, out in ((1, one), (2, rank)):
+        assert main([*args, "--tp", str(tp)]) == 0
+        out.append(json.loads(capsys.readouterr().out))
+    assert rank[0]["activation_bytes"] < one[0]["activation_bytes"]
+    assert rank[0]["param_count"] < one[0]["param_count"]  # this rank's shards
+    fit_args = ["fit", "--model", "llama-2-7b", "--tiny", "--set", "n_layers=4", "--seq", "64"]
+    layout = ["--tp", "2", "--pp", "2", "--microbatches", "4", "--json"]
+    assert main([*fit_args, *layout]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == "tp 2 + sp, pp 2 (1f1b, 4 micro-batches)"
+    stages = report["extra"]["stages"]["auto"]
+    assert [s["in flight"] for s in stages] == ["2", "1"]  # 1F1B: p - i

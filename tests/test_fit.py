@@ -253,3 +253,57 @@ def test_when_nothing_fits_the_advice_ends_with_a_command_that_fits(capsys):
     advised = json.loads(capsys.readouterr().out)
     assert any(r["fits"] for r in advised["rows"])
     assert (advised["precision"], advised["optimizer"]) != ("bf16-mixed", "adamw")
+
+
+def _llama(batch: int, seq: int):
+    return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True, n_layers=4)
+
+
+def test_a_tensor_parallel_fit_is_the_traced_ranks_step():
+    """`fit(layout=Layout(tp=2))`'s per-rank peak is the peak of the rank's own trace (its shards
+    and collectives, `Layout.trace`), and below the one-rank step's."""
+    from remat.parallel import Layout
+
+    gpu = _gpu(1 << 40)
+    asked = {"batch": 2, "seq": 64, "precision": "fp32", "optimizer": None, "reserve": 0}
+    peaks = {}
+    for tp in (1, 2):
+        report = fit(
+            _llama, model="llama", gpu=gpu, layout=Layout(tp=tp), **asked,
+            strategies_to_fit=("store_all",),
+        )  # fmt: skip
+        peaks[tp] = report.rows[0].peak_bytes
+        graph = Layout(tp=tp).trace(_llama, 2, 64, target=gpu.target)
+        assert peaks[tp] == remat.estimate(graph).peak_bytes
+    assert peaks[2] < peaks[1]
+    assert report.layout == "tp 2 + sp"
+
+
+def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
+    """`fit(layout=Layout(pp=2, microbatches=4))`: every row is its tightest rank's peak (the
+    highest of its stages'), the table per stage holds each rank's peak, and auto's plan fits
+    every rank where store-all does not."""
+    from remat.fit_pipeline import pipeline_rows
+    from remat.parallel import Layout
+    from remat.pipeline import Sharding, TracedPipeline
+
+    layout = Layout(pp=2, microbatches=4)
+    gpu = _gpu(1 << 40)
+    traced = TracedPipeline.of(
+        _llama, 2 * 4, 64, stages=2, microbatches=4, schedule="1f1b", target=gpu.target
+    )
+    store_all = traced.report(optimizer="sgd", sharding=Sharding())
+    usable = store_all.peak_bytes * 9 // 10
+    rows, reports, _ = pipeline_rows(
+        _llama, layout=layout, gpu=gpu, autocast=None, master_scale=1, optimizer="sgd",
+        shard=1, batch=2, seq=64, usable=usable, strategies_to_fit=("store_all", "auto"),
+        progress=None,
+    )  # fmt: skip
+    by_name = {r["strategy"]: r for r in rows}
+    assert by_name["store_all"]["peak_bytes"] == store_all.peak_bytes
+    assert not by_name["store_all"]["fits"]
+    assert by_name["auto"]["fits"] and by_name["auto"]["peak_bytes"] <= usable
+    auto = reports["auto"]
+    assert auto.peak_bytes == max(s.peak_bytes for s in auto.stages)
+    assert f"rank {auto.tightest_rank}" in by_name["auto"]["note"]
+    assert all(s.in_flight == 2 - s.stage for s in auto.stages)  # 1F1B: p - i in flight

@@ -142,3 +142,21 @@ def test_largest_microbatch_fits_and_the_next_one_does_not():
     assert found.microbatch_size == 5 and found.peak_bytes <= budget
     assert pp.predict(build, 4 * 6, 16, **shape).peak_bytes > budget
     assert pp.largest_microbatch(build, 16, 1000, **shape) is None
+
+
+def test_middle_stages_traced_alike_predict_as_stages_traced_apart():
+    """`reuse_alike` traces middle stages of as many blocks once: every rank's peak is as when
+    each stage is traced on its own blocks."""
+    from remat.pipeline import TracedPipeline
+
+    def build(batch, seq):
+        return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True, n_layers=8)
+
+    apart, alike = (
+        TracedPipeline.of(build, 4, 32, stages=4, microbatches=4, reuse_alike=reuse)
+        for reuse in (False, True)
+    )
+    assert alike.traced[2].graph is alike.traced[1].graph
+    assert alike.report(optimizer="adamw").rank_peak_bytes == (
+        apart.report(optimizer="adamw").rank_peak_bytes
+    )

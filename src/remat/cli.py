@@ -208,11 +208,24 @@ def _trace_model(args: argparse.Namespace, console: Console):
 
         target = get_gpu(gpu).target
         where += f", with {target.describe()}'s kernels"
+    layout = _layout(args)
     with console.status(f"tracing one training step of {args.model} on {where} ..."):
-        graph = trace(model, *inputs, device=device, target=target)
+        if layout.ranks > 1:  # one rank's step: estimate --tp / --cp
+
+            def build(batch: int, seq: int):
+                return models.build(
+                    args.model, batch=batch, seq=seq, dtype=DTYPES[args.dtype], tiny=args.tiny,
+                    **_parse_overrides(args.set),
+                )  # fmt: skip
+
+            graph = layout.trace(build, args.batch, args.seq, target=target)
+            graph.info["layout"] = layout.describe()
+        else:
+            graph = trace(model, *inputs, device=device, target=target)
     graph.info.update(
         model=args.model,
-        shape=_shape(args, inputs),
+        shape=_shape(args, inputs)
+        + (f", one rank of {graph.info['layout']}" if "layout" in graph.info else ""),
         batch=args.batch,
         seq=args.seq,
         dtype=args.dtype,
@@ -271,6 +284,8 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
         raise RematError(
             "--ac full checkpoints each block before compiling it: add --compile blocks"
         )
+    if args.compile and "layout" in graph.info:
+        raise RematError("--compile is predicted on one rank: leave out --tp / --cp")
     if args.compile:
         from remat.compiled_estimate import estimate_compiled
 
@@ -667,11 +682,17 @@ def _fit_caption(report: Any) -> str:
             f"fits: {report.allocator}; usable {format_bytes(report.usable_bytes)} = capacity "
             f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)}"
         )
-    return (
-        f"{judged}; step time: predicted recompute on the {report.profile} profile; max seq in "
-        f"steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} traced in "
-        f"{report.seconds:.0f} s"
-    )
+    if "stages" in report.extra:  # a pipeline: stage traces, micro-batches, no sequence search
+        searched = (
+            f"max micro-batch on the line through two traced sizes; {report.traces} stage "
+            f"traces in {report.seconds:.0f} s"
+        )
+    else:
+        searched = (
+            f"max seq in steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} "
+            f"traced in {report.seconds:.0f} s"
+        )
+    return f"{judged}; step time: predicted recompute on the {report.profile} profile; {searched}"
 
 
 def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
@@ -743,7 +764,13 @@ def _fit_report(
 def _layout(args: argparse.Namespace) -> Any:
     from remat.parallel import Layout
 
-    return Layout(tp=getattr(args, "tp", 1), cp=getattr(args, "cp", 1))
+    return Layout(
+        tp=getattr(args, "tp", 1),
+        cp=getattr(args, "cp", 1),
+        pp=getattr(args, "pp", 1),
+        microbatches=getattr(args, "microbatches", 0) or 0,
+        schedule=getattr(args, "schedule", "1f1b"),
+    )
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
@@ -791,6 +818,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         f"max batch\n(seq {args.seq})",
         f"max seq\n(batch {args.batch})",
     ]
+    if getattr(args, "pp", 1) > 1:  # a pipeline: micro-batches, no sequence search
+        columns[-2:] = [f"max micro-\nbatch (seq {args.seq})"]
     if simulated:
         columns[2:2] = ["allocated", "reserved", "expand-\nable"]
     for col in columns:
@@ -813,7 +842,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             "[green]yes[/green]" if r.fits else "[red]no[/red]",
             "-" if r.overhead is None else f"+{r.overhead:.1%}",
             str(r.max_batch) if r.max_batch else "-",
-            str(r.max_seq) if r.max_seq else "-",
+            *([] if getattr(args, "pp", 1) > 1 else [str(r.max_seq) if r.max_seq else "-"]),
         ]
         table.add_row(*cells)
     table.caption = _fit_caption(report)
@@ -825,6 +854,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     for note, names in by_note.items():  # each fact once
         who = "every row" if len(names) == len(report.rows) > 1 else ", ".join(names)
         console.print(f"[dim]{escape(who)}: {escape(note)}[/dim]")
+    _print_stages(console, report)
     for line in report.advice:
         console.print(f"[bold]advice:[/bold] {escape(line)}")
     for line in run:
@@ -832,6 +862,29 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     if args.html:
         console.print(f"report written to {escape(args.html)}")
     return 0
+
+
+def _print_stages(console: Console, report: Any) -> None:
+    """A pipeline's stages under remat's plan (auto), or the first strategy fitted: per stage,
+    its rank, blocks, micro-batches in flight, bytes held per micro-batch, fixed bytes and its
+    rank's peak; and the most micro-batches each strategy fits."""
+    from remat.report import compact_table
+
+    stages = report.extra.get("stages")
+    if not stages:
+        return
+    name = "auto" if "auto" in stages else next(iter(stages))
+    table = compact_table(f"stages under {name}, per rank")
+    rows = stages[name]
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(escape(v) for v in row.values()))
+    console.print(table)
+    counts = report.extra.get("max_microbatches", {})
+    if counts:
+        most = ", ".join(f"{k} {v if v else '-'}" for k, v in counts.items())
+        console.print(f"[dim]most micro-batches that fit (up to 1024): {escape(most)}[/dim]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -868,6 +921,15 @@ def build_parser() -> argparse.ArgumentParser:
         "allocated and reserved bytes (the caching allocator, default and expandable segments), "
         "CUDA context and nvidia-smi",
     )
+    est.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="one tensor-parallel rank's step (with sequence parallelism; docs/parallelism.md)",
+    )
+    est.add_argument(
+        "--cp", type=_positive_int, default=1, help="one context-parallel rank's step (seq / cp)"
+    )
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     est.add_argument(
         "--top", type=_positive_int, default=12, help="rows in the by-module and by-op tables"
@@ -880,7 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  remat fit --model llama-3.1-8b --seq 8192 --gpu h100 --optimizer adamw --precision bf16-mixed\n"
         "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --shard 8\n"
-        "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --tp 8 --shard 4 --precision bf16-fsdp\n"
+        "  remat fit --model llama-3.1-70b --seq 8192 --gpu h100 --tp 8 --pp 4 --shard 4 --precision bf16-fsdp\n"
         "  remat fit --model gpt2 --seq 1024 --capacity 24GiB\n\n"
         "The table gives each strategy's per-rank peak (live bytes) and, on a GPU, the caching\n"
         "allocator's allocated / reserved bytes; a row fits when its reserved bytes do. When\n"
@@ -948,6 +1010,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks (torch's parallelize_module with sequence parallelism, as "
         "torchtitan lays out Llama): each rank's step is traced with its shards and collectives "
         "(default: %(default)s)",
+    )
+    ft.add_argument(
+        "--pp",
+        type=_positive_int,
+        default=1,
+        help="pipeline stages, one per rank (torch.distributed.pipelining; the model cut as "
+        "torchtitan cuts it): --batch is then the micro-batch, and every figure the tightest "
+        "rank's, with a table per stage (default: %(default)s)",
+    )
+    ft.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        help="micro-batches per step with --pp (default: one per stage)",
+    )
+    ft.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "interleaved-1f1b"],
+        help="torch's pipeline schedule with --pp (default: %(default)s)",
     )
     ft.add_argument(
         "--cp",

@@ -644,6 +644,15 @@ def fit(
         )
     start = time.perf_counter()
     usable = _usable(gpu, shard * layout.ranks, reserve)
+    if layout.pp > 1:
+        if compile is not None:
+            raise RematError(
+                f"compile={compile!r} is predicted on one rank: leave it out with --pp"
+            )
+        return _pipeline_fit(
+            build, model, batch, seq, gpu, precision, optimizer, shard, usable,
+            strategies_to_fit, layout, progress, start,
+        )  # fmt: skip
     steps = _Steps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     rows = [
@@ -683,6 +692,74 @@ def fit(
         allocator=_judged_by(steps),
         layout=layout.describe(),
         planner=steps.planner(batch, seq),
+    )
+    return replace(report, advice=advice(report))
+
+
+def _pipeline_fit(
+    build: Build,
+    model: str,
+    batch: int,
+    seq: int,
+    gpu: Gpu,
+    precision: str,
+    optimizer: Optimizer,
+    shard: int,
+    usable: int,
+    strategies_to_fit: Iterable[str],
+    layout: Layout,
+    progress: Callable[[str], None] | None,
+    start: float,
+) -> FitReport:
+    """`fit` of a pipeline-parallel step (`remat.fit_pipeline`): every figure the tightest
+    rank's, each stage's in `extra["stages"]` (by strategy), `max_batch` the largest micro-batch
+    and `extra["max_microbatches"]` the most micro-batches, by strategy."""
+    import time
+
+    from remat.fit_pipeline import pipeline_rows, stage_table
+
+    setup = PRECISIONS[precision]
+    found, reports, traces = pipeline_rows(
+        build, layout=layout, gpu=gpu, autocast=setup.autocast, master_scale=setup.master_scale,
+        optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
+        strategies_to_fit=strategies_to_fit, progress=progress,
+    )  # fmt: skip
+    rows = tuple(
+        FitRow(
+            strategy=r["strategy"],
+            peak_bytes=r["peak_bytes"],
+            fits=r["fits"],
+            overhead=r["overhead"],
+            max_batch=r["max_batch"],
+            max_seq=None,
+            plan=r["plan"],
+            note=r["note"],
+            apply=r["apply"],
+        )
+        for r in found
+    )
+    report = FitReport(
+        model=model,
+        batch=batch,
+        seq=seq,
+        gpu=gpu.name,
+        profile=gpu.profile,
+        capacity_bytes=gpu.capacity_bytes,
+        reserve_bytes=gpu.capacity_bytes - usable,
+        usable_bytes=usable,
+        precision=precision,
+        optimizer=optimizer,
+        shard=shard,
+        rows=rows,
+        advice=(),
+        traces=traces,
+        seconds=time.perf_counter() - start,
+        extra={
+            "stages": {name: stage_table(r) for name, r in reports.items()},
+            "max_microbatches": {r["strategy"]: r["max_microbatches"] for r in found},
+        },
+        allocator="live bytes within the usable memory (the allocator is not simulated per stage)",
+        layout=layout.describe(),
     )
     return replace(report, advice=advice(report))
 

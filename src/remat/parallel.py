@@ -206,15 +206,25 @@ class Layout:
     tp: int = 1
     cp: int = 1
     sequence_parallel: bool = True
+    #: pipeline stages, one per rank (`remat.pipeline`), the micro-batches of a step (default:
+    #: one per stage) and torch's schedule that runs them
+    pp: int = 1
+    microbatches: int = 0
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        for name, degree in (("tp", self.tp), ("cp", self.cp)):
+        for name, degree in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)):
             if degree < 1:
                 raise RematError(f"--{name} {degree}: a degree is at least 1")
+        if self.microbatches < 0:
+            raise RematError(f"--microbatches {self.microbatches}: give 1 or more")
+        if not self.microbatches:
+            object.__setattr__(self, "microbatches", self.pp)
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.cp
+        """Ranks one data-parallel replica spans."""
+        return self.tp * self.cp * self.pp
 
     def local_seq(self, seq: int) -> int:
         """This rank's tokens of a `seq`-token sequence."""
@@ -239,7 +249,11 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"tp {self.tp}" + (" + sp" if self.sequence_parallel else "")] * (self.tp > 1)
-        return ", ".join([*parts, *[f"cp {self.cp}"] * (self.cp > 1)])
+        parts += [f"cp {self.cp}"] * (self.cp > 1)
+        parts += [f"pp {self.pp} ({self.schedule}, {self.microbatches} micro-batches)"] * (
+            self.pp > 1
+        )
+        return ", ".join(parts)
 
 
 #: No tensor or context parallelism: one rank's step is the step.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from remat import strategies
 from remat.errors import InfeasibleBudget, RematError
 from remat.estimate import (
     OPTIMIZER_MEMORY,
@@ -57,7 +58,9 @@ __all__ = [
     "PipelineReport",
     "Stage",
     "StagePrediction",
+    "Sharding",
     "StageStep",
+    "TracedPipeline",
     "in_flight",
     "largest_microbatch",
     "pipeline_order",
@@ -94,7 +97,8 @@ _LAYOUTS: dict[type[nn.Module], _Layout] = {
         head=("norm", "lm_head"),
         buffers=("freqs_cis",),
         run_embed=lambda stage, ids: stage.embed_tokens(ids),
-        run_layer=lambda stage, layer, x: layer(x, stage.freqs_cis[: x.shape[1]]),
+        # the whole table: the attention cuts it to its sequence (x may be a sequence shard)
+        run_layer=lambda stage, layer, x: layer(x, stage.freqs_cis),
         run_head=lambda stage, x: stage.lm_head(stage.norm(x)),
         loss=lambda logits, labels: F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(0, 1)
@@ -353,11 +357,19 @@ class _TracedStage:
 
 
 def _trace_stages(
-    stages: Sequence[Stage], ids: torch.Tensor, labels: torch.Tensor, ranks: int
+    stages: Sequence[Stage],
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    ranks: int,
+    trace_options: dict[str, Any],
+    reuse_alike: bool = False,
 ) -> list[_TracedStage]:
     """Trace each stage's step for one micro-batch of `ids` (shape-only when they are meta
     tensors): the first stage from the token ids, each later one from hidden states shaped as
-    the stage before returns them, requiring grad as `PipelineStage` receives them."""
+    the stage before returns them, requiring grad as `PipelineStage` receives them.
+    `reuse_alike`: a middle stage with as many blocks as one traced before takes that one's
+    graph (the same ops on other blocks: every byte and FLOP alike, module names not), which
+    answers sizes and peaks at a fraction of the time but makes no plan to apply."""
     out, x = [], ids
     target = torch.zeros(labels.shape, dtype=labels.dtype)  # token ids: small, real
 
@@ -367,13 +379,21 @@ def _trace_stages(
         mode = getattr(logits, "fake_mode", None)
         return stage.loss_fn(logits, target if mode is None else mode.from_tensor(target))
 
+    alike: dict[int, Graph] = {}
     for stage in stages:
+        middle = not (stage.is_first or stage.is_last)
+        if reuse_alike and middle and len(stage.layer_indices) in alike:
+            graph = alike[len(stage.layer_indices)]
+            out.append(replace(out[-1], stage=stage, rank=stage.index % ranks, graph=graph))
+            continue
         if stage.is_last:
             loss_fn = lambda logits, stage=stage: last_loss(logits, stage)  # noqa: E731
         else:
             loss_fn = _GradientFromOutput.apply
         arg = x if stage.is_first else x.detach().requires_grad_()
-        graph = trace(stage, arg, loss_fn=loss_fn)
+        graph = trace(stage, arg, loss_fn=loss_fn, **trace_options)
+        if middle:
+            alike[len(stage.layer_indices)] = graph
         with torch.no_grad():
             x = stage(x)
         out.append(
@@ -466,18 +486,43 @@ def _optimizer_bytes(graph: Graph, optimizer: Optimizer) -> tuple[int, int]:
     )
 
 
-def _fixed_bytes(traced: _TracedStage, microbatches: int, optimizer: Optimizer) -> int:
+@dataclass(frozen=True)
+class Sharding:
+    """FSDP2 over `ranks` data-parallel ranks under a pipeline, as torchtitan runs it: the
+    stage's parameters stay gathered through the whole step (`reshard_after_forward=False` with
+    pipelining), so the trace's parameters and its gradients (accumulated over the micro-batches)
+    are held as traced; what is divided over the ranks are the sharded parameters (a fp32 master
+    copy, `master_scale` bytes per traced byte, under FSDP2's bf16 mixed precision) and the
+    optimizer's state."""
+
+    ranks: int = 1
+    master_scale: int = 1
+
+
+UNSHARDED = Sharding()
+
+
+def _fixed_bytes(
+    traced: _TracedStage, microbatches: int, optimizer: Optimizer, sharding: Sharding = UNSHARDED
+) -> int:
     """What `traced`'s stage keeps on its rank through the step: the trace's own persistent
     storages (parameters, buffers, one micro-batch of inputs and labels), the other micro-batches'
     inputs (token ids, or `PipelineStage`'s activation receive buffers) and labels, one gradient
-    receive buffer per micro-batch on all but the last stage, and the optimizer's state."""
+    receive buffer per micro-batch on all but the last stage, and the optimizer's state; under
+    FSDP (`sharding`), the sharded parameters too, and the state divided over the ranks."""
     persistent = sum(s.nbytes for s in traced.graph.storages.values() if s.allocated_at is None)
     state, _ = _optimizer_bytes(traced.graph, optimizer)
+    shards = 0
+    if sharding.ranks > 1:
+        scale = sharding.master_scale
+        shards = -(-trainable_param_bytes(traced.graph) * scale // sharding.ranks)
+        state = -(-state * scale // sharding.ranks)
     return (
         persistent
         + (microbatches - 1) * traced.input_bytes
         + microbatches * traced.output_bytes
         + state
+        + shards
     )
 
 
@@ -537,10 +582,11 @@ def _rank_peak(
     counts: Sequence[int],
     microbatches: int,
     optimizer: Optimizer,
+    sharding: Sharding = UNSHARDED,
 ) -> int:
     """A rank's peak: its fixed bytes plus the walk, or its optimizer step after the schedule's
     step has returned (the gradients and the optimizer's transient)."""
-    fixed = sum(_fixed_bytes(t, microbatches, optimizer) for t in traced)
+    fixed = sum(_fixed_bytes(t, microbatches, optimizer, sharding) for t in traced)
     after = sum(
         steps[t.stage.index].grad_bytes + _optimizer_bytes(t.graph, optimizer)[1] for t in traced
     )
@@ -549,67 +595,179 @@ def _rank_peak(
     )
 
 
-def _build_stages(
-    build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
-    batch: int,
-    seq: int,
-    stages: int,
-    microbatches: int,
-    schedule: str,
-    ranks: int | None,
-) -> tuple[list[_TracedStage], dict[int, list[Action]], tuple[int, ...], int]:
-    """The model at the micro-batch size, cut and traced stage by stage; torch's order per rank,
-    the in-flight counts per stage, and the micro-batch size."""
-    if batch % microbatches:
-        raise RematError(f"batch {batch} does not split into {microbatches} equal micro-batches")
-    ranks = stages if ranks is None else ranks
-    order = pipeline_order(schedule, stages, microbatches, ranks)
-    counts = in_flight(schedule, stages, microbatches, ranks)
-    size = batch // microbatches
-    model, (ids, labels) = build(size, seq)
-    model.train()
-    traced = _trace_stages(split(model, stages), ids, labels, ranks)
-    return traced, order, counts, size
+@dataclass
+class TracedPipeline:
+    """A pipeline step traced once (one micro-batch per stage) and torch's order for its schedule:
+    `report` evaluates it under any plans, sharding and optimizer without tracing again, and
+    `with_microbatches` under another number of micro-batches (the order is recomputed, the
+    traces kept)."""
 
+    traced: list[_TracedStage]
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    ranks: int
+    order: dict[int, list[Action]]
+    counts: tuple[int, ...]
+    #: planners by (graph, profile, optimizer), shared with `with_microbatches`' copies
+    planners: dict[tuple[int, Any, Any], Planner] = field(default_factory=dict, repr=False)
 
-def _report(
-    traced: Sequence[_TracedStage],
-    steps: dict[int, StageStep],
-    plans: dict[int, Plan | None],
-    order: dict[int, list[Action]],
-    counts: tuple[int, ...],
-    schedule: str,
-    microbatches: int,
-    size: int,
-    optimizer: Optimizer,
-) -> PipelineReport:
-    rank_peaks = tuple(
-        _rank_peak(
-            [t for t in traced if t.rank == rank],
-            {t.stage.index: steps[t.stage.index] for t in traced if t.rank == rank},
-            actions,
-            schedule,
-            counts,
+    @classmethod
+    def of(
+        cls,
+        build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
+        batch: int,
+        seq: int,
+        *,
+        stages: int,
+        microbatches: int,
+        schedule: str = "1f1b",
+        ranks: int | None = None,
+        reuse_alike: bool = False,
+        **trace_options: Any,
+    ) -> TracedPipeline:
+        """The model `build(batch / microbatches, seq)` returns, cut and traced stage by stage
+        (`remat.trace` with `trace_options`: a target, an autocast dtype); `reuse_alike`: middle
+        stages of as many blocks traced once (for figures, not for plans to apply)."""
+        if batch % microbatches:
+            raise RematError(
+                f"batch {batch} does not split into {microbatches} equal micro-batches"
+            )
+        ranks = stages if ranks is None else ranks
+        size = batch // microbatches
+        order = pipeline_order(schedule, stages, microbatches, ranks)
+        counts = in_flight(schedule, stages, microbatches, ranks)
+        model, (ids, labels) = build(size, seq)
+        model.train()
+        traced = _trace_stages(split(model, stages), ids, labels, ranks, trace_options, reuse_alike)
+        return cls(traced, schedule, microbatches, size, ranks, order, counts)
+
+    def with_microbatches(self, microbatches: int) -> TracedPipeline:
+        stages = len(self.traced)
+        return TracedPipeline(
+            self.traced,
+            self.schedule,
             microbatches,
+            self.microbatch_size,
+            self.ranks,
+            pipeline_order(self.schedule, stages, microbatches, self.ranks),
+            in_flight(self.schedule, stages, microbatches, self.ranks),
+            self.planners,
+        )
+
+    def planner(self, stage: int, profile: Any = "cpu", optimizer: Optimizer = None) -> Planner:
+        """The stage's planner, one per graph (stages traced alike share it)."""
+        graph = self.traced[stage].graph
+        key = (id(graph), profile, optimizer)
+        if key not in self.planners:
+            self.planners[key] = Planner(graph, profile, optimizer)
+        return self.planners[key]
+
+    def step(self, stage: int, plan: Plan | None, optimizer: Optimizer = None) -> StageStep:
+        """The stage's one-micro-batch step simulated with `plan`'s regions (None: store-all)."""
+        t = self.traced[stage]
+        planner = self.planner(stage, optimizer=optimizer)
+        regions = () if plan is None else plan.regions
+        return StageStep.of(t.graph, planner.simulate(regions), planner.base_bytes, t.output_bytes)
+
+    def rank_peak(
+        self,
+        rank: int,
+        steps: dict[int, StageStep],
+        optimizer: Optimizer = None,
+        sharding: Sharding = UNSHARDED,
+    ) -> int:
+        """`rank`'s peak with its stages' `steps` (by stage index)."""
+        mine = [t for t in self.traced if t.rank == rank]
+        return _rank_peak(
+            mine,
+            {t.stage.index: steps[t.stage.index] for t in mine},
+            self.order[rank],
+            self.schedule,
+            self.counts,
+            self.microbatches,
             optimizer,
+            sharding,
         )
-        for rank, actions in sorted(order.items())
-    )
-    predictions = tuple(
-        StagePrediction(
-            stage=t.stage.index,
-            rank=t.rank,
-            layers=t.stage.layer_indices,
-            in_flight=counts[t.stage.index],
-            held_bytes_per_microbatch=steps[t.stage.index].held_bytes,
-            fixed_bytes=_fixed_bytes(t, microbatches, optimizer),
-            peak_bytes=rank_peaks[t.rank],
-            step=steps[t.stage.index],
-            plan=plans[t.stage.index],
+
+    def report(
+        self,
+        plans: dict[int, Plan | None] | None = None,
+        optimizer: Optimizer = None,
+        sharding: Sharding = UNSHARDED,
+    ) -> PipelineReport:
+        """Every stage's and rank's prediction with `plans` (by stage index; missing or None:
+        store-all)."""
+        plans = {t.stage.index: (plans or {}).get(t.stage.index) for t in self.traced}
+        steps = {i: self.step(i, p, optimizer) for i, p in plans.items()}
+        rank_peaks = tuple(
+            self.rank_peak(rank, steps, optimizer, sharding) for rank in sorted(self.order)
         )
-        for t in traced
-    )
-    return PipelineReport(schedule, microbatches, size, predictions, rank_peaks)
+        predictions = tuple(
+            StagePrediction(
+                stage=t.stage.index,
+                rank=t.rank,
+                layers=t.stage.layer_indices,
+                in_flight=self.counts[t.stage.index],
+                held_bytes_per_microbatch=steps[t.stage.index].held_bytes,
+                fixed_bytes=_fixed_bytes(t, self.microbatches, optimizer, sharding),
+                peak_bytes=rank_peaks[t.rank],
+                step=steps[t.stage.index],
+                plan=plans[t.stage.index],
+            )
+            for t in self.traced
+        )
+        return PipelineReport(
+            self.schedule, self.microbatches, self.microbatch_size, predictions, rank_peaks
+        )
+
+    def plan(
+        self,
+        budget: int | str,
+        optimizer: Optimizer = None,
+        profile: str | Any = "cpu",
+        sharding: Sharding = UNSHARDED,
+    ) -> PipelineReport:
+        """Each stage planned so that its rank's peak fits `budget`: see `plan`."""
+        if issubclass(_schedule_class(self.schedule), torch_schedules.PipelineScheduleMulti):
+            raise RematError(
+                f"plan() plans one stage per rank; {self.schedule!r} runs several: use predict()"
+            )
+        budget_bytes = parse_bytes(budget)
+        plans: dict[int, Plan | None] = {}
+        frontiers: dict[int, Any] = {}  # by graph: stages traced alike share theirs
+        for t in self.traced:
+            i = t.stage.index
+            if self.rank_peak(t.rank, {i: self.step(i, None, optimizer)}, optimizer, sharding) <= (
+                budget_bytes
+            ):
+                # store-all fits: no plan recomputes less (and no frontier is needed)
+                planner = self.planner(i, profile, optimizer)
+                plans[i] = planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
+                continue
+            planner = self.planner(i, profile, optimizer)
+            if id(t.graph) not in frontiers:
+                frontiers[id(t.graph)] = planner.pareto()
+            frontier = frontiers[id(t.graph)]
+            best = None
+            for p in sorted((*frontier.points, *frontier.named), key=lambda p: p.recompute_seconds):
+                step = StageStep.of(
+                    t.graph, planner.simulate(p.regions), planner.base_bytes, t.output_bytes
+                )
+                peak = self.rank_peak(t.rank, {i: step}, optimizer, sharding)
+                if peak <= budget_bytes:
+                    plans[i] = p
+                    break
+                best = peak if best is None else min(best, peak)
+            else:
+                raise InfeasibleBudget(
+                    f"stage {i} (rank {t.rank}, {self.counts[i]} micro-batches in flight) peaks "
+                    f"at {format_bytes(best)} at least, over the budget of "
+                    f"{format_bytes(budget_bytes)}",
+                    budget_bytes=budget_bytes,
+                    min_feasible_bytes=best,
+                )
+        return self.report(plans, optimizer, sharding)
 
 
 def predict(
@@ -628,17 +786,10 @@ def predict(
     labels)` (on the meta device: nothing of the model's size is allocated), cut into `stages`
     by `split` and run by torch's `schedule` (`SCHEDULES`) on `ranks` ranks (default: one stage
     per rank). Store-all: `plan` predicts with recomputation."""
-    traced, order, counts, size = _build_stages(
-        build, batch, seq, stages, microbatches, schedule, ranks
+    traced = TracedPipeline.of(
+        build, batch, seq, stages=stages, microbatches=microbatches, schedule=schedule, ranks=ranks
     )
-    steps = {}
-    for t in traced:
-        planner = Planner(t.graph, optimizer=optimizer)
-        steps[t.stage.index] = StageStep.of(
-            t.graph, planner.simulate(()), planner.base_bytes, t.output_bytes
-        )
-    plans = dict.fromkeys(steps)
-    return _report(traced, steps, plans, order, counts, schedule, microbatches, size, optimizer)
+    return traced.report(optimizer=optimizer)
 
 
 def plan(
@@ -657,44 +808,18 @@ def plan(
     of the plans on the stage's frontier and the fixed strategies (`Planner.pareto`: store-all,
     full, selective; the frontier alone is judged by one micro-batch's peak, where what a plan
     holds per micro-batch in flight counts as much), the one of least recompute time whose rank
-    peak, with the schedule's micro-batches in flight, fits. A stage
-    that holds more micro-batches (the first, under 1F1B) gets less room per micro-batch, and so
-    may recompute more. One stage per rank. Raises `InfeasibleBudget` naming the stage and the
-    smallest budget its plans reach."""
+    peak, with the schedule's micro-batches in flight, fits. A stage that holds more
+    micro-batches (the first, under 1F1B) gets less room per micro-batch, and so may recompute
+    more. One stage per rank. Raises `InfeasibleBudget` naming the stage and the smallest budget
+    its plans reach."""
     if issubclass(_schedule_class(schedule), torch_schedules.PipelineScheduleMulti):
         raise RematError(
             f"plan() plans one stage per rank; {schedule!r} runs several: use predict()"
         )
-    budget_bytes = parse_bytes(budget)
-    traced, order, counts, size = _build_stages(
-        build, batch, seq, stages, microbatches, schedule, None
+    traced = TracedPipeline.of(
+        build, batch, seq, stages=stages, microbatches=microbatches, schedule=schedule
     )
-    steps, plans = {}, {}
-    for t in traced:
-        planner = Planner(t.graph, profile=profile, optimizer=optimizer)
-        best = None
-        frontier = planner.pareto()
-        for p in sorted((*frontier.points, *frontier.named), key=lambda p: p.recompute_seconds):
-            step = StageStep.of(
-                t.graph, planner.simulate(p.regions), planner.base_bytes, t.output_bytes
-            )
-            peak = _rank_peak(
-                [t], {t.stage.index: step}, order[t.rank], schedule, counts, microbatches, optimizer
-            )
-            if peak <= budget_bytes:
-                steps[t.stage.index], plans[t.stage.index] = step, p
-                break
-            if best is None or peak < best:
-                best = peak
-        else:
-            raise InfeasibleBudget(
-                f"stage {t.stage.index} (rank {t.rank}, {counts[t.stage.index]} micro-batches in "
-                f"flight) peaks at {format_bytes(best)} at least, over the budget of "
-                f"{format_bytes(budget_bytes)}",
-                budget_bytes=budget_bytes,
-                min_feasible_bytes=best,
-            )
-    return _report(traced, steps, plans, order, counts, schedule, microbatches, size, optimizer)
+    return traced.plan(budget, optimizer, profile)
 
 
 def largest_microbatch(

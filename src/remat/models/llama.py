@@ -74,7 +74,11 @@ def precompute_freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (batch, seq, heads, head_dim) as complex numbers in fp32, then cast back."""
+    """Rotate q and k (batch, seq, heads, head_dim) as complex numbers in fp32, then cast back.
+    A longer table is cut to the sequence: a pipeline stage under sequence parallelism sees only
+    its shard of the sequence when it takes the table, the attention the whole of it."""
+    if freqs_cis.shape[0] != xq.shape[1]:
+        freqs_cis = freqs_cis[: xq.shape[1]]
     shape = (1, xq.shape[1], 1, xq.shape[-1] // 2)
     freqs = freqs_cis.view(shape)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))

@@ -1,0 +1,253 @@
+"""`remat fit --pp`: the fit of a pipeline-parallel step, per stage and per rank.
+
+Each distinct stage is traced once for one micro-batch (middle stages of as many blocks once for
+all) (`remat.pipeline.TracedPipeline`, with the
+layout's tensor parallelism and context-parallel sequence), and every strategy's rank peaks come
+from walks of torch's schedule order over those traces: no strategy traces again. The largest
+micro-batch comes from a second trace at twice the micro-batch (a rank's peak is affine in the
+micro-batch: activations grow with it, parameters and state do not); the largest number of
+micro-batches from walks alone (the traces do not change with it).
+
+Judged in live bytes against the usable memory (the caching allocator is not simulated per
+stage), FSDP2 as torchtitan runs it under pipelining (`remat.pipeline.Sharding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from remat import strategies
+from remat.errors import InfeasibleBudget, NoBlocksError, RematError
+from remat.estimate import Optimizer
+from remat.gpus import Gpu
+from remat.parallel import Layout, fake_ranks, tensor_parallel
+from remat.pipeline import PipelineReport, Sharding, TracedPipeline
+from remat.units import format_bytes
+
+#: The most micro-batches the search for the largest number tries.
+MAX_MICROBATCHES = 1024
+
+
+def pipeline_rows(
+    build: Callable[[int, int], tuple[Any, tuple[Any, ...]]],
+    *,
+    layout: Layout,
+    gpu: Gpu,
+    autocast: Any,
+    master_scale: int,
+    optimizer: Optimizer,
+    shard: int,
+    batch: int,
+    seq: int,
+    usable: int,
+    strategies_to_fit: Iterable[str],
+    progress: Callable[[str], None] | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """Per strategy: the tightest rank's peak, whether every rank fits `usable`, the predicted
+    overhead of the slowest stage, the largest micro-batch and number of micro-batches, and each
+    stage's prediction (`PipelineReport`); and the number of stage traces. `batch` is the
+    micro-batch size."""
+    sharding = Sharding(shard, master_scale)
+    ranks = fake_ranks(layout.tp) if layout.tp > 1 else contextlib.nullcontext()
+    with ranks:
+
+        def rank_build(b: int, s: int) -> tuple[Any, tuple[Any, ...]]:
+            model, inputs = build(b, layout.local_seq(s))
+            if layout.tp > 1:
+                tensor_parallel(model, layout.tp, sequence_parallel=layout.sequence_parallel)
+            return model, inputs
+
+        def traced_at(size: int) -> TracedPipeline:
+            if progress:
+                progress(f"tracing {layout.pp} stages at micro-batch {size}, seq {seq}")
+            return TracedPipeline.of(
+                rank_build,
+                size * layout.microbatches,
+                seq,
+                stages=layout.pp,
+                microbatches=layout.microbatches,
+                schedule=layout.schedule,
+                reuse_alike=True,
+                target=gpu.target,
+                autocast=autocast,
+            )
+
+        asked, doubled = traced_at(batch), traced_at(2 * batch)
+    rows, stage_reports = [], {}
+    for name in strategies_to_fit:
+        plans = _plans(asked, name, gpu, optimizer, sharding, usable)
+        if plans is None:
+            continue
+        report = asked.report(plans, optimizer, sharding)
+        twice = doubled.report(
+            _same_plans(doubled, name, gpu, optimizer, plans), optimizer, sharding
+        )
+        overhead = _overhead(asked, plans, gpu, optimizer)
+        rows.append(
+            {
+                "strategy": name,
+                "peak_bytes": report.peak_bytes,
+                "fits": report.peak_bytes <= usable,
+                "overhead": overhead,
+                "max_batch": _largest_microbatch(batch, report, twice, usable),
+                "max_microbatches": _largest_count(asked, report, usable, optimizer, sharding),
+                "plan": "per stage: "
+                + ", ".join(
+                    f"{s.stage} {s.plan.strategy if s.plan else 'store_all'}" for s in report.stages
+                ),
+                "apply": _apply_line(name, layout, batch, seq, usable, optimizer, gpu),
+                "note": f"tightest: rank {report.tightest_rank} "
+                f"(stage {', '.join(map(str, report.tightest_stages))})",
+            }
+        )
+        stage_reports[name] = report
+    traces = sum(len({id(t.graph) for t in p.traced}) for p in (asked, doubled))
+    return rows, stage_reports, traces
+
+
+def _apply_line(
+    name: str, layout: Layout, batch: int, seq: int, usable: int, optimizer: Optimizer, gpu: Gpu
+) -> str:
+    """What makes the row's plans: each rank applies its stage's plan (`remat.apply(stage,
+    plan)`), made by `TracedPipeline.plan` at the rank budget for `auto`, by the strategy's
+    name otherwise."""
+    if name == "auto":
+        return (
+            f"pipeline = remat.pipeline.TracedPipeline.of(build, {batch * layout.microbatches}, "
+            f"{seq}, stages={layout.pp}, microbatches={layout.microbatches}, "
+            f"schedule={layout.schedule!r}); plans = pipeline.plan({usable}, "
+            f"optimizer={optimizer!r}, profile={gpu.profile!r}); on rank r, "
+            "remat.apply(stage, plans.stages[r].plan)"
+        )
+    return f'on each rank, remat.auto(stage, *inputs, strategy="{name}", budget="100%")'
+
+
+def _plans(
+    traced: TracedPipeline,
+    name: str,
+    gpu: Gpu,
+    optimizer: Optimizer,
+    sharding: Sharding,
+    usable: int,
+) -> dict[int, Any] | None:
+    """Each stage's plan under strategy `name`: none for store-all; `auto` fits every rank in
+    `usable` at the least recompute (`TracedPipeline.plan`), else the plans of least peak; None
+    when the model has no blocks for a per-block strategy."""
+    if name == "store_all":
+        return {}
+    if name == "auto":
+        try:
+            report = traced.plan(usable, optimizer, gpu.profile, sharding)
+        except InfeasibleBudget:
+            return {
+                t.stage.index: traced.planner(t.stage.index, gpu.profile, optimizer).lowest_peak()
+                for t in traced.traced
+            }
+        return {s.stage: s.plan for s in report.stages}
+    strategy = strategies.get(name, "eager")
+    try:
+        return {
+            t.stage.index: (planner := traced.planner(t.stage.index, gpu.profile, optimizer)).solve(
+                strategy, planner.estimate.peak_bytes
+            )
+            for t in traced.traced
+        }
+    except NoBlocksError:
+        return None
+
+
+def _same_plans(
+    traced: TracedPipeline, name: str, gpu: Gpu, optimizer: Optimizer, plans: dict[int, Any]
+) -> dict[int, Any]:
+    """The plans of `plans`' strategies on `traced` (another micro-batch size): the same fixed
+    strategy per stage (auto's choice of strategy kept, its budget re-solved by the strategy)."""
+    out = {}
+    for t in traced.traced:
+        p = plans.get(t.stage.index)
+        if p is None:
+            continue
+        planner = traced.planner(t.stage.index, gpu.profile, optimizer)
+        chosen = p.strategy.removeprefix("auto (").rstrip(")") if name == "auto" else name
+        try:
+            out[t.stage.index] = planner.solve(
+                strategies.get(chosen, "eager"), planner.estimate.peak_bytes
+            )
+        except (NoBlocksError, InfeasibleBudget, KeyError, ValueError):
+            out[t.stage.index] = planner.lowest_peak()
+    return out
+
+
+def _overhead(
+    traced: TracedPipeline, plans: dict[int, Any], gpu: Gpu, optimizer: Optimizer
+) -> float:
+    """The slowest stage's recompute as a share of its step: a pipeline runs at its slowest
+    stage's pace."""
+    worst = 0.0
+    for t in traced.traced:
+        p = plans.get(t.stage.index)
+        step = traced.planner(t.stage.index, gpu.profile, optimizer).step_seconds
+        if p is not None and step:
+            worst = max(worst, p.recompute_seconds / step)
+    return worst
+
+
+def _largest_microbatch(
+    batch: int, report: PipelineReport, twice: PipelineReport, usable: int
+) -> int | None:
+    """The largest micro-batch whose tightest rank fits, on the line through the peaks at
+    `batch` and `2 * batch` (None: not even 1)."""
+    per_sample = max(twice.peak_bytes - report.peak_bytes, 1) / batch
+    at_zero = report.peak_bytes - per_sample * batch
+    largest = int((usable - at_zero) // per_sample)
+    return largest if largest >= 1 else None
+
+
+def _largest_count(
+    traced: TracedPipeline,
+    report: PipelineReport,
+    usable: int,
+    optimizer: Optimizer,
+    sharding: Sharding,
+) -> int | None:
+    """The most micro-batches (up to `MAX_MICROBATCHES`) for which every rank still fits:
+    torch's order walked again for each count, over the same simulated stage steps."""
+    steps = {s.stage: s.step for s in report.stages}
+
+    def fits(count: int) -> bool:
+        try:
+            other = traced.with_microbatches(count)
+        except RematError:  # torch refuses some counts (1F1B below its stage count)
+            return False
+        return all(
+            other.rank_peak(rank, steps, optimizer, sharding) <= usable for rank in other.order
+        )
+
+    if not fits(traced.microbatches):
+        return None
+    low, high = traced.microbatches, traced.microbatches * 2
+    while high <= MAX_MICROBATCHES and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_MICROBATCHES + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def stage_table(report: PipelineReport) -> list[dict[str, str]]:
+    """One row per stage, for the CLI and JSON."""
+    return [
+        {
+            "stage": str(s.stage),
+            "rank": str(s.rank),
+            "blocks": f"{s.layers.start}..{s.layers.stop - 1}" if len(s.layers) else "-",
+            "in flight": str(s.in_flight),
+            "held / micro-batch": format_bytes(s.held_bytes_per_microbatch),
+            "fixed": format_bytes(s.fixed_bytes),
+            "rank peak": format_bytes(s.peak_bytes),
+            "plan": s.plan.strategy if s.plan is not None else "store_all",
+        }
+        for s in report.stages
+    ]
