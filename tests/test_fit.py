@@ -307,3 +307,24 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
     assert auto.peak_bytes == max(s.peak_bytes for s in auto.stages)
     assert f"rank {auto.tightest_rank}" in by_name["auto"]["note"]
     assert all(s.in_flight == 2 - s.stage for s in auto.stages)  # 1F1B: p - i in flight
+
+
+def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
+    """GPipe holds every micro-batch on every stage; where no plan fits that, the advice finds
+    the layout that does (1F1B on the same ranks, fewer micro-batches in flight) and its plan
+    fits every rank there."""
+    from remat.fit_pipeline import layout_that_fits
+    from remat.parallel import Layout
+    from remat.pipeline import TracedPipeline
+
+    gpu = _gpu(1 << 40)
+    traced = TracedPipeline.of(_llama, 2 * 4, 64, stages=2, microbatches=4, schedule="1f1b")
+    usable = traced.report(optimizer="sgd").peak_bytes  # store-all fits 1F1B: 2 and 1 in flight
+    gpipe = TracedPipeline.of(_llama, 2 * 4, 64, stages=2, microbatches=4, schedule="gpipe")
+    assert gpipe.report(optimizer="sgd").peak_bytes > usable
+    found = layout_that_fits(
+        _llama, layout=Layout(pp=2, microbatches=4, schedule="gpipe"), gpu=gpu, autocast=None,
+        master_scale=1, optimizer="sgd", shard=1, batch=2, seq=64, usable=usable, progress=None,
+    )  # fmt: skip
+    assert found["schedule"] == "1f1b" and (found["tp"], found["pp"]) == (1, 2)
+    assert found["peak_bytes"] <= usable

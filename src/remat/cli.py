@@ -704,6 +704,13 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     parts += ["--gpu", args.gpu] if args.gpu else []
     parts += ["--precision", setup["precision"], "--optimizer", setup["optimizer"] or "none"]
     parts += ["--shard", str(setup["shard"])] if setup["shard"] > 1 else []
+    for flag in ("tp", "cp", "pp"):  # the layout asked, or the one found
+        degree = setup.get(flag, getattr(args, flag, 1))
+        parts += [f"--{flag}", str(degree)] if degree > 1 else []
+    if setup.get("pp", getattr(args, "pp", 1)) > 1:
+        microbatches = setup.get("microbatches", getattr(args, "microbatches", None))
+        parts += ["--microbatches", str(microbatches)] if microbatches else []
+        parts += ["--schedule", setup.get("schedule", getattr(args, "schedule", "1f1b"))]
     parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
     parts += ["--tiny"] if args.tiny else []
     for item in args.set or []:
@@ -785,6 +792,10 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     report = _fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
     gpu = report.gpu
     found = report.extra.get("setup_that_fits")
+    laid_out = report.extra.get("layout_that_fits")
+    if laid_out:  # a pipeline that fits laid out otherwise, asked precision and ranks
+        found = {"precision": args.precision, "optimizer": report.optimizer, "shard": args.shard}
+        found |= {k: laid_out[k] for k in ("tp", "pp", "microbatches", "schedule")}
     run = [f"run: {_fit_command(args, found)}"] if found else []
     if args.html:
         from remat.html import write_report

@@ -724,6 +724,7 @@ def _pipeline_fit(
         optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
         strategies_to_fit=strategies_to_fit, progress=progress,
     )  # fmt: skip
+    found_layout = reports.pop("layout_that_fits", None)
     rows = tuple(
         FitRow(
             strategy=r["strategy"],
@@ -757,11 +758,19 @@ def _pipeline_fit(
         extra={
             "stages": {name: stage_table(r) for name, r in reports.items()},
             "max_microbatches": {r["strategy"]: r["max_microbatches"] for r in found},
+            **({"layout_that_fits": found_layout} if found_layout else {}),
         },
         allocator="live bytes within the usable memory (the allocator is not simulated per stage)",
         layout=layout.describe(),
     )
-    return replace(report, advice=advice(report))
+    said = advice(report)
+    if found_layout:
+        said += (
+            f"Laid out as {found_layout['layout']}, remat's plan fits every rank "
+            f"({format_bytes(found_layout['peak_bytes'])} at the tightest) at "
+            f"+{found_layout['overhead']:.1%} predicted step time.",
+        )
+    return replace(report, advice=said)
 
 
 def _usable(gpu: Gpu, shard: int, reserve: int | str | None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from remat import strategies
@@ -50,31 +51,8 @@ def pipeline_rows(
     stage's prediction (`PipelineReport`); and the number of stage traces. `batch` is the
     micro-batch size."""
     sharding = Sharding(shard, master_scale)
-    ranks = fake_ranks(layout.tp) if layout.tp > 1 else contextlib.nullcontext()
-    with ranks:
-
-        def rank_build(b: int, s: int) -> tuple[Any, tuple[Any, ...]]:
-            model, inputs = build(b, layout.local_seq(s))
-            if layout.tp > 1:
-                tensor_parallel(model, layout.tp, sequence_parallel=layout.sequence_parallel)
-            return model, inputs
-
-        def traced_at(size: int) -> TracedPipeline:
-            if progress:
-                progress(f"tracing {layout.pp} stages at micro-batch {size}, seq {seq}")
-            return TracedPipeline.of(
-                rank_build,
-                size * layout.microbatches,
-                seq,
-                stages=layout.pp,
-                microbatches=layout.microbatches,
-                schedule=layout.schedule,
-                reuse_alike=True,
-                target=gpu.target,
-                autocast=autocast,
-            )
-
-        asked, doubled = traced_at(batch), traced_at(2 * batch)
+    asked = _traced(build, layout, gpu, autocast, batch, seq, progress)
+    doubled = _traced(build, layout, gpu, autocast, 2 * batch, seq, progress)
     rows, stage_reports = [], {}
     for name in strategies_to_fit:
         plans = _plans(asked, name, gpu, optimizer, sharding, usable)
@@ -104,7 +82,103 @@ def pipeline_rows(
         )
         stage_reports[name] = report
     traces = sum(len({id(t.graph) for t in p.traced}) for p in (asked, doubled))
+    if not any(r["fits"] for r in rows):
+        stage_reports["layout_that_fits"] = layout_that_fits(
+            build, layout=layout, gpu=gpu, autocast=autocast, master_scale=master_scale,
+            optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
+            progress=progress, asked=asked,
+        )  # fmt: skip
     return rows, stage_reports, traces
+
+
+def _traced(
+    build: Callable[[int, int], tuple[Any, tuple[Any, ...]]],
+    layout: Layout,
+    gpu: Gpu,
+    autocast: Any,
+    size: int,
+    seq: int,
+    progress: Callable[[str], None] | None,
+) -> TracedPipeline:
+    """The pipeline of `layout` traced at micro-batch `size`: the model laid out over its
+    tensor-parallel ranks (on a fake process group) and context-parallel sequence, then cut."""
+
+    def rank_build(b: int, s: int) -> tuple[Any, tuple[Any, ...]]:
+        model, inputs = build(b, layout.local_seq(s))
+        if layout.tp > 1:
+            tensor_parallel(model, layout.tp, sequence_parallel=layout.sequence_parallel)
+        return model, inputs
+
+    if progress:
+        progress(f"tracing {layout.pp} stages ({layout.describe()}) at micro-batch {size}")
+    with fake_ranks(layout.tp) if layout.tp > 1 else contextlib.nullcontext():
+        return TracedPipeline.of(
+            rank_build,
+            size * layout.microbatches,
+            seq,
+            stages=layout.pp,
+            microbatches=layout.microbatches,
+            schedule=layout.schedule,
+            reuse_alike=True,
+            target=gpu.target,
+            autocast=autocast,
+        )
+
+
+def layout_that_fits(
+    build: Callable[[int, int], tuple[Any, tuple[Any, ...]]],
+    *,
+    layout: Layout,
+    gpu: Gpu,
+    autocast: Any,
+    master_scale: int,
+    optimizer: Optimizer,
+    shard: int,
+    batch: int,
+    seq: int,
+    usable: int,
+    progress: Callable[[str], None] | None,
+    asked: TracedPipeline | None = None,
+) -> dict[str, Any] | None:
+    """When no plan fits the asked pipeline: a layout under which remat's plan (`auto`, per
+    stage) fits every rank, at the fewest ranks, then the least predicted recompute. Tried: 1F1B
+    instead of GPipe (the same ranks, and the `asked` traces if given: fewer micro-batches in
+    flight), twice the stages, twice the tensor-parallel ranks. None when none of them fits."""
+    sharding = Sharding(shard, master_scale)
+    tries = []
+    if layout.schedule == "gpipe":
+        tries.append(
+            replace(layout, schedule="1f1b", microbatches=max(layout.microbatches, layout.pp))
+        )
+    tries.append(
+        replace(layout, pp=2 * layout.pp, microbatches=max(layout.microbatches, 2 * layout.pp))
+    )
+    tries.append(replace(layout, tp=2 * layout.tp))
+    found = []
+    for candidate in tries:
+        try:
+            if asked is not None and (candidate.tp, candidate.pp) == (layout.tp, layout.pp):
+                traced = asked.with_microbatches(candidate.microbatches, candidate.schedule)
+            else:
+                traced = _traced(build, candidate, gpu, autocast, batch, seq, progress)
+            report = traced.plan(usable, optimizer, gpu.profile, sharding)
+        except RematError:
+            continue  # does not fit, or the model does not split so (heads, blocks)
+        plans = {s.stage: s.plan for s in report.stages}
+        found.append(
+            {
+                "layout": candidate.describe(),
+                "tp": candidate.tp,
+                "pp": candidate.pp,
+                "microbatches": candidate.microbatches,
+                "schedule": candidate.schedule,
+                "peak_bytes": report.peak_bytes,
+                "overhead": _overhead(traced, plans, gpu, optimizer),
+            }
+        )
+    if not found:
+        return None
+    return min(found, key=lambda f: (f["tp"] * f["pp"], round(f["overhead"], 4)))
 
 
 def _apply_line(

@@ -642,16 +642,18 @@ class TracedPipeline:
         traced = _trace_stages(split(model, stages), ids, labels, ranks, trace_options, reuse_alike)
         return cls(traced, schedule, microbatches, size, ranks, order, counts)
 
-    def with_microbatches(self, microbatches: int) -> TracedPipeline:
-        stages = len(self.traced)
+    def with_microbatches(self, microbatches: int, schedule: str | None = None) -> TracedPipeline:
+        """The same traces under `microbatches` micro-batches (and another one-stage-per-rank
+        `schedule`, if given): torch's order again, nothing traced."""
+        stages, schedule = len(self.traced), schedule or self.schedule
         return TracedPipeline(
             self.traced,
-            self.schedule,
+            schedule,
             microbatches,
             self.microbatch_size,
             self.ranks,
-            pipeline_order(self.schedule, stages, microbatches, self.ranks),
-            in_flight(self.schedule, stages, microbatches, self.ranks),
+            pipeline_order(schedule, stages, microbatches, self.ranks),
+            in_flight(schedule, stages, microbatches, self.ranks),
             self.planners,
         )
 
