@@ -226,6 +226,11 @@ class Layout:
         """Ranks one data-parallel replica spans."""
         return self.tp * self.cp * self.pp
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: one per rank, two under interleaved 1F1B (torchtitan's default)."""
+        return self.pp * (2 if self.schedule == "interleaved-1f1b" else 1)
+
     def local_seq(self, seq: int) -> int:
         """This rank's tokens of a `seq`-token sequence."""
         if seq % self.cp:
