@@ -294,16 +294,16 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
     )
     store_all = traced.report(optimizer="sgd", sharding=Sharding())
     usable = store_all.peak_bytes * 9 // 10
-    rows, reports, _ = pipeline_rows(
+    answer = pipeline_rows(
         _llama, layout=layout, gpu=gpu, autocast=None, master_scale=1, optimizer="sgd",
         shard=1, batch=2, seq=64, usable=usable, strategies_to_fit=("store_all", "auto"),
         progress=None,
     )  # fmt: skip
-    by_name = {r["strategy"]: r for r in rows}
+    by_name = {r["strategy"]: r for r in answer.rows}
     assert by_name["store_all"]["peak_bytes"] == store_all.peak_bytes
     assert not by_name["store_all"]["fits"]
     assert by_name["auto"]["fits"] and by_name["auto"]["peak_bytes"] <= usable
-    auto = reports["auto"]
+    auto = answer.stages["auto"]
     assert auto.peak_bytes == max(s.peak_bytes for s in auto.stages)
     assert f"rank {auto.tightest_rank}" in by_name["auto"]["note"]
     assert all(s.in_flight == 2 - s.stage for s in auto.stages)  # 1F1B: p - i in flight

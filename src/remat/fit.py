@@ -719,12 +719,12 @@ def _pipeline_fit(
     from remat.fit_pipeline import pipeline_rows, stage_table
 
     setup = PRECISIONS[precision]
-    found, reports, traces = pipeline_rows(
+    answer = pipeline_rows(
         build, layout=layout, gpu=gpu, autocast=setup.autocast, master_scale=setup.master_scale,
         optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
         strategies_to_fit=strategies_to_fit, progress=progress,
     )  # fmt: skip
-    found_layout = reports.pop("layout_that_fits", None)
+    found, found_layout = answer.rows, answer.layout_that_fits
     rows = tuple(
         FitRow(
             strategy=r["strategy"],
@@ -753,10 +753,10 @@ def _pipeline_fit(
         shard=shard,
         rows=rows,
         advice=(),
-        traces=traces,
+        traces=answer.traces,
         seconds=time.perf_counter() - start,
         extra={
-            "stages": {name: stage_table(r) for name, r in reports.items()},
+            "stages": {name: stage_table(r) for name, r in answer.stages.items()},
             "max_microbatches": {r["strategy"]: r["max_microbatches"] for r in found},
             **({"layout_that_fits": found_layout} if found_layout else {}),
         },

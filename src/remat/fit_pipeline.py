@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from remat import strategies
@@ -29,6 +29,18 @@ from remat.units import format_bytes
 
 #: The most micro-batches the search for the largest number tries.
 MAX_MICROBATCHES = 1024
+
+
+@dataclass(frozen=True)
+class PipelineFit:
+    """`pipeline_rows`' answer: a row per strategy (as `remat.fit.FitRow`'s fields, with
+    `max_microbatches`), each strategy's per-stage report, the number of stage traces it took,
+    and, when no row fits, `layout_that_fits`' answer (None: none found, or not searched)."""
+
+    rows: list[dict[str, Any]]
+    stages: dict[str, PipelineReport]
+    traces: int
+    layout_that_fits: dict[str, Any] | None
 
 
 def pipeline_rows(
@@ -45,11 +57,10 @@ def pipeline_rows(
     usable: int,
     strategies_to_fit: Iterable[str],
     progress: Callable[[str], None] | None,
-) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+) -> PipelineFit:
     """Per strategy: the tightest rank's peak, whether every rank fits `usable`, the predicted
     overhead of the slowest stage, the largest micro-batch and number of micro-batches, and each
-    stage's prediction (`PipelineReport`); and the number of stage traces. `batch` is the
-    micro-batch size."""
+    stage's prediction (`PipelineReport`). `batch` is the micro-batch size."""
     sharding = Sharding(shard, master_scale)
     asked = _traced(build, layout, gpu, autocast, batch, seq, progress)
     doubled = _traced(build, layout, gpu, autocast, 2 * batch, seq, progress)
@@ -82,13 +93,14 @@ def pipeline_rows(
         )
         stage_reports[name] = report
     traces = sum(len({id(t.graph) for t in p.traced}) for p in (asked, doubled))
+    found = None
     if not any(r["fits"] for r in rows):
-        stage_reports["layout_that_fits"] = layout_that_fits(
+        found = layout_that_fits(
             build, layout=layout, gpu=gpu, autocast=autocast, master_scale=master_scale,
             optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
             progress=progress, asked=asked,
         )  # fmt: skip
-    return rows, stage_reports, traces
+    return PipelineFit(rows, stage_reports, traces, found)
 
 
 def _traced(
