@@ -384,7 +384,7 @@ def test_piped_output_honours_columns_and_cuts_no_name(argv, capsys, monkeypatch
         assert "selective:save-matmuls" in out and "vs budget" in out
 
 
-def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys):
+def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys, tmp_path):
     """`estimate --tp 2` is one tensor-parallel rank's step (less than the whole step's);
     `fit --tp 2 --pp 2` answers per stage, with the layout in its JSON."""
     args = ["estimate", "--model", "llama-2-7b", "--tiny", "--seq", "64", "--json"]
@@ -401,3 +401,6 @@ def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys):
     assert report["layout"] == "tp 2 + sp, pp 2 (1f1b, 4 micro-batches)"
     stages = report["extra"]["stages"]["auto"]
     assert [s["in flight"] for s in stages] == ["2", "1"]  # 1F1B: p - i
+    page = tmp_path / "fit.html"
+    assert main([*fit_args, *layout[:-1], "--html", str(page)]) == 0
+    assert "one rank of tp 2 + sp, pp 2" in page.read_text()

@@ -803,7 +803,9 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         write_report(
             args.html,
             report.planner,
-            title=f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}",
+            title=f"{_model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}"
+            + (f", one rank of {report.layout}" if report.layout else "")
+            + (" (its step: the tightest rank's first stage)" if "stages" in report.extra else ""),
             budget_bytes=report.usable_bytes,
             fit_rows=report.table_rows(),
             advice=[*report.advice, *run],

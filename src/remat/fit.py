@@ -762,6 +762,7 @@ def _pipeline_fit(
         },
         allocator="live bytes within the usable memory (the allocator is not simulated per stage)",
         layout=layout.describe(),
+        planner=answer.planner,
     )
     said = advice(report)
     if found_layout:

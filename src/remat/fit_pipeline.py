@@ -25,6 +25,7 @@ from remat.estimate import Optimizer
 from remat.gpus import Gpu
 from remat.parallel import Layout, fake_ranks, tensor_parallel
 from remat.pipeline import PipelineReport, Sharding, TracedPipeline
+from remat.planner import Planner
 from remat.units import format_bytes
 
 #: The most micro-batches the search for the largest number tries.
@@ -41,6 +42,9 @@ class PipelineFit:
     stages: dict[str, PipelineReport]
     traces: int
     layout_that_fits: dict[str, Any] | None
+    #: the planner of the tightest rank's first stage (under auto, else the first row): the
+    #: step a report draws
+    planner: Planner | None = None
 
 
 def pipeline_rows(
@@ -100,7 +104,11 @@ def pipeline_rows(
             optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
             progress=progress, asked=asked,
         )  # fmt: skip
-    return PipelineFit(rows, stage_reports, traces, found)
+    shown = stage_reports.get("auto") or next(iter(stage_reports.values()), None)
+    planner = None
+    if shown is not None:
+        planner = asked.planner(shown.tightest_stages[0], gpu.profile, optimizer)
+    return PipelineFit(rows, stage_reports, traces, found, planner)
 
 
 def _traced(
