@@ -32,6 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
@@ -803,11 +804,21 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: Tensor types that wrap nothing: the common case, decided without a lookup (every op asks).
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
+
+
+def _is_wrapper(t: Any) -> bool:
+    return type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor) and _shard(t) is not t
+
+
 def _is_wrapper_op(args: tuple, kwargs: dict) -> bool:
-    return any(
-        isinstance(t, torch.Tensor) and _shard(t) is not t
-        for t in pytree.tree_leaves((args, kwargs))
-    )
+    """Whether an op takes a wrapper tensor (a DTensor): an aten op's tensors are its arguments
+    or the items of a list argument."""
+    for a in (*args, *kwargs.values()):
+        if any(_is_wrapper(t) for t in a) if type(a) in (list, tuple) else _is_wrapper(a):
+            return True
+    return False
 
 
 def _process_group_backend() -> str | None:
