@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Iterable
 
 import torch
@@ -170,15 +169,9 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def exit_before_interpreter_teardown() -> None:
-    """End without Python's finalisation, which races with gloo's worker threads (see
-    examples/distributed.py and pytorch/pytorch#179291); everything said is flushed first."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from distributed import exit_before_interpreter_teardown
+
     main()
     exit_before_interpreter_teardown()

@@ -672,18 +672,15 @@ def fit(
         )  # fmt: skip
         if found is not None:
             extra["setup_that_fits"] = asdict(found)
-    report = FitReport(
-        model=model,
-        batch=batch,
-        seq=seq,
-        gpu=gpu.name,
-        profile=gpu.profile,
-        capacity_bytes=gpu.capacity_bytes,
-        reserve_bytes=gpu.capacity_bytes - usable,
-        usable_bytes=usable,
-        precision=precision,
-        optimizer=optimizer,
-        shard=shard,
+    report = _report(
+        model,
+        batch,
+        seq,
+        gpu,
+        usable,
+        precision,
+        optimizer,
+        shard,
         rows=tuple(rows),
         advice=(),
         traces=len(steps.traced),
@@ -739,18 +736,15 @@ def _pipeline_fit(
         )
         for r in found
     )
-    report = FitReport(
-        model=model,
-        batch=batch,
-        seq=seq,
-        gpu=gpu.name,
-        profile=gpu.profile,
-        capacity_bytes=gpu.capacity_bytes,
-        reserve_bytes=gpu.capacity_bytes - usable,
-        usable_bytes=usable,
-        precision=precision,
-        optimizer=optimizer,
-        shard=shard,
+    report = _report(
+        model,
+        batch,
+        seq,
+        gpu,
+        usable,
+        precision,
+        optimizer,
+        shard,
         rows=rows,
         advice=(),
         traces=answer.traces,
@@ -772,6 +766,35 @@ def _pipeline_fit(
             f"+{found_layout['overhead']:.1%} predicted step time.",
         )
     return replace(report, advice=said)
+
+
+def _report(
+    model: str,
+    batch: int,
+    seq: int,
+    gpu: Gpu,
+    usable: int,
+    precision: str,
+    optimizer: Optimizer,
+    shard: int,
+    **answer: Any,
+) -> FitReport:
+    """A `FitReport` of what was asked (model, size, GPU and its usable bytes, precision,
+    optimizer, ranks) and the `answer` (rows, advice, traces, ...)."""
+    return FitReport(
+        model=model,
+        batch=batch,
+        seq=seq,
+        gpu=gpu.name,
+        profile=gpu.profile,
+        capacity_bytes=gpu.capacity_bytes,
+        reserve_bytes=gpu.capacity_bytes - usable,
+        usable_bytes=usable,
+        precision=precision,
+        optimizer=optimizer,
+        shard=shard,
+        **answer,
+    )
 
 
 def _usable(gpu: Gpu, shard: int, reserve: int | str | None) -> int:
