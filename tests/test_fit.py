@@ -297,7 +297,7 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
     answer = pipeline_rows(
         _llama, layout=layout, gpu=gpu, autocast=None, master_scale=1, optimizer="sgd",
         shard=1, batch=2, seq=64, usable=usable, strategies_to_fit=("store_all", "auto"),
-        progress=None,
+        progress=None, simulate_allocator=False,
     )  # fmt: skip
     by_name = {r["strategy"]: r for r in answer.rows}
     assert by_name["store_all"]["peak_bytes"] == store_all.peak_bytes
@@ -307,6 +307,38 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
     assert auto.peak_bytes == max(s.peak_bytes for s in auto.stages)
     assert f"rank {auto.tightest_rank}" in by_name["auto"]["note"]
     assert all(s.in_flight == 2 - s.stage for s in auto.stages)  # 1F1B: p - i in flight
+
+
+def test_a_pipeline_fit_is_judged_by_each_ranks_caching_allocator():
+    """`fit --pp` runs each rank's walk through the caching allocator (`remat.pipeline.
+    rank_events`): on a GPU whose allocator limit is exactly store-all's requested bytes on its
+    tightest rank, store-all's live bytes fit but its blocks do not (rounding, fragmentation), so
+    it does not fit; auto plans again within what the allocator leaves and fits by its reserved
+    bytes; the per-stage table gives each rank's reserved bytes."""
+    from remat.gpus import custom_gpu, fixed_memory
+    from remat.parallel import Layout
+    from remat.pipeline import TracedPipeline
+
+    big = _gpu(1 << 40)
+    traced = TracedPipeline.of(
+        _llama, 4 * 4, 128, stages=2, microbatches=4, schedule="1f1b", target=big.target
+    )
+    memories = [traced.gpu_memories(r, big, optimizer="sgd")[0] for r in (0, 1)]
+    requested = max(m.requested_bytes for m in memories)
+    assert all(m.allocated_bytes >= m.requested_bytes for m in memories)
+    assert all(m.reserved_bytes >= m.allocated_bytes for m in memories)
+    gpu = custom_gpu(fixed_memory(big, 2).outside_allocator_bytes + requested, "h100")
+    report = fit(
+        _llama, model="llama", batch=4, seq=128, gpu=gpu, precision="fp32", optimizer="sgd",
+        layout=Layout(pp=2, microbatches=4), strategies_to_fit=("store_all", "auto"),
+    )  # fmt: skip
+    store_all, auto = report.rows
+    assert store_all.peak_bytes <= report.usable_bytes  # live bytes fit ...
+    assert not store_all.fits and store_all.gpu_memory[0]["out_of_memory"]  # ... blocks do not
+    assert auto.fits and auto.peak_bytes < store_all.peak_bytes
+    assert auto.reserved_bytes <= auto.gpu_memory[0]["limit_bytes"]
+    assert "caching allocator" in report.allocator
+    assert all("rank reserved" in row for row in report.extra["stages"]["auto"])
 
 
 def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():

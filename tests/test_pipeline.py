@@ -121,6 +121,37 @@ def test_each_ranks_peak_and_gradients_match_a_real_pipeline(args):
     torchrun(EXAMPLE, *args, timeout=180)
 
 
+@pytest.mark.parametrize("schedule, stages", [("1f1b", 2), ("gpipe", 2), ("interleaved-1f1b", 4)])
+def test_each_ranks_allocation_events_request_what_its_walk_counts(schedule, stages):
+    """`rank_events` (the walk as the blocks a rank allocates and frees, for the caching
+    allocator) requests at its peak exactly the walk's peak, with and without plans, optimizer
+    and FSDP sharding: two accounts of one step that must agree to the byte."""
+    from remat import strategies
+    from remat.allocator import simulate
+
+    def build(batch, seq):
+        return tiny("llama-2-7b", layers=2 * stages, batch=batch, seq=seq)
+
+    traced = pp.TracedPipeline.of(
+        build, 8, 64, stages=stages, microbatches=4, schedule=schedule, ranks=2
+    )
+    selective = {
+        t.stage.index: (p := traced.planner(t.stage.index)).solve(
+            strategies.get("selective:torchtitan"), p.estimate.peak_bytes
+        )
+        for t in traced.traced
+    }
+    for plans, optimizer, sharding in [
+        ({}, None, pp.UNSHARDED),
+        (selective, "adamw", pp.UNSHARDED),
+        (selective, "adamw", pp.Sharding(2, 2)),
+    ]:
+        walk = traced.report(plans, optimizer, sharding).rank_peak_bytes
+        for rank in (0, 1):
+            events = pp.rank_events(traced, rank, plans, optimizer, sharding)
+            assert simulate(events).requested_bytes == walk[rank], (rank, optimizer, sharding)
+
+
 def test_largest_microbatch_fits_and_the_next_one_does_not():
     def build(batch, seq):
         return tiny("llama-2-7b", layers=2, batch=batch, seq=seq)

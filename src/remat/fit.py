@@ -486,7 +486,7 @@ def _judge(
         for _ in range(4):
             if memories[0].fits:
                 break
-            lower = _usable_by_allocator(memories[0])
+            lower = memories[0].live_bytes_that_fit
             target = lower if lower < target else target - memories[0].limit_bytes // 50
             peak, p = steps.peak(name, batch, seq, target)
             memories = steps.gpu_memories(batch, seq, p)
@@ -497,20 +497,13 @@ def _judge(
                     peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
                     break
     if memories:
-        usable = _usable_by_allocator(memories[0])
+        usable = memories[0].live_bytes_that_fit
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
     return peak, p, memories, usable, overhead
 
 
 def _fits(peak: int, memories: list[Any], usable: int) -> bool:
     return peak <= usable if not memories else memories[0].fits
-
-
-def _usable_by_allocator(memory: Any) -> int:
-    """The live bytes a step may reach and still fit, by the allocator's judge at one size: its
-    limit less the BLAS workspaces and the overhead the allocator showed there."""
-    overhead = max(memory.reserved_bytes - memory.requested_bytes, 0)
-    return memory.limit_bytes - memory.blas_workspace_bytes - overhead
 
 
 def _allocator_note(memories: list[Any]) -> str:
@@ -651,7 +644,7 @@ def fit(
             )
         return _pipeline_fit(
             build, model, batch, seq, gpu, precision, optimizer, shard, usable,
-            strategies_to_fit, layout, progress, start,
+            strategies_to_fit, layout, progress, start, simulate_allocator=reserve is None,
         )  # fmt: skip
     steps = _Steps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
@@ -707,6 +700,7 @@ def _pipeline_fit(
     layout: Layout,
     progress: Callable[[str], None] | None,
     start: float,
+    simulate_allocator: bool = True,
 ) -> FitReport:
     """`fit` of a pipeline-parallel step (`remat.fit_pipeline`): every figure the tightest
     rank's, each stage's in `extra["stages"]` (by strategy), `max_batch` the largest micro-batch
@@ -714,12 +708,14 @@ def _pipeline_fit(
     import time
 
     from remat.fit_pipeline import pipeline_rows, stage_table
+    from remat.gpu_memory import ALLOCATOR_SETTINGS
 
     setup = PRECISIONS[precision]
     answer = pipeline_rows(
         build, layout=layout, gpu=gpu, autocast=setup.autocast, master_scale=setup.master_scale,
         optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
         strategies_to_fit=strategies_to_fit, progress=progress,
+        simulate_allocator=simulate_allocator,
     )  # fmt: skip
     found, found_layout = answer.rows, answer.layout_that_fits
     rows = tuple(
@@ -733,6 +729,7 @@ def _pipeline_fit(
             plan=r["plan"],
             note=r["note"],
             apply=r["apply"],
+            gpu_memory=r["gpu_memory"],
         )
         for r in found
     )
@@ -750,11 +747,19 @@ def _pipeline_fit(
         traces=answer.traces,
         seconds=time.perf_counter() - start,
         extra={
-            "stages": {name: stage_table(r) for name, r in answer.stages.items()},
+            "stages": {
+                name: stage_table(r, answer.reserved.get(name, ()))
+                for name, r in answer.stages.items()
+            },
             "max_microbatches": {r["strategy"]: r["max_microbatches"] for r in found},
             **({"layout_that_fits": found_layout} if found_layout else {}),
         },
-        allocator="live bytes within the usable memory (the allocator is not simulated per stage)",
+        allocator=(
+            "each rank's reserved bytes of the caching allocator "
+            f"({ALLOCATOR_SETTINGS[0].describe()}) within its limit"
+            if simulate_allocator
+            else "live bytes within capacity - --reserve"
+        ),
         layout=layout.describe(),
         planner=answer.planner,
     )

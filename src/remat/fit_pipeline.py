@@ -8,15 +8,18 @@ micro-batch comes from a second trace at twice the micro-batch (a rank's peak is
 micro-batch: activations grow with it, parameters and state do not); the largest number of
 micro-batches from walks alone (the traces do not change with it).
 
-Judged in live bytes against the usable memory (the caching allocator is not simulated per
-stage), FSDP2 as torchtitan runs it under pipelining (`remat.pipeline.Sharding`).
+Judged as the rest of `fit` is: each rank's walk as allocation events through the caching
+allocator (`remat.pipeline.rank_events`, `remat.gpu_memory`), a row fitting when every rank's
+reserved bytes do, and the searches run on live bytes within the allocator's limit less the
+overhead it showed (or in live bytes within capacity less a user's --reserve). FSDP2 as
+torchtitan runs it under pipelining (`remat.pipeline.Sharding`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from remat import strategies
@@ -45,6 +48,8 @@ class PipelineFit:
     #: the planner of the tightest rank's first stage (under auto, else the first row): the
     #: step a report draws
     planner: Planner | None = None
+    #: per strategy, each rank's peak reserved bytes (empty: the allocator not simulated)
+    reserved: dict[str, list[int]] = field(default_factory=dict)
 
 
 def pipeline_rows(
@@ -61,31 +66,43 @@ def pipeline_rows(
     usable: int,
     strategies_to_fit: Iterable[str],
     progress: Callable[[str], None] | None,
+    simulate_allocator: bool = True,
 ) -> PipelineFit:
-    """Per strategy: the tightest rank's peak, whether every rank fits `usable`, the predicted
-    overhead of the slowest stage, the largest micro-batch and number of micro-batches, and each
-    stage's prediction (`PipelineReport`). `batch` is the micro-batch size."""
+    """Per strategy: the tightest rank's peak, whether every rank fits `usable` (by its reserved
+    bytes where `simulate_allocator`, `RankMemory`), the predicted overhead of the slowest stage,
+    the largest micro-batch and number of micro-batches, and each stage's prediction
+    (`PipelineReport`). `batch` is the micro-batch size."""
     sharding = Sharding(shard, master_scale)
     asked = _traced(build, layout, gpu, autocast, batch, seq, progress)
     doubled = _traced(build, layout, gpu, autocast, 2 * batch, seq, progress)
+    memory = RankMemory(gpu, optimizer, sharding, shard * layout.ranks, simulate_allocator)
     rows, stage_reports = [], {}
+    reserved: dict[str, list[int]] = {}  # per strategy, each rank's (torch's default settings)
     for name in strategies_to_fit:
         plans = _plans(asked, name, gpu, optimizer, sharding, usable)
         if plans is None:
             continue
+        if progress and simulate_allocator:
+            progress(f"{name}: each rank's step through the caching allocator")
+        memories = memory.of(asked, plans)
+        if name == "auto":
+            plans, memories = _auto_by_allocator(asked, plans, memories, memory, usable)
         report = asked.report(plans, optimizer, sharding)
         twice = doubled.report(
             _same_plans(doubled, name, gpu, optimizer, plans), optimizer, sharding
         )
         overhead = _overhead(asked, plans, gpu, optimizer)
+        # the searches run on live bytes, within what the allocator leaves them
+        live_usable = memory.usable(memories, usable)
         rows.append(
             {
                 "strategy": name,
                 "peak_bytes": report.peak_bytes,
-                "fits": report.peak_bytes <= usable,
+                "fits": memory.fits(memories, report, usable),
                 "overhead": overhead,
-                "max_batch": _largest_microbatch(batch, report, twice, usable),
-                "max_microbatches": _largest_count(asked, report, usable, optimizer, sharding),
+                "gpu_memory": tuple(m.to_dict() for m in memory.tightest(memories)),
+                "max_batch": _largest_microbatch(batch, report, twice, live_usable),
+                "max_microbatches": _largest_count(asked, report, live_usable, optimizer, sharding),
                 "plan": "per stage: "
                 + ", ".join(
                     f"{s.stage} {s.plan.strategy if s.plan else 'store_all'}" for s in report.stages
@@ -96,6 +113,7 @@ def pipeline_rows(
             }
         )
         stage_reports[name] = report
+        reserved[name] = [rank[0].reserved_bytes for rank in memories]
     traces = sum(len({id(t.graph) for t in p.traced}) for p in (asked, doubled))
     found = None
     if not any(r["fits"] for r in rows):
@@ -108,7 +126,75 @@ def pipeline_rows(
     planner = None
     if shown is not None:
         planner = asked.planner(shown.tightest_stages[0], gpu.profile, optimizer)
-    return PipelineFit(rows, stage_reports, traces, found, planner)
+    return PipelineFit(rows, stage_reports, traces, found, planner, reserved)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Each rank's step as the GPU reports it (`TracedPipeline.gpu_memory`), under every
+    allocator setting of `remat.gpu_memory.ALLOCATOR_SETTINGS` (torch's default first, the one
+    a row is judged by); nothing where `simulate` is off (a --reserve given)."""
+
+    gpu: Gpu
+    optimizer: Optimizer
+    sharding: Sharding
+    ranks: int
+    simulate: bool = True
+
+    def of(self, traced: TracedPipeline, plans: dict[int, Any]) -> list[list[Any]]:
+        """Per rank, its memories under each setting."""
+        if not self.simulate:
+            return []
+        return [
+            traced.gpu_memories(
+                rank, self.gpu, plans, self.optimizer, self.sharding, ranks=self.ranks
+            )
+            for rank in sorted(traced.order)
+        ]
+
+    def fits(self, memories: list[list[Any]], report: PipelineReport, usable: int) -> bool:
+        if not memories:
+            return report.peak_bytes <= usable
+        return all(rank[0].fits for rank in memories)
+
+    def tightest(self, memories: list[list[Any]]) -> list[Any]:
+        """The memories of the tightest rank by torch's default settings: one that does not
+        fit, else the one of most reserved bytes."""
+        if not memories:
+            return []
+        return max(memories, key=lambda rank: (not rank[0].fits, rank[0].reserved_bytes))
+
+    def usable(self, memories: list[list[Any]], usable: int) -> int:
+        """The live bytes the tightest rank may reach and still fit: the allocator's limit less
+        the BLAS workspaces and the overhead (reserved less requested) it showed."""
+        if not memories:
+            return usable
+        return min(rank[0].live_bytes_that_fit for rank in memories)
+
+
+def _auto_by_allocator(
+    traced: TracedPipeline,
+    plans: dict[int, Any],
+    memories: list[list[Any]],
+    memory: RankMemory,
+    usable: int,
+) -> tuple[dict[int, Any], list[list[Any]]]:
+    """auto's plans chosen again where a rank's reserved bytes do not fit though its live bytes
+    do: planned within the live bytes the allocator leaves (`RankMemory.usable`), lowered a few
+    times while a rank still does not fit."""
+    target = usable
+    for _ in range(3):
+        if not memories or all(rank[0].fits for rank in memories):
+            break
+        lower = memory.usable(memories, target)
+        target = lower if lower < target else target - memories[0][0].limit_bytes // 50
+        try:
+            report = traced.plan(target, memory.optimizer, memory.gpu.profile, memory.sharding)
+        except RematError:
+            break
+        plans = {s.stage: s.plan for s in report.stages}
+        memories = memory.of(traced, plans)
+    return plans, memories
 
 
 def _traced(
@@ -350,8 +436,8 @@ def _largest_count(
     return low
 
 
-def stage_table(report: PipelineReport) -> list[dict[str, str]]:
-    """One row per stage, for the CLI and JSON."""
+def stage_table(report: PipelineReport, reserved: Sequence[int] = ()) -> list[dict[str, str]]:
+    """One row per stage, for the CLI and JSON; `reserved`: each rank's reserved bytes."""
     return [
         {
             "stage": str(s.stage),
@@ -361,6 +447,7 @@ def stage_table(report: PipelineReport) -> list[dict[str, str]]:
             "held / micro-batch": format_bytes(s.held_bytes_per_microbatch),
             "fixed": format_bytes(s.fixed_bytes),
             "rank peak": format_bytes(s.peak_bytes),
+            **({"rank reserved": format_bytes(reserved[s.rank])} if reserved else {}),
             "plan": s.plan.strategy if s.plan is not None else "store_all",
         }
         for s in report.stages

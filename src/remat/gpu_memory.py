@@ -57,7 +57,7 @@ from remat.targets import scratch_bytes
 Event = Alloc | Free
 
 #: ops whose first call creates the BLAS handles' workspaces
-_BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
 
 
 #: The streams allocations are made on: the caching allocator never hands a block freed on one
@@ -79,7 +79,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _optimizer_events(
+def optimizer_events(
     graph: Graph, optimizer: Optimizer, step: int, sizes: dict[int, int], create_state: bool
 ) -> list[Event]:
     """The optimizer step's allocations on the (sharded) parameters of `sizes` (storage id ->
@@ -290,7 +290,7 @@ def step_events(
                 at.after[min(last, total)].append(Free(("life", step, k)))
         for position, (_, i) in enumerate(schedule.order):
             op = graph.ops[i]
-            if not workspaces_made and op.short in _BLAS_OPS:
+            if not workspaces_made and op.short in BLAS_OPS:
                 events += [Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces)]
                 workspaces_made = True
             events += at.before[position]
@@ -302,7 +302,7 @@ def step_events(
                 ]
             events += at.after[position]
         events += after_backward
-        events += _optimizer_events(graph, optimizer, step, sizes, create_state=step == 0)
+        events += optimizer_events(graph, optimizer, step, sizes, create_state=step == 0)
         events += at.after[total]  # zero_grad(set_to_none), the outputs and loss dropped
         if fsdp is not None:
             events += [Free(("grad_shard", step, u)) for u in {"", *(b.path for b in graph.blocks)}]
@@ -337,6 +337,13 @@ class GpuMemory:
         return self.reserved_bytes + self.context_bytes + self.nccl_bytes
 
     @property
+    def live_bytes_that_fit(self) -> int:
+        """The live bytes a step may reach and still fit, by this judgement at one size: the
+        limit less the BLAS workspaces and the overhead (reserved less requested) shown here."""
+        overhead = max(self.reserved_bytes - self.requested_bytes, 0)
+        return self.limit_bytes - self.blas_workspace_bytes - overhead
+
+    @property
     def fits(self) -> bool:
         return not self.out_of_memory and self.reserved_bytes <= self.limit_bytes
 
@@ -362,20 +369,37 @@ def gpu_memory(
     the GPU reports it under the allocator `settings` (a `capacity` in them is replaced by the
     GPU's allocator limit: its total memory less the context and NCCL's buffers; None: torch's
     default settings). `keep_grads`: see `step_events`."""
-    settings = ALLOCATOR_SETTINGS[0] if settings is None else settings
     ranks = 1 if fsdp is None else fsdp.shard
+    workspaces = blas_workspaces(gpu)
+    events = step_events(graph, regions, optimizer, workspaces, fsdp=fsdp, keep_grads=keep_grads)
+    return memory_of_events(events, gpu, ranks, settings)
+
+
+def blas_workspaces(gpu: Gpu | str) -> list[int]:
+    """The BLAS workspaces a process's first matmul makes on `gpu`, one per handle."""
+    return [blas_workspace_bytes(gpu)] * BLAS_HANDLES
+
+
+def memory_of_events(
+    events: Sequence[Event],
+    gpu: Gpu | str,
+    ranks: int = 1,
+    settings: AllocatorSettings | None = None,
+) -> GpuMemory:
+    """`events` (those of `blas_workspaces` among them) run through the caching allocator under
+    `settings` (None: torch's defaults) up to `gpu`'s allocator limit in a job of `ranks` ranks,
+    with the memory outside the allocator beside them."""
+    settings = ALLOCATOR_SETTINGS[0] if settings is None else settings
     g = get_gpu(gpu)
     fixed = fixed_memory(g, ranks)
     limit = allocator_limit_bytes(g, ranks)
-    workspaces = [blas_workspace_bytes(g)] * BLAS_HANDLES
-    events = step_events(graph, regions, optimizer, workspaces, fsdp=fsdp, keep_grads=keep_grads)
     peaks = simulate(events, _with_capacity(settings, limit))
     return GpuMemory(
         settings=settings.describe(),
         requested_bytes=peaks.requested_bytes,
         allocated_bytes=peaks.allocated_bytes,
         reserved_bytes=peaks.reserved_bytes,
-        blas_workspace_bytes=sum(workspaces),
+        blas_workspace_bytes=sum(blas_workspaces(g)),
         context_bytes=fixed.context_bytes,
         nccl_bytes=fixed.nccl_bytes,
         limit_bytes=limit,

@@ -24,6 +24,7 @@ against real pipelines by `examples/pipeline.py` (docs/parallelism.md).
 from __future__ import annotations
 
 import types
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from remat import strategies
+from remat.allocator import Alloc, AllocatorSettings, Free
 from remat.errors import InfeasibleBudget, RematError
 from remat.estimate import (
     OPTIMIZER_MEMORY,
@@ -43,12 +45,23 @@ from remat.estimate import (
     trainable_param_bytes,
     trainable_param_elements,
 )
+from remat.gpu_memory import (
+    ALLOCATOR_SETTINGS,
+    BLAS_OPS,
+    Event,
+    GpuMemory,
+    blas_workspaces,
+    memory_of_events,
+    optimizer_events,
+)
+from remat.gpus import Gpu
 from remat.graph import Graph
 from remat.models.gpt import GPT
 from remat.models.llama import Llama
 from remat.planner import Planner
 from remat.plans import Plan
-from remat.schedule import Simulation
+from remat.schedule import Region, Simulation, analyse_regions, build_schedule, storage_lives
+from remat.targets import scratch_bytes
 from remat.trace import trace
 from remat.units import format_bytes, parse_bytes
 
@@ -61,11 +74,13 @@ __all__ = [
     "Sharding",
     "StageStep",
     "TracedPipeline",
+    "UNSHARDED",
     "in_flight",
     "largest_microbatch",
     "pipeline_order",
     "plan",
     "predict",
+    "rank_events",
     "split",
 ]
 
@@ -526,18 +541,24 @@ def _fixed_bytes(
     )
 
 
-def _sent_bytes(step: StageStep, schedule: str, done: int, in_flight: int, steady: bool) -> int:
-    """Bytes of micro-batches already backwarded that the schedule's own loop still references
-    through the works and ops of their sends (a sent tensor lives as long as its send does).
+def _sent_counts(schedule: str, done: int, in_flight: int, steady: bool) -> tuple[int, int]:
+    """(outputs, input gradients) of micro-batches already backwarded that the schedule's own
+    loop still references through the works and ops of their sends (a sent tensor lives as long
+    as its send does).
 
     GPipe and the interleaved runtime keep every send's work until the step ends, with the
     output sent forward and the input's gradient sent back. 1F1B fuses each gradient send with
     the next receive, and so keeps the last backward's input gradient; and its warmup keeps the
     last output it sent (`send_work`, with 2 or more warmup forwards) through the steady phase."""
     if schedule != "1f1b":
-        return done * (step.output_bytes + step.input_grad_bytes)
-    output = step.output_bytes if done and in_flight >= 2 and steady else 0
-    return min(done, 1) * step.input_grad_bytes + output
+        return done, done
+    return int(bool(done and in_flight >= 2 and steady)), min(done, 1)
+
+
+def _sent_bytes(step: StageStep, schedule: str, done: int, in_flight: int, steady: bool) -> int:
+    """The bytes of `_sent_counts`."""
+    outputs, grads = _sent_counts(schedule, done, in_flight, steady)
+    return outputs * step.output_bytes + grads * step.input_grad_bytes
 
 
 def _walk(
@@ -593,6 +614,250 @@ def _rank_peak(
     return fixed + max(
         _walk(actions, steps, schedule, counts), after if optimizer is not None else 0
     )
+
+
+# -- 5. as the GPU reports it: the caching allocator over a rank's walk -------------------------
+#: One event of a stage's action, for any micro-batch: ("A" or "F", life index or a scratch's
+#: ("scratch", position), bytes)
+_Template = tuple[str, Any, int]
+
+
+@dataclass(frozen=True)
+class _Action:
+    """A stage's forward, first backward or later backward as events for any micro-batch:
+    `events`, the index in them of its first matmul (None: none), and by role the lives that
+    outlast it ("param_grad", "input_grad", "output")."""
+
+    events: tuple[_Template, ...]
+    blas_at: int | None
+    kept: dict[str, tuple[int, ...]]
+
+    def of(
+        self, step: int, stage: int, microbatch: int, workspaces: Sequence[Event] = ()
+    ) -> tuple[list[Event], dict[str, list[Any]]]:
+        """The events of `microbatch` (`workspaces` made at the first matmul) and the keys of
+        the lives that outlast them."""
+        tag = (step, stage, microbatch)
+        events: list[Event] = [
+            Alloc((tag, k), n) if kind == "A" else Free((tag, k)) for kind, k, n in self.events
+        ]
+        if workspaces and self.blas_at is not None:
+            events[self.blas_at : self.blas_at] = workspaces
+        return events, {role: [(tag, k) for k in ks] for role, ks in self.kept.items()}
+
+
+@dataclass(frozen=True)
+class _StageLives:
+    """A stage's one-micro-batch step as lives on its schedule (`remat.schedule.storage_lives`,
+    the lives its simulation and every plan are judged on), cut where the backward begins into
+    its actions, each life told by what it is to the pipeline: a parameter's gradient (kept
+    from the first backward, a temporary added into it in later ones), the input's gradient and
+    the output (sent: kept as long as their sends, `_sent_counts`), or the step's own (freed
+    where it ends, or as the backward does)."""
+
+    forward: _Action
+    first_backward: _Action
+    later_backward: _Action
+
+    @classmethod
+    def of(cls, traced: _TracedStage, regions: Sequence[Region]) -> _StageLives:
+        graph = traced.graph
+        analysis = analyse_regions(graph, regions)
+        schedule = build_schedule(graph, analysis)
+        _, lives, owners = storage_lives(graph, analysis, schedule)
+        input_grads = set(graph.info.get("input_grad_storages", ()))
+        outputs = set(graph.info.get("output_storages", ())) if traced.output_bytes else set()
+
+        def role(sid: int | None) -> str:
+            if sid in input_grads:
+                return "input_grad"
+            if sid is not None and graph.storages[sid].kind == "grad":
+                return "param_grad"
+            return "output" if sid in outputs else "step"
+
+        ops, order = graph.ops, schedule.order
+        backward_from = next(
+            (p for p, (what, i) in enumerate(order) if what != "op" or ops[i].phase != "forward"),
+            len(order),
+        )
+        roles = [role(sid) for sid in owners]
+
+        def action(lo: int, hi: int, first_backward: bool) -> _Action:
+            total, forward = len(order), lo == 0
+            before: dict[int, list[_Template]] = defaultdict(list)
+            after: dict[int, list[_Template]] = defaultdict(list)
+            kept: dict[str, list[int]] = defaultdict(list)
+            for k, ((first, last, nbytes), what) in enumerate(zip(lives, roles, strict=True)):
+                if not nbytes:
+                    continue
+                if lo <= first < hi:
+                    before[first].append(("A", k, nbytes))
+                    if what == "param_grad" and not first_backward:  # added into the kept one
+                        after[first].append(("F", k, nbytes))
+                        continue
+                if last < total and lo <= last < hi:
+                    after[last].append(("F", k, nbytes))
+                elif last >= total and not forward:
+                    if what == "step":
+                        after[total - 1].append(("F", k, nbytes))
+                    elif what != "param_grad" or first_backward:
+                        kept[what].append(k)
+            events: list[_Template] = []
+            blas_at = None
+            for position in range(lo, hi):
+                op = ops[order[position][1]]
+                if blas_at is None and op.short in BLAS_OPS:
+                    blas_at = len(events)
+                events += before[position]
+                scratch = scratch_bytes(graph, op)
+                if scratch:
+                    events += [("A", ("scratch", position), scratch)]
+                    events += [("F", ("scratch", position), scratch)]
+                events += after[position]
+            return _Action(tuple(events), blas_at, {r: tuple(ks) for r, ks in kept.items()})
+
+        total = len(order)
+        return cls(
+            forward=action(0, backward_from, False),
+            first_backward=action(backward_from, total, True),
+            later_backward=action(backward_from, total, False),
+        )
+
+
+def _tagged(events: Sequence[Event], tag: Any) -> list[Event]:
+    """`events` with `tag` put before each key: events of several stages on one rank apart."""
+    return [
+        Alloc((tag, *e.key), e.nbytes) if isinstance(e, Alloc) else Free((tag, *e.key))
+        for e in events
+    ]
+
+
+def _shard_sizes(graph: Graph, sharding: Sharding) -> dict[int, int]:
+    """Parameter storage -> the bytes its optimizer state is kept over: the parameter, or its
+    FSDP shard of the fp32 master copy."""
+    params = {s.id: s.nbytes for s in graph.storages_of(("param",))}
+    if sharding.ranks == 1:
+        return params
+    return {sid: -(-n * sharding.master_scale // sharding.ranks) for sid, n in params.items()}
+
+
+def _optimizer_step(
+    stages: Sequence[tuple[int, Graph]], optimizer: Optimizer, step: int, sharding: Sharding
+) -> list[Event]:
+    """One optimizer over the parameters of a rank's `stages`: each stage's state made on the
+    first step, then their temporaries as one foreach step makes them (all, then all freed), then
+    any per-parameter ones (`remat.gpu_memory.optimizer_events`)."""
+    per_stage = [
+        _tagged(optimizer_events(g, optimizer, step, _shard_sizes(g, sharding), step == 0), i)
+        for i, g in stages
+    ]
+    events = [e for es in per_stage for e in es]
+    state = [e for e in events if e.key[1] == "state"]
+    foreach = [e for e in events if e.key[1] == "tmp" and isinstance(e, Alloc)]
+    foreach += [e for e in events if e.key[1] == "tmp" and isinstance(e, Free)]
+    rest = [e for e in events if e.key[1] not in ("state", "tmp")]
+    return state + foreach + rest
+
+
+def rank_events(
+    pipeline: TracedPipeline,
+    rank: int,
+    plans: dict[int, Plan | None],
+    optimizer: Optimizer = None,
+    sharding: Sharding = UNSHARDED,
+    blas_workspaces: Sequence[int] = (),
+    steps: int = 2,
+) -> list[Event]:
+    """The allocation events of `steps` pipeline steps on `rank` (its stages under `plans`), for
+    `remat.gpu_memory`'s caching allocator: what the walk counts (`_rank_peak`), as the blocks a
+    rank allocates and frees in torch's order.
+
+    Before the first step: each stage's parameters and buffers, its micro-batches' inputs
+    (`PipelineStage`'s receive buffers), its gradient receive buffers and, under FSDP, its
+    parameters' shards. Each step: every action's lives (`_StageLives.action`), the sends the
+    schedule keeps freed as `_sent_counts` lets them go; after the schedule, the optimizer (its
+    state on the first step, then its temporaries, all stages' at once as one optimizer over the
+    rank's stages), then the gradients are dropped."""
+    mine = [t for t in pipeline.traced if t.rank == rank]
+    lives = {
+        t.stage.index: _StageLives.of(t, () if plans.get(t.stage.index) is None
+                                      else plans[t.stage.index].regions)
+        for t in mine
+    }  # fmt: skip
+    traced = {t.stage.index: t for t in mine}
+    events: list[Event] = []
+    for i, t in traced.items():
+        graph = t.graph
+        before = sorted(
+            (s for s in graph.storages.values() if s.allocated_at is None and s.nbytes),
+            key=lambda s: s.id,
+        )
+        events += [Alloc(("persistent", i, s.id), s.nbytes) for s in before]
+        inputs = [s for s in before if s.kind in ("input", "constant")]  # as `input_bytes`
+        events += [
+            Alloc(("input", i, m, s.id), s.nbytes)
+            for m in range(1, pipeline.microbatches)
+            for s in inputs
+        ]
+        if t.output_bytes:
+            events += [
+                Alloc(("grad_recv", i, m), t.output_bytes) for m in range(pipeline.microbatches)
+            ]
+        if sharding.ranks > 1:
+            events += [
+                Alloc(("shard", i, sid), n) for sid, n in _shard_sizes(graph, sharding).items() if n
+            ]
+    workspaces_made = not blas_workspaces
+    for step in range(steps):
+        in_flight = dict.fromkeys(traced, 0)
+        done = dict.fromkeys(traced, 0)
+        previous = dict.fromkeys(traced, "F")
+        sent: dict[int, dict[str, list[Any]]] = {
+            i: {"output": [], "input_grad": []} for i in traced
+        }
+        grads: list[Any] = []
+        for a in pipeline.order[rank]:
+            if a.kind == "B":
+                in_flight[a.stage] -= 1
+            for i in traced:  # the sends the schedule no longer keeps, oldest first
+                steady = previous[i] == "F" or (i == a.stage and a.kind == "F")
+                keep = dict(zip(("output", "input_grad"),
+                                _sent_counts(pipeline.schedule, done[i], pipeline.counts[i], steady),
+                                strict=True))  # fmt: skip
+                for role, queue in sent[i].items():
+                    while len(queue) > keep[role]:
+                        events.append(Free(queue.pop(0)))
+            made: list[Event] = []
+            if not workspaces_made and a.kind == "F":
+                made = [Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces)]
+                workspaces_made = True
+            # the n-th backward of a stage is its n-th forward's (torch's 1F1B numbers the last
+            # rank's forwards from 1, its backwards from 0)
+            microbatch = in_flight[a.stage] + done[a.stage] if a.kind == "F" else done[a.stage]
+            sl = lives[a.stage]
+            chosen = (
+                sl.forward
+                if a.kind == "F"
+                else sl.later_backward
+                if done[a.stage]
+                else sl.first_backward
+            )
+            action, kept = chosen.of(step, a.stage, microbatch, made)
+            events += action
+            if a.kind == "F":
+                in_flight[a.stage] += 1
+            else:
+                done[a.stage] += 1
+                grads += kept.get("param_grad", [])
+                for role in ("output", "input_grad"):
+                    sent[a.stage][role] += kept.get(role, [])
+            previous[a.stage] = a.kind
+        events += [Free(key) for queues in sent.values() for q in queues.values() for key in q]
+        events += _optimizer_step(
+            [(i, t.graph) for i, t in traced.items()], optimizer, step, sharding
+        )
+        events += [Free(key) for key in grads]  # zero_grad(set_to_none=True)
+    return events
 
 
 @dataclass
@@ -691,6 +956,24 @@ class TracedPipeline:
             optimizer,
             sharding,
         )
+
+    def gpu_memories(
+        self,
+        rank: int,
+        gpu: Gpu | str,
+        plans: dict[int, Plan | None] | None = None,
+        optimizer: Optimizer = None,
+        sharding: Sharding = UNSHARDED,
+        settings: Sequence[AllocatorSettings] = ALLOCATOR_SETTINGS,
+        ranks: int | None = None,
+    ) -> list[GpuMemory]:
+        """`rank`'s step with `plans` (by stage; missing or None: store-all) as `gpu` reports it,
+        under each of the allocator `settings` (`rank_events` through `remat.gpu_memory`);
+        `ranks`: of the whole job, for NCCL's buffers (default: the pipeline's times the
+        sharding's)."""
+        ranks = self.ranks * sharding.ranks if ranks is None else ranks
+        events = rank_events(self, rank, plans or {}, optimizer, sharding, blas_workspaces(gpu))
+        return [memory_of_events(events, gpu, ranks, s) for s in settings]
 
     def report(
         self,

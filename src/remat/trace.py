@@ -1076,6 +1076,22 @@ def _trace_once(
         for leaf in grad_leaves:
             if leaf.grad is not None:
                 tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
+        # what a pipeline stage sends on (its output) and back (its inputs' gradients)
+        output_storages = sorted(
+            {
+                tracer.storage_by_cdata[key]
+                for t in pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor)
+                and (key := storage_key(_shard(t))) in tracer.storage_by_cdata
+            }
+        )
+        input_grad_storages = sorted(
+            {
+                tracer.storage_id(t.grad, "grad")
+                for t in pytree.tree_leaves((call_args, call_kwargs))
+                if isinstance(t, torch.Tensor) and t.grad is not None
+            }
+        )
         info = {
             "trace_device": device,
             "param_count": sum(_shard(p).numel() for p in params.values()),
@@ -1089,6 +1105,8 @@ def _trace_once(
             "target_detail": target.describe(),
             "random_reads": forced.reads,
             "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
+            "output_storages": output_storages,
+            "input_grad_storages": input_grad_storages,
         }
         graph = tracer.graph(info)
         del output, loss
