@@ -85,31 +85,34 @@ def pipeline_rows(
         if progress and simulate_allocator:
             progress(f"{name}: each rank's step through the caching allocator")
         memories = memory.of(asked, plans)
+        budgets: list[int] | int = usable
         if name == "auto":
-            plans, memories = _auto_by_allocator(asked, plans, memories, memory, usable)
+            plans, memories, budgets = _auto_by_allocator(asked, plans, memories, memory, usable)
         report = asked.report(plans, optimizer, sharding)
         twice = doubled.report(
             _same_plans(doubled, name, gpu, optimizer, plans), optimizer, sharding
         )
         overhead = _overhead(asked, plans, gpu, optimizer)
-        # the searches run on live bytes, within what the allocator leaves them
-        live_usable = memory.usable(memories, usable)
+        # the searches run on each rank's live bytes, within what its allocator leaves them
+        limits = memory.limits(memories, usable, len(asked.order))
+        tightest = memory.tightest_rank(memories, report)
         rows.append(
             {
                 "strategy": name,
                 "peak_bytes": report.peak_bytes,
                 "fits": memory.fits(memories, report, usable),
                 "overhead": overhead,
-                "gpu_memory": tuple(m.to_dict() for m in memory.tightest(memories)),
-                "max_batch": _largest_microbatch(batch, report, twice, live_usable),
-                "max_microbatches": _largest_count(asked, report, live_usable, optimizer, sharding),
+                "gpu_memory": tuple(m.to_dict() for m in memories[tightest]) if memories else (),
+                "max_batch": _largest_microbatch(batch, report, twice, limits),
+                "max_microbatches": _largest_count(asked, report, limits, optimizer, sharding),
                 "plan": "per stage: "
                 + ", ".join(
                     f"{s.stage} {s.plan.strategy if s.plan else 'store_all'}" for s in report.stages
                 ),
-                "apply": _apply_line(name, layout, batch, seq, usable, optimizer, gpu),
-                "note": f"tightest: rank {report.tightest_rank} "
-                f"(stage {', '.join(map(str, report.tightest_stages))})",
+                "apply": _apply_line(name, layout, batch, seq, budgets, optimizer, gpu),
+                "note": f"tightest: rank {tightest} (stage "
+                + ", ".join(str(s.stage) for s in report.stages if s.rank == tightest)
+                + ")",
             }
         )
         stage_reports[name] = report
@@ -157,19 +160,22 @@ class RankMemory:
             return report.peak_bytes <= usable
         return all(rank[0].fits for rank in memories)
 
-    def tightest(self, memories: list[list[Any]]) -> list[Any]:
-        """The memories of the tightest rank by torch's default settings: one that does not
-        fit, else the one of most reserved bytes."""
+    def tightest_rank(self, memories: list[list[Any]], report: PipelineReport) -> int:
+        """The tightest rank: by torch's default settings one that does not fit, else the one
+        of most reserved bytes; by live bytes where the allocator is not simulated."""
         if not memories:
-            return []
-        return max(memories, key=lambda rank: (not rank[0].fits, rank[0].reserved_bytes))
+            return report.tightest_rank
+        return max(
+            range(len(memories)),
+            key=lambda r: (not memories[r][0].fits, memories[r][0].reserved_bytes),
+        )
 
-    def usable(self, memories: list[list[Any]], usable: int) -> int:
-        """The live bytes the tightest rank may reach and still fit: the allocator's limit less
-        the BLAS workspaces and the overhead (reserved less requested) it showed."""
+    def limits(self, memories: list[list[Any]], usable: int, ranks: int) -> list[int]:
+        """Per rank, the live bytes it may reach and still fit: the allocator's limit less the
+        BLAS workspaces and the overhead (reserved less requested) it showed on that rank."""
         if not memories:
-            return usable
-        return min(rank[0].live_bytes_that_fit for rank in memories)
+            return [usable] * ranks
+        return [rank[0].live_bytes_that_fit for rank in memories]
 
 
 def _auto_by_allocator(
@@ -178,23 +184,26 @@ def _auto_by_allocator(
     memories: list[list[Any]],
     memory: RankMemory,
     usable: int,
-) -> tuple[dict[int, Any], list[list[Any]]]:
+) -> tuple[dict[int, Any], list[list[Any]], list[int] | int]:
     """auto's plans chosen again where a rank's reserved bytes do not fit though its live bytes
-    do: planned within the live bytes the allocator leaves (`RankMemory.usable`), lowered a few
-    times while a rank still does not fit."""
-    target = usable
+    do: each such rank planned within the live bytes its allocator leaves
+    (`RankMemory.limits`), lowered a few times while it still does not fit. Returns the plans,
+    their memories and the budgets (per rank) they were made at."""
+    budgets = [usable] * len(traced.order)
     for _ in range(3):
         if not memories or all(rank[0].fits for rank in memories):
             break
-        lower = memory.usable(memories, target)
-        target = lower if lower < target else target - memories[0][0].limit_bytes // 50
+        for r, rank in enumerate(memories):
+            if not rank[0].fits:
+                lower = rank[0].live_bytes_that_fit
+                budgets[r] = lower if lower < budgets[r] else budgets[r] - rank[0].limit_bytes // 50
         try:
-            report = traced.plan(target, memory.optimizer, memory.gpu.profile, memory.sharding)
+            report = traced.plan(budgets, memory.optimizer, memory.gpu.profile, memory.sharding)
         except RematError:
             break
         plans = {s.stage: s.plan for s in report.stages}
         memories = memory.of(traced, plans)
-    return plans, memories
+    return plans, memories, budgets if len(set(budgets)) > 1 else usable
 
 
 def _traced(
@@ -289,16 +298,22 @@ def layout_that_fits(
 
 
 def _apply_line(
-    name: str, layout: Layout, batch: int, seq: int, usable: int, optimizer: Optimizer, gpu: Gpu
+    name: str,
+    layout: Layout,
+    batch: int,
+    seq: int,
+    budget: int | Sequence[int],
+    optimizer: Optimizer,
+    gpu: Gpu,
 ) -> str:
     """What makes the row's plans: each rank applies its stage's plan (`remat.apply(stage,
-    plan)`), made by `TracedPipeline.plan` at the rank budget for `auto`, by the strategy's
-    name otherwise."""
+    plan)`), made by `TracedPipeline.plan` at the rank budget (or each rank's) for `auto`, by
+    the strategy's name otherwise."""
     if name == "auto":
         return (
             f"pipeline = remat.pipeline.TracedPipeline.of(build, {batch * layout.microbatches}, "
             f"{seq}, stages={layout.pp}, microbatches={layout.microbatches}, "
-            f"schedule={layout.schedule!r}); plans = pipeline.plan({usable}, "
+            f"schedule={layout.schedule!r}); plans = pipeline.plan({budget}, "
             f"optimizer={optimizer!r}, profile={gpu.profile!r}); on rank r, "
             "remat.apply(stage, plans.stages[r].plan)"
         )
@@ -394,25 +409,27 @@ def _overhead(
 
 
 def _largest_microbatch(
-    batch: int, report: PipelineReport, twice: PipelineReport, usable: int
+    batch: int, report: PipelineReport, twice: PipelineReport, limits: Sequence[int]
 ) -> int | None:
-    """The largest micro-batch whose tightest rank fits, on the line through the peaks at
-    `batch` and `2 * batch` (None: not even 1)."""
-    per_sample = max(twice.peak_bytes - report.peak_bytes, 1) / batch
-    at_zero = report.peak_bytes - per_sample * batch
-    largest = int((usable - at_zero) // per_sample)
-    return largest if largest >= 1 else None
+    """The largest micro-batch at which every rank fits its limit, on each rank's line through
+    its peaks at `batch` and `2 * batch` (None: not even 1)."""
+    largest = []
+    for rank, limit in enumerate(limits):
+        at_batch, at_twice = report.rank_peak_bytes[rank], twice.rank_peak_bytes[rank]
+        per_sample = max(at_twice - at_batch, 1) / batch
+        largest.append(int((limit - (at_batch - per_sample * batch)) // per_sample))
+    return min(largest) if min(largest) >= 1 else None
 
 
 def _largest_count(
     traced: TracedPipeline,
     report: PipelineReport,
-    usable: int,
+    limits: Sequence[int],
     optimizer: Optimizer,
     sharding: Sharding,
 ) -> int | None:
-    """The most micro-batches (up to `MAX_MICROBATCHES`) for which every rank still fits:
-    torch's order walked again for each count, over the same simulated stage steps."""
+    """The most micro-batches (up to `MAX_MICROBATCHES`) for which every rank still fits its
+    limit: torch's order walked again for each count, over the same simulated stage steps."""
     steps = {s.stage: s.step for s in report.stages}
 
     def fits(count: int) -> bool:
@@ -421,7 +438,8 @@ def _largest_count(
         except RematError:  # torch refuses some counts (1F1B below its stage count)
             return False
         return all(
-            other.rank_peak(rank, steps, optimizer, sharding) <= usable for rank in other.order
+            other.rank_peak(rank, steps, optimizer, sharding) <= limits[rank]
+            for rank in other.order
         )
 
     if not fits(traced.microbatches):

@@ -1008,21 +1008,30 @@ class TracedPipeline:
 
     def plan(
         self,
-        budget: int | str,
+        budget: int | str | Sequence[int],
         optimizer: Optimizer = None,
         profile: str | Any = "cpu",
         sharding: Sharding = UNSHARDED,
     ) -> PipelineReport:
-        """Each stage planned so that its rank's peak fits `budget`: see `plan`."""
+        """Each stage planned so that its rank's peak fits `budget` (or `budget[rank]`, one per
+        rank): see `plan`."""
         if issubclass(_schedule_class(self.schedule), torch_schedules.PipelineScheduleMulti):
             raise RematError(
                 f"plan() plans one stage per rank; {self.schedule!r} runs several: use predict()"
             )
-        budget_bytes = parse_bytes(budget)
+        if isinstance(budget, (int, str)):
+            budgets = [parse_bytes(budget)] * len(self.order)
+        elif len(budget) == len(self.order):
+            budgets = [parse_bytes(b) for b in budget]
+        else:
+            raise RematError(
+                f"{len(budget)} budgets for {len(self.order)} ranks: give one per rank"
+            )
         plans: dict[int, Plan | None] = {}
         frontiers: dict[int, Any] = {}  # by graph: stages traced alike share theirs
         for t in self.traced:
             i = t.stage.index
+            budget_bytes = budgets[t.rank]
             if self.rank_peak(t.rank, {i: self.step(i, None, optimizer)}, optimizer, sharding) <= (
                 budget_bytes
             ):
