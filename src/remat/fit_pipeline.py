@@ -99,7 +99,7 @@ def pipeline_rows(
         rows.append(
             {
                 "strategy": name,
-                "peak_bytes": report.peak_bytes,
+                "peak_bytes": report.rank_peak_bytes[tightest],  # a row is one rank's
                 "fits": memory.fits(memories, report, usable),
                 "overhead": overhead,
                 "gpu_memory": tuple(m.to_dict() for m in memories[tightest]) if memories else (),
