@@ -1,30 +1,44 @@
-"""remat inside Hugging Face's Trainer (`remat.integrations.hf.RematCallback`), and refusing to
-checkpoint twice: a model whose layers Hugging Face or torch's CheckpointWrapper already
-checkpoint is refused by name; the callback switches Hugging Face's own off, saying so."""
+"""remat inside Hugging Face's Trainer, TRL's SFTTrainer and accelerate
+(`remat.integrations.hf`): the losses are those of the run without remat, the plan is carried out,
+and nothing is checkpointed twice: a model whose layers Hugging Face or torch's CheckpointWrapper
+already checkpoint is refused by name, the callback switches Hugging Face's own off, saying so,
+and accelerate's FSDP activation checkpointing is refused naming the setting. Under accelerate's
+FSDP2 (two gloo processes): plan, then prepare; and the Trainer's callback on the sharded model."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torchrun import torchrun
 
 import remat
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
 
 def _example():
-    spec = importlib.util.spec_from_file_location(
-        "hf_trainer", Path(__file__).parent.parent / "examples" / "hf_trainer.py"
-    )
+    spec = importlib.util.spec_from_file_location("hf_trainer", EXAMPLES / "hf_trainer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def remat_log(caplog):
+    """The `remat` logger's records (it does not propagate to the root logger)."""
+    logger = logging.getLogger("remat")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
 
 
 def test_integration_trainer_callback_plans_from_the_batch_and_keeps_the_losses():
@@ -33,28 +47,114 @@ def test_integration_trainer_callback_plans_from_the_batch_and_keeps_the_losses(
     assert result["plan"].regions  # it checkpointed something: the run tested something
 
 
-def test_integration_trainer_with_hf_gradient_checkpointing_switches_it_off(caplog):
+def test_integration_trainer_with_hf_gradient_checkpointing_switches_it_off(remat_log):
+    """The example asserts that nothing but remat checkpoints the trained model."""
+    result = _example().main(["--steps", "2", "--seq", "32", "--gradient-checkpointing"])
+    assert result["equal"] and result["verified"] and result["plan"].regions
+    assert any("gradient checkpointing switched off" in r.getMessage() for r in remat_log.records)
+
+
+def test_integration_trainer_callback_on_a_lora_model_keeps_the_losses():
+    """PEFT's LoRA (dropout 0.1 on the adapters, base frozen) under the Trainer's callback."""
+    pytest.importorskip("peft")
+    result = _example().main(["--steps", "2", "--seq", "32", "--lora"])
+    assert result["equal"] and result["verified"]
+    assert all(m.startswith("base_model.model.") for r in result["plan"].regions for m in r.modules)
+
+
+def test_integration_trl_sft_trainer_keeps_the_losses_and_switches_its_checkpointing_off(
+    remat_log,
+):
+    """TRL's SFTTrainer on pre-tokenized ids with a tokenizer built in memory: its defaults turn
+    Hugging Face's gradient checkpointing and bf16 autocast on; the callback plans the autocast
+    step (accelerate wraps the model's forward in it) and switches the checkpointing off."""
+    pytest.importorskip("trl")
+    result = _example().main(["--steps", "2", "--seq", "32", "--trl"])
+    assert result["equal"] and result["verified"] and result["plan"].regions
+    assert any("gradient checkpointing switched off" in r.getMessage() for r in remat_log.records)
+
+
+@pytest.mark.distributed
+def test_integration_trainer_fsdp2_plans_the_sharded_model_as_the_bare_one():
+    """Trainer(fsdp=True, fsdp_config={"fsdp_version": 2}) on two ranks, with
+    gradient_checkpointing=True: the callback switches that off, plans the sharded model exactly
+    as the bare one (same plan; verified there), the sharded steps keep the planned ops, and the
+    losses equal those without remat."""
+    torchrun(
+        EXAMPLES / "hf_trainer.py", "--fsdp", "--gradient-checkpointing",
+        "--steps", "3", "--seq", "32", "--batch", "2", timeout=240,
+    )  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_integration_accelerate_fsdp2_plan_then_prepare_keeps_the_losses():
+    torchrun(EXAMPLES / "accelerate_fsdp.py", timeout=240)
+
+
+@pytest.mark.distributed
+def test_integration_accelerate_activation_checkpointing_is_refused_before_and_after_prepare():
+    """accelerate wraps the planned layers in its CheckpointWrapper at prepare, after remat's
+    plan: `enable(accelerator=)` refuses before, `check_accelerator` after, naming the setting."""
+    torchrun(EXAMPLES / "accelerate_fsdp.py", "--activation-checkpointing", timeout=240)
+
+
+def _accelerator(**plugin_kwargs):
+    """What `enable` and `check_accelerator` read of an Accelerator: its FSDP plugin (a real one;
+    sharding itself needs the ranks of the torchrun tests)."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        auto_wrap_policy="transformer_based_wrap", **plugin_kwargs
+    )
+    return SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+
+
+def _four_layer_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 16))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_integration_accelerate_a_region_spanning_two_fsdp_units_is_refused_by_name():
+    """A region of two blocks runs the second inside the first's forward, where FSDP has not
+    gathered the second's parameters (accelerate shards every GPT2Block on its own): refused,
+    naming the region; a plan of one block per region installs."""
+    from remat.integrations.hf import enable
+
+    model, example = _four_layer_gpt2()
+    accelerator = _accelerator(fsdp_version=2)
+    with pytest.raises(remat.RematError, match="runs 'transformer.h.1' inside the forward of"):
+        enable(model, example, "1TiB", accelerator=accelerator, strategy="sqrt")
+    assert not remat.checkpointed_elsewhere(model)
+    plan = enable(model, example, "1TiB", accelerator=accelerator, strategy="full")
+    assert [r.modules for r in plan.regions] == [(f"transformer.h.{i}",) for i in range(4)]
+    assert remat.verify(model, **example, loss_fn=lambda out: out.loss).ok
+
+
+def test_integration_accelerate_refuses_its_own_activation_checkpointing_and_fsdp1():
+    from remat.integrations.hf import check_accelerator, enable
+
+    model, example = _four_layer_gpt2()
+    with pytest.raises(remat.RematError, match=r"activation_checkpointing=True\)"):
+        check_accelerator(_accelerator(fsdp_version=2, activation_checkpointing=True))
+    with pytest.raises(remat.RematError, match="fsdp_version=2"):
+        enable(model, example, accelerator=_accelerator(fsdp_version=1))
+
+
+def test_integration_trainer_callback_refuses_fsdp_activation_checkpointing_and_fsdp1():
     from remat.integrations.hf import RematCallback
 
-    example = _example()
-    torch.set_num_threads(1)
-    model = example.build_model("gpt2", 32, seed=0)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    data = example.RandomTokens(8, 32, model.config.vocab_size, seed=1)
-    baseline = example.train(model, data, steps=2, batch=4, seed=0)
-    model.load_state_dict(initial)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    callback = RematCallback(budget="70%")
-    logger = logging.getLogger("remat")
-    logger.addHandler(caplog.handler)
-    try:
-        got = example.train(model, data, steps=2, batch=4, seed=0, callbacks=[callback])
-    finally:
-        logger.removeHandler(caplog.handler)
-        remat.remove(model)
-    assert not model.is_gradient_checkpointing
-    assert any("gradient checkpointing switched off" in r.getMessage() for r in caplog.records)
-    assert got["loss"] == pytest.approx(baseline["loss"], rel=1e-6)
+    for settings, refusal in [
+        ({"fsdp_version": 2, "activation_checkpointing": True}, "activation_checkpointing"),
+        ({"fsdp_version": 1}, "FSDP1"),
+    ]:
+        args = SimpleNamespace(fsdp_plugin_args=settings)
+        with pytest.raises(remat.RematError, match=refusal):
+            RematCallback().on_train_begin(
+                args, None, None, model=nn.Linear(2, 2), train_dataloader=[]
+            )
 
 
 def test_integration_remat_refuses_a_model_hugging_face_already_checkpoints():

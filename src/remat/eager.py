@@ -228,7 +228,9 @@ def checkpointed_elsewhere(model: nn.Module) -> list[str]:
     (`gradient_checkpointing_enable()`, `TrainingArguments(gradient_checkpointing=True)`)."""
     found = []
     for path, module in model.named_modules():
-        wrapped = type(module).__name__ in ("CheckpointWrapper", "OffloadWrapper")
+        # fully_shard renames a module's class FSDP<name> (accelerate shards after wrapping)
+        name = type(module).__name__.removeprefix("FSDP")
+        wrapped = name in ("CheckpointWrapper", "OffloadWrapper")
         if wrapped or getattr(module, "gradient_checkpointing", False) is True:
             found.append(path or "<root>")
     return found

@@ -1,2 +1,4 @@
-"""remat where users already configure training: Hugging Face's Trainer (`remat.integrations.hf`).
-Each integration imports its framework only when used."""
+"""remat where users already configure training (docs/integrations.md): Hugging Face's Trainer,
+TRL and accelerate (`remat.integrations.hf`), Lightning's Trainer and Fabric
+(`remat.integrations.lightning`), torchtitan's activation-checkpointing config
+(`remat.integrations.torchtitan`). Each imports its framework only when used."""

@@ -1,41 +1,246 @@
-"""remat in Hugging Face's `Trainer`: a callback that plans from the Trainer's first batch and
-installs the plan before the first step, and `enable` for a model outside a Trainer.
+"""remat in Hugging Face's `Trainer` and in accelerate: a callback that plans from the Trainer's
+first batch and installs the plan before the first step, and `enable` for a model outside a
+Trainer (with accelerate: before `accelerator.prepare`).
 
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[RematCallback(budget="70%")])
 
+    enable(model, batch, budget="70%", accelerator=accelerator)    # accelerate: plan, then
+    model, optimizer = accelerator.prepare(model, optimizer)        # prepare
+
 Hugging Face's own gradient checkpointing is switched off first, saying so (remat would
 checkpoint its layers twice); the model trains on its own loss (`out.loss`), with its cache off
 in training as Hugging Face's checkpointing does (`remat.caches`).
+
+Under FSDP2 (`fully_shard`, which accelerate applies at prepare) a plan is made for the bare
+model, one rank's batch: FSDP changes where the parameters live, not the activations. A region
+of several blocks runs its later blocks inside the first one's forward, where FSDP has not
+gathered their parameters when they are FSDP units of their own (accelerate shards every
+decoder layer), so such a plan is refused, naming the region. The Trainer's model is already
+sharded when the callback sees it: it is traced as the bare model (each sharded parameter a meta
+tensor of its full shape, FSDP's forward hooks held off for the trace). accelerate's own
+activation checkpointing (`activation_checkpointing=True` in its FSDP plugin or the Trainer's
+`fsdp_config`) is refused by name: it wraps the layers in a `CheckpointWrapper` at prepare,
+after remat's plan, and each planned layer would be checkpointed twice.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat.errors import log
+from remat.eager import _APPLIED, checkpointed_elsewhere
+from remat.errors import RematError, log
 from remat.plans import DEFAULT_BUDGET, Plan
+from remat.units import format_bytes
+
+#: accelerate's setting that checkpoints the layers itself, as a user writes it in each API
+_ACCELERATE_AC = (
+    "FullyShardedDataParallelPlugin(activation_checkpointing=True) (the Trainer's "
+    'fsdp_config={"activation_checkpointing": True}, or FSDP_ACTIVATION_CHECKPOINTING=true)'
+)
 
 
 def enable(
-    model: nn.Module, example: dict[str, Any], budget: int | str = DEFAULT_BUDGET, **kwargs: Any
+    model: nn.Module,
+    example: dict[str, Any],
+    budget: int | str = DEFAULT_BUDGET,
+    *,
+    accelerator: Any = None,
+    **kwargs: Any,
 ) -> Plan:
     """Plan `model`'s training step on the batch `example` (the keyword inputs of its call, labels
     included) under `budget` and install the plan (`remat.auto` with the model's own loss); Hugging
-    Face's gradient checkpointing is switched off first. Returns the plan."""
-    from remat.eager import auto
+    Face's gradient checkpointing is switched off first. Returns the plan.
 
-    if getattr(model, "is_gradient_checkpointing", False):
-        model.gradient_checkpointing_disable()
-        log.info(
-            "remat: Hugging Face's gradient checkpointing switched off on %s: remat's plan "
-            "replaces it (it would checkpoint the layers twice)",
-            type(model).__name__,
+    `accelerator`: the `accelerate.Accelerator` that will prepare the model, before
+    `accelerator.prepare`: its FSDP2 plugin's activation checkpointing is refused, and so is a
+    plan with a region FSDP cannot run (one that continues into a layer accelerate will shard on
+    its own). A model already sharded with FSDP2 is planned as its bare model. With FSDP,
+    `kwargs` may be `strategy`, `profile` and `optimizer` (the planner's); otherwise any of
+    `remat.auto`'s."""
+    _switch_off_hf_checkpointing(model)
+    if accelerator is not None:
+        check_accelerator(accelerator)
+    units = _fsdp_units(model) | _units_accelerate_will_shard(accelerator, model)
+    if not units:
+        from remat.eager import auto
+
+        return auto(model, **example, budget=budget, loss_fn=_own_loss, **kwargs)
+    return _plan_for_fsdp(model, example, budget, units, **kwargs)
+
+
+def check_accelerator(accelerator: Any, *models: nn.Module) -> None:
+    """Refuse what accelerate does on top of a remat plan: its FSDP plugin's activation
+    checkpointing (it wraps the layers in `CheckpointWrapper` at prepare, after the plan, so each
+    planned layer would be checkpointed twice), and, for each prepared `models` that has a plan,
+    a region that FSDP cannot run (one that continues into a layer FSDP shards on its own).
+    Call it after `accelerator.prepare` for a plan made with `remat.auto` before it; `enable(...,
+    accelerator=)` calls it before."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is not None and plugin.activation_checkpointing:
+        wrapped = [p for m in models for p in checkpointed_elsewhere(m)]
+        where = f" (it wrapped {', '.join(repr(p) for p in wrapped[:3])})" if wrapped else ""
+        raise RematError(
+            f"accelerate checkpoints the layers itself{where}: {_ACCELERATE_AC}. Each planned "
+            "layer would be checkpointed twice: accelerate's wrapper keeps none of the layer's "
+            "activations, whatever remat's plan keeps, and its recomputation does not restore "
+            "the random state (dropout masks differ from the forward's). Set "
+            "activation_checkpointing=False and let remat plan the layers"
         )
-    return auto(model, **example, budget=budget, loss_fn=_own_loss, **kwargs)
+    for model in models:
+        state = vars(model).get(_APPLIED)
+        if state is not None:
+            _refuse_regions_fsdp_cannot_run(state.plan, _fsdp_units(model))
+
+
+def _switch_off_hf_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's own checkpointing off (its 5.x name first, then the deprecated one), saying
+    so: remat's plan replaces it."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    if on is None:
+        on = getattr(model, "is_gradient_checkpointing", False)
+    if not on:
+        return
+    off = getattr(model, "activation_checkpointing_disable", None)
+    (off or model.gradient_checkpointing_disable)()
+    log.info(
+        "remat: Hugging Face's gradient checkpointing switched off on %s "
+        "(TrainingArguments(gradient_checkpointing=True) or activation_checkpointing=True): "
+        "remat's plan replaces it (it would checkpoint the layers twice)",
+        type(model).__name__,
+    )
+
+
+def _fsdp_units(model: nn.Module) -> set[str]:
+    """The paths of `model`'s submodules that FSDP2 has sharded as units of their own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {p for p, m in model.named_modules() if p and isinstance(m, FSDPModule)}
+
+
+def _units_accelerate_will_shard(accelerator: Any, model: nn.Module) -> set[str]:
+    """The paths of the submodules `accelerator.prepare` will shard as units of their own, by
+    accelerate's own wrap policy (every layer of `_no_split_modules` by default)."""
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if plugin is None:
+        return set()
+    if plugin.fsdp_version != 2:
+        raise RematError(
+            "accelerate's FSDP plugin is FSDP1: remat plans FSDP2 models (fully_shard). Use "
+            "FullyShardedDataParallelPlugin(fsdp_version=2)"
+        )
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    plugin.set_auto_wrap_policy(model)  # as prepare does first; it does it once
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        return set()
+    return {p for p, m in model.named_modules() if p and policy(m)}
+
+
+def _crossing(plan: Plan, units: set[str]) -> list[tuple[str, ...]]:
+    """The regions of `plan` that continue into an FSDP unit: its later blocks run inside the
+    first one's forward, outside their own call, where FSDP gathers a unit's parameters."""
+    return [r.modules for r in plan.regions if units.intersection(r.modules[1:])]
+
+
+def _refuse_regions_fsdp_cannot_run(plan: Plan, units: set[str]) -> None:
+    crossing = _crossing(plan, units)
+    if crossing:
+        unit = next(p for p in crossing[0][1:] if p in units)
+        raise RematError(
+            f"the plan's region {', '.join(crossing[0])} runs {unit!r} inside the forward of "
+            f"{crossing[0][0]!r}, but FSDP shards {unit!r} on its own and gathers its parameters "
+            "only in its own call. Plan knowing the FSDP units: remat.integrations.hf.enable("
+            "model, batch, budget, accelerator=accelerator) before prepare, or a strategy of one "
+            "block per region (strategy='milp', 'first_k', 'full' or 'selective')"
+        )
+
+
+@contextlib.contextmanager
+def _as_bare_model(model: nn.Module) -> Iterator[None]:
+    """An FSDP2-sharded `model` seen as the bare model it shards, for the length of a fake trace:
+    each sharded parameter (a DTensor) replaced by a meta tensor of its full shape (tied ones
+    stay tied), and FSDP's forward hooks, which would gather parameters (leaving fake tensors in
+    FSDP's buffers) and register the backward's, held off; both are put back as they were."""
+    from torch.distributed.tensor import DTensor
+
+    stand_in: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    held: list[tuple[dict, dict]] = []
+    try:
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if isinstance(p, DTensor):
+                    if p.device_mesh.ndim != 1:
+                        raise RematError(
+                            f"parameter {name!r} of {type(module).__name__} is sharded over a "
+                            f"{p.device_mesh.ndim}-D mesh (FSDP with tensor parallelism): plan "
+                            "before sharding (remat.parallel) and apply the plan before FSDP"
+                        )
+                    if id(p) not in stand_in:
+                        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                        stand_in[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
+                    swapped.append((module, name, p))
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                before = dict(hooks)
+                fsdp = {k for k, h in before.items() if _is_fsdp_hook(h)}
+                if fsdp:
+                    held.append((hooks, before))
+                    for k in fsdp:
+                        del hooks[k]
+        for module, name, p in swapped:
+            module._parameters[name] = stand_in[id(p)]
+        yield
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+        for hooks, before in held:
+            added = {k: h for k, h in hooks.items() if k not in before}
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp.")
+
+
+def _plan_for_fsdp(
+    model: nn.Module,
+    example: dict[str, Any],
+    budget: int | str,
+    units: set[str],
+    strategy: str = "auto",
+    profile: str = "cpu",
+    optimizer: str | None = None,
+) -> Plan:
+    """Trace the bare model on fake tensors, plan, refuse a plan with a region FSDP cannot run
+    and install it."""
+    from remat.eager import apply, remove
+    from remat.planner import plan
+    from remat.trace import trace
+
+    remove(model)
+    with _as_bare_model(model):
+        graph = trace(model, **example, loss_fn=_own_loss)
+    chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
+    _refuse_regions_fsdp_cannot_run(chosen, units)
+    apply(model, chosen)
+    log.info(
+        "remat: installed %s on %s under FSDP2 (planned as the bare model, one rank's batch): "
+        "predicted peak %s unsharded%s (remat.verify(model) checks the kept ops after a step)",
+        chosen.strategy,
+        type(model).__name__,
+        format_bytes(chosen.predicted_peak_bytes),
+        f" within {format_bytes(chosen.budget_bytes)}" if chosen.budget_bytes else "",
+    )
+    return chosen
 
 
 def _own_loss(out: Any) -> torch.Tensor:
@@ -62,7 +267,9 @@ def _callback_base() -> type:
 class RematCallback(_callback_base()):  # type: ignore[misc]
     """Plans the model's training step from the Trainer's first batch (its shape, on the model's
     device) and installs the plan before the first step (`on_train_begin`); `plan` is then the
-    plan. The batch is drawn without moving the random stream the Trainer shuffles with."""
+    plan. The batch is drawn without moving the random stream the Trainer shuffles with. Under
+    FSDP2 the Trainer has sharded the model already: it is planned as the bare model (`enable`);
+    FSDP's own activation checkpointing is refused by name."""
 
     def __init__(self, budget: int | str = DEFAULT_BUDGET, **auto_kwargs: Any):
         self.budget = budget
@@ -72,6 +279,17 @@ class RematCallback(_callback_base()):  # type: ignore[misc]
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if model is None or train_dataloader is None:
             raise ValueError("RematCallback needs the Trainer's model and train dataloader")
+        fsdp = getattr(args, "fsdp_plugin_args", None) or {}
+        if fsdp.get("fsdp_version", 2) != 2:
+            raise RematError(
+                "the Trainer shards with FSDP1: RematCallback plans FSDP2 models (fully_shard). "
+                'Use fsdp_config={"fsdp_version": 2} (the default)'
+            )
+        if fsdp.get("activation_checkpointing"):
+            raise RematError(
+                f"the Trainer's FSDP checkpoints the layers itself: {_ACCELERATE_AC}; remat would "
+                "checkpoint them twice. Leave it False and let RematCallback plan the layers"
+            )
         target = _unwrapped(model)
         device = next(target.parameters()).device
         with torch.random.fork_rng(devices=[] if device.type != "cuda" else [device]):

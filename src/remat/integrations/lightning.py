@@ -1,12 +1,21 @@
-"""remat in Lightning: a callback that plans the LightningModule's `training_step` on the
-Trainer's first batch and installs the plan before the first step.
+"""remat in Lightning: `RematCallback` for the Trainer, `plan` for a LightningModule the user lays
+out by hand in `configure_model`, `fabric_setup` for Fabric.
 
     trainer = L.Trainer(..., callbacks=[RematCallback(budget="70%")])
 
-The plan is made for what `training_step` returns (its loss, or the dict's "loss"), on the module
-after `configure_model` (Lightning calls `on_train_start` after it); Lightning's own activation
-checkpointing (`FSDPStrategy(activation_checkpointing_policy=...)`) is refused by name, and
-modules it or anything else already wrapped are refused by `remat.apply`.
+A plan is made for what `training_step` returns (its loss, or the dict's "loss") on the module as
+it will compute, and before anything shards its parameters: FSDPStrategy's FSDP1 flattens them
+into per-rank shards and `fully_shard` (ModelParallelStrategy) makes them DTensor shards that a
+trace of the module cannot run. So under those two strategies the callback plans in `setup`,
+before `configure_model` and the strategy's wrapping (on the layers `__init__` built); under the
+others in `on_train_start`, after `configure_model`. With tensor parallelism the plan must see
+the layout: `plan(self)` in `configure_model`, after `parallelize_module` and before
+`fully_shard`.
+
+Never twice: Lightning's own activation checkpointing (`activation_checkpointing_policy`) is
+refused by name, and so is checkpointing that `configure_model` (or Fabric's `parallelize_fn`)
+adds around a planned module; a region that runs several blocks as one checkpoint is refused
+when FSDP gathers those blocks' parameters separately.
 """
 
 from __future__ import annotations
@@ -17,7 +26,10 @@ from unittest import mock
 import torch
 from torch import nn
 
+from remat.errors import RematError
 from remat.plans import DEFAULT_BUDGET, Plan
+
+_STEP = "_remat_training_step"  # the LightningModule's planned TrainingStep, in its __dict__
 
 
 def _base() -> type:
@@ -47,33 +59,200 @@ class TrainingStep(nn.Module):
         return out["loss"] if isinstance(out, dict) else out
 
 
+def _first_batch(trainer: Any) -> Any:
+    """The Trainer's first train batch, drawn without moving the random stream Lightning shuffles
+    with; before the fit loop has set its loader up (`setup`, `configure_model`), from the loader
+    it will set up (a DataLoader given to `fit`, or the module's or datamodule's
+    `train_dataloader()`), whose batches have the same shapes."""
+    loader = trainer.train_dataloader
+    if loader is None:
+        loader = trainer.fit_loop._data_source.dataloader()
+    with torch.random.fork_rng(devices=[]):
+        return next(iter(loader))
+
+
+def plan(
+    module: nn.Module, budget: int | str = DEFAULT_BUDGET, batch: Any = None, **auto_kwargs: Any
+) -> Plan:
+    """Plan the LightningModule's `training_step` on `batch` (default: its Trainer's first train
+    batch) under `budget` and install the plan (`remat.auto`; `auto_kwargs` go to it); a later
+    call replaces it. Call it where the module computes as it will train and is not sharded yet:
+    in `configure_model` after tensor parallelism and before `fully_shard`."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    from remat.eager import auto
+
+    if batch is None:
+        batch = _first_batch(module.trainer)
+    batch = move_data_to_device(batch, module.device)
+    step = vars(module).get(_STEP)
+    if step is None:
+        step = TrainingStep(module)
+        vars(module)[_STEP] = step  # not a submodule: the step holds the module, not the reverse
+    return auto(step, batch, budget=budget, **auto_kwargs)
+
+
+def installed_plan(model: nn.Module) -> Plan | None:
+    """The plan installed on `model` (by `remat.auto`, `remat.apply`, `fabric_setup`), or None."""
+    from remat.eager import _APPLIED
+
+    state = vars(model).get(_APPLIED)
+    return None if state is None else state.plan
+
+
+def _installed(module: nn.Module) -> Plan | None:
+    """The plan installed on the LightningModule's TrainingStep, or None."""
+    step = vars(module).get(_STEP)
+    return None if step is None else installed_plan(step)
+
+
+def _refuse_own_checkpointing(strategy: Any) -> None:
+    """FSDPStrategy's (Trainer's or Fabric's) `activation_checkpointing_policy` wraps the blocks
+    in torch's CheckpointWrapper after remat planned them."""
+    policy = getattr(strategy, "_activation_checkpointing_kwargs", None)
+    if policy:
+        raise RematError(
+            f"{type(strategy).__name__} checkpoints activations itself ({policy}): remat would "
+            "checkpoint the same layers twice. Leave activation_checkpointing_policy unset and "
+            "let remat plan them"
+        )
+
+
+def _tensor_parallel_size(strategy: Any) -> int:
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["tensor_parallel"].size()
+
+
+def _shards(strategy: Any) -> bool:
+    """Whether `strategy` shards the module's parameters (after `setup`'s hook)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+def _shard_units(root: nn.Module) -> dict[nn.Module, nn.Module | None]:
+    """Each module under `root` -> the innermost FSDP unit holding it (FSDP1's
+    FullyShardedDataParallel or a `fully_shard`ed module), whose parameters FSDP gathers when
+    that unit is called; None above every unit."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    units: dict[nn.Module, nn.Module | None] = {}
+    stack: list[tuple[nn.Module, nn.Module | None]] = [(root, None)]
+    while stack:
+        module, unit = stack.pop()
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            unit = module
+        units[module] = unit
+        stack.extend((child, unit) for child in module.children())
+    return units
+
+
+def _check_installed(planned: nn.Module, plan: Plan, where: str) -> None:
+    """Refuse what happened to `planned` (its plan installed) after planning that the plan does
+    not survive: checkpointing added around its modules (by `where`), and a region that runs
+    blocks FSDP gathers separately (the region's first block calls the others' forwards itself,
+    outside the hooks that gather their parameters)."""
+    from remat.eager import checkpointed_elsewhere
+
+    found = checkpointed_elsewhere(planned)
+    if found:
+        raise RematError(
+            f"{len(found)} module(s) were checkpointed after remat planned them ({found[0]!r}"
+            f"{' and more' if len(found) > 1 else ''}): remat would checkpoint them twice. "
+            f"Leave activation checkpointing (checkpoint_wrapper, apply_activation_checkpointing,"
+            f" torchtitan's apply_ac) out of {where}; remat's plan replaces it"
+        )
+    named = dict(planned.named_modules())
+    units = _shard_units(planned)
+    for region in plan.regions:
+        if len({units[named[path]] for path in region.modules}) > 1:
+            raise RematError(
+                f"plan region {region.modules} runs {len(region.modules)} blocks as one "
+                "checkpoint, but FSDP shards them as separate units, whose parameters are "
+                "gathered only when each is called: plan block by block (strategy='milp', "
+                "'selective' or 'full') or shard these blocks as one unit"
+            )
+
+
 class RematCallback(_base()):  # type: ignore[misc]
     """Plans `training_step` on the Trainer's first train batch (moved to the module's device)
-    under `budget` and installs the plan (`on_train_start`); `plan` is then the plan and
-    `step` the traced `TrainingStep` (`remat.verify(callback.step, batch)` checks it). The
-    batch is drawn without moving the random stream Lightning shuffles with."""
+    under `budget` and installs the plan before the first step: in `setup` under FSDPStrategy and
+    ModelParallelStrategy (before anything shards the parameters), else in `on_train_start`.
+    A plan `plan(self)` made in `configure_model` during this fit is taken as it is (the way
+    with tensor parallelism). `plan` is then the plan and `step` the planned `TrainingStep`
+    (`remat.verify(callback.step)` checks it after a step). The batch is drawn without moving
+    the random stream Lightning shuffles with."""
 
     def __init__(self, budget: int | str = DEFAULT_BUDGET, **auto_kwargs: Any):
         self.budget = budget
         self.auto_kwargs = auto_kwargs
         self.plan: Plan | None = None
         self.step: TrainingStep | None = None
+        self._earlier: Plan | None = None  # the module's plan from before this fit
+
+    def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        _refuse_own_checkpointing(strategy)
+        self._earlier = _installed(pl_module)
+        if not _shards(strategy) or _tensor_parallel_size(strategy) > 1:
+            return
+        if not any(True for _ in pl_module.parameters()):
+            raise RematError(
+                f"{type(pl_module).__name__} has no parameters before configure_model: under "
+                f"{type(strategy).__name__} RematCallback plans before configure_model, whose "
+                "sharding a plan cannot follow. Build the layers in __init__ (`with "
+                "trainer.init_module(empty_init=True)` keeps that cheap), or call "
+                "remat.integrations.lightning.plan(self, budget) in configure_model before "
+                "anything shards them"
+            )
+        plan(pl_module, self.budget, **self.auto_kwargs)
 
     def on_train_start(self, trainer: Any, pl_module: nn.Module) -> None:
-        from lightning.fabric.utilities.apply_func import move_data_to_device
+        strategy = trainer.strategy
+        if _installed(pl_module) is self._earlier:  # not planned in setup or configure_model
+            if _shards(strategy):
+                raise RematError(
+                    f"{type(strategy).__name__} with tensor parallelism: remat plans the layout "
+                    "the rank runs, so call remat.integrations.lightning.plan(self, budget) in "
+                    "configure_model after parallelize_module and before fully_shard"
+                )
+            plan(pl_module, self.budget, **self.auto_kwargs)
+        self.step = vars(pl_module)[_STEP]
+        self.plan = installed_plan(self.step)
+        _check_installed(self.step, self.plan, "configure_model")
 
-        from remat.eager import auto
-        from remat.errors import RematError
 
-        policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
-        if policy:
-            raise RematError(
-                f"{type(trainer.strategy).__name__} checkpoints activations itself "
-                f"({policy}): remat would checkpoint the same layers twice. Leave "
-                "activation_checkpointing_policy unset and let RematCallback plan them"
-            )
-        with torch.random.fork_rng():
-            batch = next(iter(trainer.train_dataloader))
-        batch = move_data_to_device(batch, pl_module.device)
-        self.step = TrainingStep(pl_module)
-        self.plan = auto(self.step, batch, budget=self.budget, **self.auto_kwargs)
+def fabric_setup(
+    fabric: Any,
+    module: nn.Module,
+    *optimizers: Any,
+    example: tuple,
+    budget: int | str = DEFAULT_BUDGET,
+    **auto_kwargs: Any,
+) -> Any:
+    """`fabric.setup(module, *optimizers)` with a plan: `module(*example)` is planned under
+    `budget` (`remat.auto`; `loss_fn` and the rest of `auto_kwargs` go to it) and the plan
+    installed before Fabric wraps or shards the module, then checked after. Returns what
+    `fabric.setup` returns; `remat.verify(model.module)` checks the plan after a step.
+
+    Refused: Fabric's own activation checkpointing (FSDPStrategy's
+    `activation_checkpointing_policy`), and tensor parallelism, whose layout the plan must see:
+    call `remat.auto` inside ModelParallelStrategy's `parallelize_fn`, after the tensor-parallel
+    layout and before `fully_shard`, and `fabric.setup` as usual."""
+    from remat.eager import auto
+
+    _refuse_own_checkpointing(fabric.strategy)
+    if _tensor_parallel_size(fabric.strategy) > 1:
+        raise RematError(
+            f"{type(fabric.strategy).__name__} with tensor parallelism: remat plans the layout "
+            "the rank runs, so call remat.auto(module, *example, budget=...) in parallelize_fn "
+            "after the tensor-parallel layout and before fully_shard, then fabric.setup as usual"
+        )
+    chosen = auto(module, *example, budget=budget, **auto_kwargs)
+    out = fabric.setup(module, *optimizers)
+    _check_installed(module, chosen, "parallelize_fn")
+    return out

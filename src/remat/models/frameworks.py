@@ -9,12 +9,17 @@ returns the loss as the framework's training loop computes it:
   (the recipes' default; `--set loss=CrossEntropyLoss` for the plain loss on the upcast logits
   torchtune's decoder returns). Built under the training dtype as the recipe builds it
   (`training.set_default_dtype`), so its RoPE cache is in that dtype too.
-- `torchtitan:llama3:8B` (any flavor of `<model>_args`, fields replaced by `--set`, e.g. the
-  Llama 2 7B shape of torchtitan's first FSDP2 runs): `components.loss.cross_entropy_loss` (sum
-  over tokens on the fp32 upcast prediction), divided by the number of tokens as the trainer
-  does. Parameters are cast to the training dtype; the complex `freqs_cis` table stays
-  complex64, as `init_weights` makes it. Called with the tokens alone, the model returns its
-  prediction (`pred`), for a loop that computes the loss outside and keeps `pred` alive.
+- `torchtitan:llama3:8B` (any flavor of the model's registry): `components.loss.
+  cross_entropy_loss` (sum over tokens on the fp32 upcast prediction), divided by the number of
+  tokens as the trainer does. torchtitan 0.3 (nested configs, `model_registry`): built under the
+  training dtype with RoPE tables of `seq` positions, as the trainer builds it, and FlexAttention
+  (compiled) or varlen attention replaced by SDPA, which saves the same output and logsumexp;
+  `--set n_layers=N vocab_size=V` for any decoder, and for llama3 also `dim`, `n_heads`,
+  `n_kv_heads`, `multiple_of`, `ffn_dim_multiplier`, `rope_theta` (e.g. the Llama 2 7B shape of
+  torchtitan's first FSDP2 runs). torchtitan 0.2 (`<model>_args` flavors): fields replaced by
+  `--set`; parameters cast to the training dtype, the complex `freqs_cis` table kept complex64,
+  as `init_weights` makes it. Called with the tokens alone, the model returns its prediction
+  (`pred`), for a loop that computes the loss outside and keeps `pred` alive.
 """
 
 from __future__ import annotations
@@ -164,7 +169,148 @@ def build_torchtitan(
     name, _, flavor = spec.partition(":")
     flavor = flavor or ("debugmodel" if tiny else "")
     package = _import(f"torchtitan.models.{name}", f"torchtitan:{spec}")
-    configs = getattr(package, f"{name}_args", None) or getattr(package, f"{name}_configs", None)
+    if hasattr(package, "model_registry"):  # torchtitan >= 0.3: nested configs, one per module
+        model, vocab = _build_torchtitan_model(package, spec, flavor, seq, dtype, device, overrides)
+    else:  # torchtitan 0.2: one flat `<model>_args` dataclass per flavor
+        model, vocab = _build_torchtitan_0_2(package, spec, flavor, seq, dtype, device, overrides)
+    loss = _import("torchtitan.components.loss", f"torchtitan:{spec}").cross_entropy_loss
+    ids = token_ids(batch, seq, vocab, device)
+    return TorchtitanStep(model.train(), loss), (ids, token_ids(batch, seq, vocab, device))
+
+
+def _flavors(package: Any) -> dict[str, Any]:
+    """The package's flavor table (`llama3_configs`, `deepseekv3_configs`, ...)."""
+    return next(
+        (
+            v
+            for k, v in vars(package).items()
+            if k.endswith("_configs") and isinstance(v, dict) and v
+        ),
+        {},
+    )
+
+
+#: torchtitan >= 0.3 overrides by name: any decoder's depth and vocabulary, and for llama3 the
+#: shape of its `_build_llama3_layers` (Llama 2 and 3 are both that shape).
+_DECODER_FIELDS = ("n_layers", "vocab_size")
+_LLAMA3_FIELDS = ("dim", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "rope_theta")
+
+
+def _build_torchtitan_model(
+    package: Any,
+    spec: str,
+    flavor: str,
+    seq: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    overrides: dict[str, Any],
+) -> tuple[nn.Module, int]:
+    """torchtitan >= 0.3: the flavor's `model_registry(flavor).model` config, built as the trainer
+    builds it: under the training dtype, RoPE tables sized to `seq` (`update_from_config`), and
+    on a real device initialised by the model's own `init_weights`. FlexAttention and varlen
+    attention (torch.compile'd and CUDA kernels that a fake trace cannot run) become
+    `ScaledDotProductAttention`, which saves what they save: the output and its logsumexp."""
+    flavors = _flavors(package)
+    if flavor not in flavors:
+        raise UnknownModelError(
+            f"torchtitan:{spec}: give a flavor of {package.__name__}: {', '.join(sorted(flavors))}"
+        )
+    config = package.model_registry(flavor).model
+    valid = _DECODER_FIELDS + (_LLAMA3_FIELDS if hasattr(package, "_build_llama3_layers") else ())
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise UnknownModelError(
+            f"torchtitan:{spec}: its model config has no {', '.join(map(repr, unknown))}; valid: "
+            f"{', '.join(sorted(valid))}"
+        )
+    config = _with_overrides(package, config, overrides)
+    _eager_attention(config, seq)
+    with torch.device(device), _default_dtype(dtype):
+        model = config.build()
+    if device.type != "meta":
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+    return model, config.vocab_size
+
+
+def _with_overrides(package: Any, config: Any, overrides: dict[str, Any]) -> Any:
+    """`config` with `n_layers` (the flavor's layers cut, or its last repeated), `vocab_size`,
+    and llama3's shape fields (its layers rebuilt by its own `_build_llama3_layers`)."""
+    shape = {k: v for k, v in overrides.items() if k in _LLAMA3_FIELDS}
+    n_layers = int(overrides.get("n_layers", len(config.layers)))
+    vocab = int(overrides.get("vocab_size", config.vocab_size))
+    if shape:  # rebuild llama3's layers as its flavors do, with the flavor's values as defaults
+        from torchtitan.models.common import compute_ffn_hidden_dim
+
+        first = config.layers[0]
+        dim = int(shape.get("dim", config.dim))
+        n_heads = int(shape.get("n_heads", first.attention.n_heads))
+        rope = replace(
+            first.attention.rope,
+            dim=dim // n_heads,
+            theta=shape.get("rope_theta", first.attention.rope.theta),
+        )
+        hidden = first.feed_forward.w1.out_features
+        if "multiple_of" in shape or "ffn_dim_multiplier" in shape or "dim" in shape:
+            hidden = compute_ffn_hidden_dim(
+                dim,
+                multiple_of=int(shape.get("multiple_of", 1)),
+                ffn_dim_multiplier=shape.get("ffn_dim_multiplier"),
+            )
+        layers = package._build_llama3_layers(
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=shape.get("n_kv_heads", first.attention.n_kv_heads),
+            hidden_dim=hidden,
+            rope=rope,
+            attn_backend="flex",
+        )
+        return replace(
+            config,
+            dim=dim,
+            vocab_size=vocab,
+            tok_embeddings=replace(config.tok_embeddings, num_embeddings=vocab, embedding_dim=dim),
+            norm=replace(config.norm, normalized_shape=dim),
+            lm_head=replace(config.lm_head, in_features=dim, out_features=vocab),
+            layers=layers,
+        )
+    layers = [config.layers[min(i, len(config.layers) - 1)] for i in range(n_layers)]
+    return replace(
+        config,
+        vocab_size=vocab,
+        tok_embeddings=replace(config.tok_embeddings, num_embeddings=vocab),
+        lm_head=replace(config.lm_head, out_features=vocab),
+        layers=layers,
+    )
+
+
+def _eager_attention(config: Any, seq: int) -> None:
+    """In place: FlexAttention and varlen attention -> SDPA; RoPE tables of `seq` positions."""
+    from torchtitan.models.common.attention import (
+        FlexAttention,
+        ScaledDotProductAttention,
+        VarlenAttention,
+    )
+    from torchtitan.models.common.rope import RoPE
+
+    for _, _, parent, attr in list(config.traverse((FlexAttention.Config, VarlenAttention.Config))):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    for _, rope, parent, attr in list(config.traverse(RoPE.Config)):
+        setattr(parent, attr, replace(rope, max_seq_len=seq))
+
+
+def _build_torchtitan_0_2(
+    package: Any,
+    spec: str,
+    flavor: str,
+    seq: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    overrides: dict[str, Any],
+) -> tuple[nn.Module, int]:
+    name = spec.partition(":")[0]
+    configs = getattr(package, f"{name}_args", None)
     if not configs or flavor not in configs:
         raise UnknownModelError(
             f"torchtitan:{spec}: give a flavor of torchtitan.models.{name}: "
@@ -184,9 +330,4 @@ def build_torchtitan(
     table = model.freqs_cis
     model = model.to(dtype)
     model.freqs_cis = table  # complex64, as init_weights makes it; .to(dtype) would drop its phase
-    loss = _import("torchtitan.components.loss", f"torchtitan:{spec}").cross_entropy_loss
-    ids = token_ids(batch, seq, args.vocab_size, device)
-    return TorchtitanStep(model.train(), loss), (
-        ids,
-        token_ids(batch, seq, args.vocab_size, device),
-    )
+    return model, args.vocab_size
