@@ -181,6 +181,24 @@ def test_integration_remat_refuses_checkpoint_wrapped_layers_by_name():
         remat.auto(model, torch.randn(4, 8))
 
 
+def test_integration_verify_is_not_ok_when_another_tool_wraps_a_planned_layer_afterwards():
+    """accelerate's FSDP `activation_checkpointing` wraps layers at `prepare`, after remat's plan
+    was installed: the kept ops still match inside, but the wrapper keeps nothing of the layer,
+    so `verify` names it and is not ok."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from remat.models.hf import build_for_training
+
+    model, inputs = build_for_training("gpt2", seq=32)
+    remat.auto(model, **inputs, loss_fn=lambda out: out.loss, strategy="full", budget="100%")
+    model.transformer.h[1] = checkpoint_wrapper(model.transformer.h[1])
+    model(**inputs).loss.backward()
+    check = remat.verify(model)
+    assert check.kept_ops_matched == check.kept_ops_expected
+    assert check.checkpointed_elsewhere == ("transformer.h.1",) and not check.ok
+    assert "checkpointed elsewhere too: transformer.h.1" in repr(check)
+
+
 def test_a_lora_model_traces_measures_and_plans_exactly():
     """PEFT's LoRA on a Hugging Face model (frozen base weights, trainable adapters): the trace
     saves what autograd saves, the peak is the measured one, and remat's plan verifies with the

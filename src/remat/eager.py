@@ -324,6 +324,9 @@ class Verification:
     held_bytes_measured: int | None
     peak_bytes_predicted: int
     peak_bytes_measured: int | None
+    #: modules another tool checkpoints around the plan (`checkpointed_elsewhere`), wrapped
+    #: after it was installed: their own checkpointing overrides what the plan keeps
+    checkpointed_elsewhere: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         """The answer first: ok, then what it rests on (the per-region detail: `regions`)."""
@@ -335,6 +338,8 @@ class Verification:
 
         missing = [c for c in self.regions if c.missing]
         where = f", missing in {missing[0].modules[0]!r}" if missing else ""
+        if self.checkpointed_elsewhere:
+            where += f"; checkpointed elsewhere too: {', '.join(self.checkpointed_elsewhere)}"
         return (
             f"Verification(ok={self.ok}: kept ops {self.kept_ops_matched}/"
             f"{self.kept_ops_expected}{where}; held "
@@ -356,10 +361,12 @@ class Verification:
 
     @property
     def ok(self) -> bool:
-        """Every kept op matched; when measured, held bytes within 2% and the peak within 5%."""
+        """Every kept op matched, nothing checkpointed around the plan by another tool; when
+        measured, held bytes within 2% and the peak within 5%."""
         held, peak = self.held_ratio, self.peak_ratio
         return (
             self.kept_ops_matched == self.kept_ops_expected
+            and not self.checkpointed_elsewhere
             and (held is None or abs(held - 1) <= 0.02)
             and (peak is None or abs(peak - 1) <= 0.05)
         )
@@ -400,6 +407,7 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         held_bytes_measured=None if measured is None else measured.held_bytes,
         peak_bytes_predicted=state.plan.predicted_peak_bytes,
         peak_bytes_measured=None if measured is None else measured.peak_bytes,
+        checkpointed_elsewhere=tuple(checkpointed_elsewhere(model)),
     )
 
 
