@@ -147,3 +147,38 @@ def test_a_hugging_face_model_laid_out_by_the_user_traces_and_plans_per_rank():
         check = remat.verify(model, *inputs)
         remat.remove(model)
     assert check.ok, check
+
+
+def test_a_fully_sharded_model_is_planned_as_the_bare_model_and_trains_as_without_a_plan():
+    """`remat.auto` on a model `fully_shard` already wrapped (one gloo rank in this process):
+    the trace sees the bare model under the shards (FSDP's hooks held off, which on fake tensors
+    would leave fake ones in its buffers and make the next real step's loss fake), the plan is
+    the bare model's, and the sharded model then trains with the gradients of the unplanned one."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    from remat.parallel import is_fsdp_sharded
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, (ids, labels) = models.build("gpt2", tiny=True, device="cpu", batch=2, seq=32)
+        reference = copy.deepcopy(model)
+        bare = remat.plan(remat.trace(reference, ids, labels), budget="100%", strategy="full")
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+        assert is_fsdp_sharded(model) and not is_fsdp_sharded(reference)
+        plan = remat.auto(model, ids, labels, budget="100%", strategy="full")
+        assert (plan.held_bytes, plan.predicted_peak_bytes) == (
+            bare.held_bytes,
+            bare.predicted_peak_bytes,
+        )
+        model(ids, labels).backward()
+        reference(ids, labels).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+        assert remat.verify(model).ok
+    finally:
+        dist.destroy_process_group()

@@ -922,8 +922,28 @@ def trace(
                 "or trace with device='meta'."
             )
 
-    # Traced with random draws at their low extreme; where a draw reached Python (LayerDrop) at
-    # the high one too, and planned for the longer step (`remat.draws`).
+    bare = contextlib.nullcontext()
+    if module is not None and not real:
+        from remat.parallel import fsdp_sharded_as_bare, is_fsdp_sharded
+
+        if is_fsdp_sharded(module):  # FSDP's hooks on fake tensors would corrupt its buffers
+            bare = fsdp_sharded_as_bare(module)
+    with bare:
+        return _trace_draws(fn, module, args, kwargs, loss_fn, device, autocast, target)
+
+
+def _trace_draws(
+    fn: nn.Module | Callable[..., Any],
+    module: nn.Module | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: str,
+    autocast: torch.dtype | None,
+    target: Target,
+) -> Graph:
+    """The step traced with random draws at their low extreme; where a draw reached Python
+    (LayerDrop) at the high one too, and planned for the longer step (`remat.draws`)."""
     traced: dict[str, Graph | TraceError] = {}
     for draws in ("low", "high"):
         try:

@@ -26,8 +26,6 @@ after remat's plan, and each planned layer would be checkpointed twice.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -162,55 +160,6 @@ def _refuse_regions_fsdp_cannot_run(plan: Plan, units: set[str]) -> None:
         )
 
 
-@contextlib.contextmanager
-def _as_bare_model(model: nn.Module) -> Iterator[None]:
-    """An FSDP2-sharded `model` seen as the bare model it shards, for the length of a fake trace:
-    each sharded parameter (a DTensor) replaced by a meta tensor of its full shape (tied ones
-    stay tied), and FSDP's forward hooks, which would gather parameters (leaving fake tensors in
-    FSDP's buffers) and register the backward's, held off; both are put back as they were."""
-    from torch.distributed.tensor import DTensor
-
-    stand_in: dict[int, nn.Parameter] = {}
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    held: list[tuple[dict, dict]] = []
-    try:
-        for module in model.modules():
-            for name, p in module._parameters.items():
-                if isinstance(p, DTensor):
-                    if p.device_mesh.ndim != 1:
-                        raise RematError(
-                            f"parameter {name!r} of {type(module).__name__} is sharded over a "
-                            f"{p.device_mesh.ndim}-D mesh (FSDP with tensor parallelism): plan "
-                            "before sharding (remat.parallel) and apply the plan before FSDP"
-                        )
-                    if id(p) not in stand_in:
-                        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
-                        stand_in[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
-                    swapped.append((module, name, p))
-            for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                before = dict(hooks)
-                fsdp = {k for k, h in before.items() if _is_fsdp_hook(h)}
-                if fsdp:
-                    held.append((hooks, before))
-                    for k in fsdp:
-                        del hooks[k]
-        for module, name, p in swapped:
-            module._parameters[name] = stand_in[id(p)]
-        yield
-    finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
-        for hooks, before in held:
-            added = {k: h for k, h in hooks.items() if k not in before}
-            hooks.clear()
-            hooks.update(before)
-            hooks.update(added)
-
-
-def _is_fsdp_hook(hook: Any) -> bool:
-    return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp.")
-
-
 def _plan_for_fsdp(
     model: nn.Module,
     example: dict[str, Any],
@@ -227,8 +176,7 @@ def _plan_for_fsdp(
     from remat.trace import trace
 
     remove(model)
-    with _as_bare_model(model):
-        graph = trace(model, **example, loss_fn=_own_loss)
+    graph = trace(model, **example, loss_fn=_own_loss)  # as the bare model (`remat.parallel`)
     chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
     _refuse_regions_fsdp_cannot_run(chosen, units)
     apply(model, chosen)
