@@ -23,14 +23,13 @@ with `remat.verify` (measured in one process and under DDP), and the script fail
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning_trainer import STRATEGIES, fsdp1_on_cpu
+from lightning_trainer import arguments, exit_with, fsdp1_on_cpu, report
 from torch.distributed.fsdp import fully_shard
 
 import remat
@@ -111,17 +110,7 @@ def train(args, world: int, batches: list, budget: str | None) -> tuple[list[flo
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (model-parallel)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=33)
-    parser.add_argument("--budget", default="60%")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.tp > 1 and args.strategy != "model-parallel":
-        parser.error("--tp needs --strategy model-parallel")
-    torch.set_num_threads(1)
+    args = arguments(__doc__, argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     # tensor-parallel ranks take the same batches; data-parallel ranks their own
     g = torch.Generator().manual_seed(args.seed + rank // args.tp)
@@ -136,27 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan = installed_plan(planned)
     remat.remove(planned)
 
-    if rank == 0:
-        print(f"\nFabric {args.strategy} on {world} process(es): {plan!r}\nverify: {check!r}")
-        print(f"{'step':>4}  {'loss, no remat':>16}  {'loss, remat':>16}")
-        for step, (a, b) in enumerate(zip(baseline, with_remat, strict=False), start=1):
-            print(f"{step:>4}  {a:>16.10f}  {b:>16.10f}")
-    equal = len(baseline) == len(with_remat) == args.steps and torch.allclose(
-        torch.tensor(baseline), torch.tensor(with_remat), rtol=1e-6, atol=0
-    )
-    print(f"rank {rank}: losses equal: {equal} | verify ok: {check.ok}", flush=True)
-    return {"baseline": baseline, "remat": with_remat, "equal": equal, "plan": plan,
-            "verified": check.ok}  # fmt: skip
+    return report(f"Fabric {args.strategy} on {world} process(es)", baseline, with_remat,
+                  args.steps, plan, check)  # fmt: skip
 
 
 if __name__ == "__main__":
-    result = main()
-    ok = result["equal"] and result["verified"] and bool(result["plan"].regions)
-    if ok and int(os.environ.get("RANK", "0")) == 0:
-        print("OK")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from distributed import exit_before_interpreter_teardown
-
-        if ok:
-            exit_before_interpreter_teardown()
-    raise SystemExit(0 if ok else 1)
+    exit_with(main())

@@ -155,8 +155,9 @@ def train(args, world: int, data, budget: str | None) -> tuple[list[float], Rema
     return losses.losses, callback
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The examples' options (on one torch thread: fastest for tiny models)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (model-parallel)")
     parser.add_argument("--steps", type=int, default=3)
@@ -167,6 +168,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.tp > 1 and args.strategy != "model-parallel":
         parser.error("--tp needs --strategy model-parallel")
     torch.set_num_threads(1)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = arguments(__doc__, argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, 256, (4 * args.steps * world, args.seq), generator=g)
@@ -178,22 +184,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check = remat.verify(callback.step, *([(ids[:4],)] if measured else []))
     remat.remove(callback.step)
 
+    return report(f"{args.strategy} on {world} process(es)", baseline, with_remat, args.steps,
+                  callback.plan, check)  # fmt: skip
+
+
+def report(
+    what: str, baseline: list[float], with_remat: list[float], steps: int, plan: Any, check: Any
+) -> dict[str, Any]:
+    """Print the plan, the check and the losses side by side (rank 0), and whether this rank's
+    losses are equal and the check ok; the examples' result."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        print(f"\n{args.strategy} on {world} process(es): {callback.plan!r}\nverify: {check!r}")
+        print(f"\n{what}: {plan!r}\nverify: {check!r}")
         print(f"{'step':>4}  {'loss, no remat':>16}  {'loss, remat':>16}")
         for step, (a, b) in enumerate(zip(baseline, with_remat, strict=False), start=1):
             print(f"{step:>4}  {a:>16.10f}  {b:>16.10f}")
-    equal = len(baseline) == len(with_remat) == args.steps and torch.allclose(
+    equal = len(baseline) == len(with_remat) == steps and torch.allclose(
         torch.tensor(baseline), torch.tensor(with_remat), rtol=1e-6, atol=0
     )
     print(f"rank {rank}: losses equal: {equal} | verify ok: {check.ok}", flush=True)
-    return {"baseline": baseline, "remat": with_remat, "equal": equal, "plan": callback.plan,
+    return {"baseline": baseline, "remat": with_remat, "equal": equal, "plan": plan,
             "verified": check.ok}  # fmt: skip
 
 
-if __name__ == "__main__":
-    result = main()
+def exit_with(result: dict[str, Any]) -> None:
+    """Exit 0 when the losses were equal, the check ok and something checkpointed (`OK` on rank
+    0); under torchrun skip the interpreter's teardown once done (`distributed.py`)."""
     ok = result["equal"] and result["verified"] and bool(result["plan"].regions)
     if ok and int(os.environ.get("RANK", "0")) == 0:
         print("OK")
@@ -203,3 +219,7 @@ if __name__ == "__main__":
         if ok:
             exit_before_interpreter_teardown()
     raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    exit_with(main())
