@@ -101,10 +101,56 @@ def test_first_stage_holds_the_most_and_is_planned_to_recompute_more():
     assert planned.stages[0].plan.recompute_seconds > 0
     assert planned.stages[1].plan.recompute_seconds == 0
     assert planned.peak_bytes <= budget
-    with pytest.raises(InfeasibleBudget, match="stage"):
+    with pytest.raises(InfeasibleBudget, match="rank 0 \\(stage 0"):
         pp.plan(build, 8, 64, 1000, stages=2, microbatches=4, schedule="1f1b")
-    with pytest.raises(RematError, match="one stage per rank"):
-        pp.plan(build, 8, 64, budget, stages=4, microbatches=4, schedule="interleaved-1f1b")
+
+
+def test_a_rank_of_two_interleaved_stages_gets_the_cheapest_pair_of_plans_that_fits():
+    """Interleaved 1F1B runs two stages a rank: they are planned together, the pair of plans of
+    least summed recompute whose rank peak fits; no single fixed strategy on every stage that
+    fits recomputes less, and brute force over every pair of candidates finds none cheaper."""
+    from remat import strategies
+
+    def build(batch, seq):
+        return tiny("llama-2-7b", layers=8, batch=batch, seq=seq)
+
+    shape = {"stages": 4, "microbatches": 4, "schedule": "interleaved-1f1b", "ranks": 2}
+    traced = pp.TracedPipeline.of(build, 8, 64, **shape)
+    store_all = traced.report()
+    full = {
+        t.stage.index: (p := traced.planner(t.stage.index)).solve(
+            strategies.get("full"), p.estimate.peak_bytes
+        )
+        for t in traced.traced
+    }
+    budget = (store_all.peak_bytes + traced.report(full).peak_bytes) // 2
+    planned = traced.plan(budget)
+    assert planned.peak_bytes <= budget < store_all.peak_bytes
+    cost = {r: sum(s.plan.recompute_seconds for s in planned.stages if s.rank == r) for r in (0, 1)}
+    for name in ("full", "selective:torchtitan", "selective:megatron"):
+        fixed = {
+            t.stage.index: (p := traced.planner(t.stage.index)).solve(
+                strategies.get(name), p.estimate.peak_bytes
+            )
+            for t in traced.traced
+        }
+        report = traced.report(fixed)
+        for r in (0, 1):
+            if report.rank_peak_bytes[r] <= budget:
+                mine = sum(p.recompute_seconds for i, p in fixed.items() if i % 2 == r)
+                assert cost[r] <= mine + 1e-12, (name, r)
+    # brute force over every pair of the two stages' candidates
+    for r in (0, 1):
+        a, b = ([*(f := traced.planner(i).pareto()).points, *f.named] for i in (r, r + 2))
+        fitting = [
+            p.recompute_seconds + q.recompute_seconds
+            for p in a
+            for q in b
+            if traced.rank_peak(r, {r: traced.step(r, p), r + 2: traced.step(r + 2, q)}) <= budget
+        ]
+        assert cost[r] == pytest.approx(min(fitting), abs=1e-12)
+    with pytest.raises(InfeasibleBudget, match=r"rank 0 \(stage 0 \(\d in flight\), 2"):
+        traced.plan(1000)
 
 
 @pytest.mark.distributed

@@ -341,8 +341,6 @@ def _plans(
                 t.stage.index: traced.planner(t.stage.index, gpu.profile, optimizer).lowest_peak()
                 for t in traced.traced
             }
-        except RematError:  # several stages per rank: one fixed strategy for all of them
-            return _best_fixed(traced, gpu, optimizer, sharding, usable)
         return {s.stage: s.plan for s in report.stages}
     strategy = strategies.get(name, "eager")
     try:
@@ -354,23 +352,6 @@ def _plans(
         }
     except NoBlocksError:
         return None
-
-
-def _best_fixed(
-    traced: TracedPipeline, gpu: Gpu, optimizer: Optimizer, sharding: Sharding, usable: int
-) -> dict[int, Any]:
-    """Where stages cannot be planned one by one (several per rank): the fixed strategy of
-    least recompute whose every rank fits, else the one of least peak."""
-    judged = []
-    for name in ("store_all", "selective:megatron", "selective:torchtitan", "full"):
-        plans = _plans(traced, name, gpu, optimizer, sharding, usable)
-        if plans is not None:
-            peak = traced.report(plans, optimizer, sharding).peak_bytes
-            judged.append((peak > usable, _overhead(traced, plans, gpu, optimizer), peak, plans))
-    fitting = [j for j in judged if not j[0]]
-    if fitting:
-        return min(fitting, key=lambda j: j[1])[3]
-    return min(judged, key=lambda j: j[2])[3]
 
 
 def _same_plans(

@@ -23,6 +23,7 @@ against real pipelines by `examples/pipeline.py` (docs/parallelism.md).
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -860,6 +861,10 @@ def rank_events(
     return events
 
 
+#: The most combinations of its stages' candidate plans `TracedPipeline.plan` walks for a rank.
+_MAX_COMBINATIONS = 20_000
+
+
 @dataclass
 class TracedPipeline:
     """A pipeline step traced once (one micro-batch per stage) and torch's order for its schedule:
@@ -1015,10 +1020,6 @@ class TracedPipeline:
     ) -> PipelineReport:
         """Each stage planned so that its rank's peak fits `budget` (or `budget[rank]`, one per
         rank): see `plan`."""
-        if issubclass(_schedule_class(self.schedule), torch_schedules.PipelineScheduleMulti):
-            raise RematError(
-                f"plan() plans one stage per rank; {self.schedule!r} runs several: use predict()"
-            )
         if isinstance(budget, (int, str)):
             budgets = [parse_bytes(budget)] * len(self.order)
         elif len(budget) == len(self.order):
@@ -1028,40 +1029,81 @@ class TracedPipeline:
                 f"{len(budget)} budgets for {len(self.order)} ranks: give one per rank"
             )
         plans: dict[int, Plan | None] = {}
-        frontiers: dict[int, Any] = {}  # by graph: stages traced alike share theirs
-        for t in self.traced:
-            i = t.stage.index
-            budget_bytes = budgets[t.rank]
-            if self.rank_peak(t.rank, {i: self.step(i, None, optimizer)}, optimizer, sharding) <= (
-                budget_bytes
-            ):
-                # store-all fits: no plan recomputes less (and no frontier is needed)
-                planner = self.planner(i, profile, optimizer)
-                plans[i] = planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
-                continue
-            planner = self.planner(i, profile, optimizer)
+        frontiers: dict[int, list[Any]] = {}  # by graph: stages traced alike share theirs
+        for rank in sorted(self.order):
+            mine = [t for t in self.traced if t.rank == rank]
+            plans.update(
+                self._plan_rank(rank, mine, budgets[rank], optimizer, profile, sharding, frontiers)
+            )
+        return self.report(plans, optimizer, sharding)
+
+    def _plan_rank(
+        self,
+        rank: int,
+        mine: list[_TracedStage],
+        budget_bytes: int,
+        optimizer: Optimizer,
+        profile: str | Any,
+        sharding: Sharding,
+        frontiers: dict[int, list[Any]],
+    ) -> dict[int, Plan]:
+        """The plans of `rank`'s stages of least summed recompute (the rank runs them one after
+        another) whose rank peak fits: store-all if it does; else the combinations of each
+        stage's candidates (its frontier and the fixed strategies, `Planner.pareto`) in order of
+        their summed recompute, the first that fits (one stage per rank: its candidates in
+        order)."""
+        planners = {t.stage.index: self.planner(t.stage.index, profile, optimizer) for t in mine}
+        store_all = {
+            i: p.solve(strategies.get("store_all"), p.estimate.peak_bytes)
+            for i, p in planners.items()
+        }
+        steps = {i: self.step(i, None, optimizer) for i in planners}
+        if self.rank_peak(rank, steps, optimizer, sharding) <= budget_bytes:
+            return store_all  # no plan recomputes less (and no frontier is needed)
+        candidates = []
+        for t in mine:
             if id(t.graph) not in frontiers:
-                frontiers[id(t.graph)] = planner.pareto()
-            frontier = frontiers[id(t.graph)]
-            best = None
-            for p in sorted((*frontier.points, *frontier.named), key=lambda p: p.recompute_seconds):
-                step = StageStep.of(
+                frontier = planners[t.stage.index].pareto()
+                frontiers[id(t.graph)] = sorted(
+                    (*frontier.points, *frontier.named), key=lambda p: p.recompute_seconds
+                )
+            candidates.append(frontiers[id(t.graph)])
+        # several stages a rank: the cheapest of each stage's candidates, at most ~20,000 pairs
+        per_stage = max(2, int(_MAX_COMBINATIONS ** (1 / len(candidates))))
+        candidates = [c[:per_stage] for c in candidates]
+        stage_steps: dict[tuple[int, int], StageStep] = {}
+
+        def step_of(t: _TracedStage, k: int, p: Plan) -> StageStep:
+            if (t.stage.index, k) not in stage_steps:
+                planner = planners[t.stage.index]
+                stage_steps[t.stage.index, k] = StageStep.of(
                     t.graph, planner.simulate(p.regions), planner.base_bytes, t.output_bytes
                 )
-                peak = self.rank_peak(t.rank, {i: step}, optimizer, sharding)
-                if peak <= budget_bytes:
-                    plans[i] = p
-                    break
-                best = peak if best is None else min(best, peak)
-            else:
-                raise InfeasibleBudget(
-                    f"stage {i} (rank {t.rank}, {self.counts[i]} micro-batches in flight) peaks "
-                    f"at {format_bytes(best)} at least, over the budget of "
-                    f"{format_bytes(budget_bytes)}",
-                    budget_bytes=budget_bytes,
-                    min_feasible_bytes=best,
-                )
-        return self.report(plans, optimizer, sharding)
+            return stage_steps[t.stage.index, k]
+
+        combos = sorted(
+            itertools.product(*(range(len(c)) for c in candidates)),
+            key=lambda ks: sum(c[k].recompute_seconds for c, k in zip(candidates, ks, strict=True)),
+        )
+        best = None
+        for ks in combos:
+            steps = {
+                t.stage.index: step_of(t, k, c[k])
+                for t, c, k in zip(mine, candidates, ks, strict=True)
+            }
+            peak = self.rank_peak(rank, steps, optimizer, sharding)
+            if peak <= budget_bytes:
+                return {t.stage.index: c[k] for t, c, k in zip(mine, candidates, ks, strict=True)}
+            best = peak if best is None else min(best, peak)
+        stages = ", ".join(
+            f"{t.stage.index} ({self.counts[t.stage.index]} in flight)" for t in mine
+        )
+        raise InfeasibleBudget(
+            f"rank {rank} (stage {stages}) peaks at {format_bytes(best)} at least, over the "
+            f"budget of {format_bytes(budget_bytes)}",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=best,
+        )
 
 
 def predict(
@@ -1095,6 +1137,7 @@ def plan(
     stages: int,
     microbatches: int,
     schedule: str = "1f1b",
+    ranks: int | None = None,
     optimizer: Optimizer = None,
     profile: str = "cpu",
 ) -> PipelineReport:
@@ -1104,14 +1147,11 @@ def plan(
     holds per micro-batch in flight counts as much), the one of least recompute time whose rank
     peak, with the schedule's micro-batches in flight, fits. A stage that holds more
     micro-batches (the first, under 1F1B) gets less room per micro-batch, and so may recompute
-    more. One stage per rank. Raises `InfeasibleBudget` naming the stage and the smallest budget
-    its plans reach."""
-    if issubclass(_schedule_class(schedule), torch_schedules.PipelineScheduleMulti):
-        raise RematError(
-            f"plan() plans one stage per rank; {schedule!r} runs several: use predict()"
-        )
+    more. A rank of several stages (interleaved schedules) gets the combination of its stages'
+    plans of least summed recompute that fits. Raises `InfeasibleBudget` naming the rank, its
+    stages and the smallest budget its plans reach."""
     traced = TracedPipeline.of(
-        build, batch, seq, stages=stages, microbatches=microbatches, schedule=schedule
+        build, batch, seq, stages=stages, microbatches=microbatches, schedule=schedule, ranks=ranks
     )
     return traced.plan(budget, optimizer, profile)
 
