@@ -182,3 +182,37 @@ def test_a_fully_sharded_model_is_planned_as_the_bare_model_and_trains_as_withou
         assert remat.verify(model).ok
     finally:
         dist.destroy_process_group()
+
+
+def test_context_parallel_on_a_cuda_target_runs_torchs_ring_attention():
+    """`Layout(cp=2).trace` on a CUDA target runs torch's `context_parallel` (rank 0 of two
+    fake ranks): each attention layer all-gathers K/V once and calls attention once per ring
+    step, the second step (load-balanced, causal) on the second half of its queries only, so
+    its attention FLOPs are 1.5x those of the local chunk's step; what it saves is the local
+    step's and the ring's merge (a few %). On a CPU target the local chunk stands for it."""
+    from remat.parallel import Layout
+
+    def build(batch, seq):
+        return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True)
+
+    layout = Layout(cp=2)
+    ring = layout.trace(build, 2, 256, target="cuda")
+    assert ring.info["context_parallel"] == "torch ring attention"
+    assert layout.trace(build, 2, 256).info["context_parallel"] == "local chunk (seq / cp)"
+    local = remat.trace(*_model_and_inputs(build, 2, 128), target="cuda")
+    blocks = len(ring.blocks)
+
+    def forward(graph, short):
+        return [o for o in graph.forward_ops if o.short == short]
+
+    attention = "_scaled_dot_product_efficient_attention"  # fp32 on sm90
+    assert len(forward(ring, attention)) == 2 * blocks == 2 * len(forward(local, attention))
+    assert len(forward(ring, "all_gather_into_tensor")) == blocks
+    flops = [sum(o.flops for o in forward(g, attention)) for g in (ring, local)]
+    assert flops[0] == 1.5 * flops[1]
+    assert local.activation_bytes < ring.activation_bytes < 1.1 * local.activation_bytes
+
+
+def _model_and_inputs(build, batch, seq):
+    model, inputs = build(batch, seq)
+    return (model, *inputs)

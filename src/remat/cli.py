@@ -219,7 +219,7 @@ def _trace_model(args: argparse.Namespace, console: Console):
                 )  # fmt: skip
 
             graph = layout.trace(build, args.batch, args.seq, target=target)
-            graph.info["layout"] = layout.describe()
+            graph.info["layout"] = layout.describe(graph)
         else:
             graph = trace(model, *inputs, device=device, target=target)
     graph.info.update(

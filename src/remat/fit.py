@@ -680,7 +680,7 @@ def fit(
         seconds=time.perf_counter() - start,
         extra=extra,
         allocator=_judged_by(steps),
-        layout=layout.describe(),
+        layout=layout.describe(steps.planner(batch, seq).graph),
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))

@@ -199,10 +199,9 @@ class Layout:
     """How one step is laid out over ranks besides FSDP2's data-parallel sharding (`shard`
     elsewhere): `tp` tensor-parallel ranks (with sequence parallelism, as torchtitan lays out
     tensor parallelism) and `cp` context-parallel ranks, each holding `seq / cp` tokens of every
-    sequence. Ring attention keeps only the local chunk's Q, K, V, output and log-sum-exp for
-    backward, so a context-parallel rank's step is traced as the step at `seq / cp`; the K/V chunk
-    in flight around the ring (2 x the local K and V) and attention's FLOPs against the other
-    ranks' keys are not in that trace (docs/parallelism.md)."""
+    sequence: on a CUDA target, traced under torch's own `context_parallel` (its ring attention's
+    collectives, per-step attention calls and merges); elsewhere as the step at `seq / cp`
+    (`trace`, docs/parallelism.md)."""
 
     tp: int = 1
     cp: int = 1
@@ -242,24 +241,72 @@ class Layout:
         return seq // self.cp
 
     def trace(self, build: Any, batch: int, seq: int, **trace_kwargs: Any) -> Any:
-        """One rank's step of the model `build(batch, local seq)` returns, laid out and traced
-        on fake tensors (`remat.trace`) with a fake process group of `tp` ranks."""
+        """One rank's step of the model `build` returns, laid out and traced on fake tensors
+        (`remat.trace`) with a fake process group of `tp` (or `cp`) ranks.
+
+        Context parallelism alone on a CUDA target runs torch's own: the model built at the
+        whole `seq`, its token inputs sharded by `context_parallel` (round-robin chunks for
+        causal load balancing) and attention run by its ring (`_templated_ring_attention`: the
+        K/V all-gather, one attention call per ring step against the other ranks' keys, the
+        fp32 merge of outputs and log-sum-exps), so what the rank saves and computes is torch's
+        (`graph.info["context_parallel"]` says "torch ring attention"). Elsewhere (a CPU target,
+        whose attention kernels torch's ring does not take; tensor parallelism too; a length
+        torch's ring cannot split) the step at `seq / cp` stands for it ("local chunk")."""
+        from remat.targets import get_target
         from remat.trace import trace
 
+        if self.cp > 1 and self.tp == 1 and get_target(trace_kwargs.get("target")).is_cuda:
+            with contextlib.suppress(_RingUnavailable):
+                return self._trace_ring(build, batch, seq, **trace_kwargs)
         model, inputs = build(batch, self.local_seq(seq))
         if self.tp == 1:
-            return trace(model, *inputs, **trace_kwargs)
-        with fake_ranks(self.tp):
-            tensor_parallel(model, self.tp, sequence_parallel=self.sequence_parallel)
-            return trace(model, *inputs, **trace_kwargs)
+            graph = trace(model, *inputs, **trace_kwargs)
+        else:
+            with fake_ranks(self.tp):
+                tensor_parallel(model, self.tp, sequence_parallel=self.sequence_parallel)
+                graph = trace(model, *inputs, **trace_kwargs)
+        if self.cp > 1:
+            graph.info["context_parallel"] = "local chunk (seq / cp)"
+        return graph
 
-    def describe(self) -> str:
+    def _trace_ring(self, build: Any, batch: int, seq: int, **trace_kwargs: Any) -> Any:
+        """The step under torch's `context_parallel` over `cp` fake ranks (see `trace`); raises
+        `_RingUnavailable` where torch's ring cannot run it."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        from remat.errors import TraceError
+        from remat.trace import trace
+
+        self.local_seq(seq)
+        if seq % (2 * self.cp):  # round-robin load balancing cuts 2 x cp chunks
+            raise _RingUnavailable
+        model, inputs = build(batch, seq)
+        buffers = [t for t in inputs if hasattr(t, "dim") and t.dim() >= 2 and t.shape[1] == seq]
+        with fake_ranks(self.cp):
+            mesh = init_device_mesh("cpu", (self.cp,))
+            try:
+                with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+                    graph = trace(model, *inputs, **trace_kwargs)
+            except (TraceError, NotImplementedError, RuntimeError) as err:
+                raise _RingUnavailable from err
+        graph.info["context_parallel"] = "torch ring attention"
+        return graph
+
+    def describe(self, graph: Any = None) -> str:
+        """The layout in words; with a rank's traced `graph`, how context parallelism was traced
+        in it (`trace`)."""
         parts = [f"tp {self.tp}" + (" + sp" if self.sequence_parallel else "")] * (self.tp > 1)
         parts += [f"cp {self.cp}"] * (self.cp > 1)
         parts += [f"pp {self.pp} ({self.schedule}, {self.microbatches} micro-batches)"] * (
             self.pp > 1
         )
-        return ", ".join(parts)
+        ring = None if graph is None else graph.info.get("context_parallel")
+        return ", ".join(parts) + (f" ({ring})" if ring else "")
+
+
+class _RingUnavailable(Exception):
+    """torch's ring attention cannot run this step (`Layout._trace_ring`)."""
 
 
 #: No tensor or context parallelism: one rank's step is the step.
