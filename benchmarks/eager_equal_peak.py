@@ -1,7 +1,7 @@
 """remat.auto against each hand-written eager strategy at that strategy's MEASURED peak (issue 11,
 item 7).
 
-    python benchmarks/eager_equal_peak.py [--rounds 9] [--profile cpu|calibrated] [--tiny]
+    python benchmarks/eager_equal_peak.py [--rounds 9] [--profile cpu|calibrated] [--tiny] [--tuned]
 
 For each hand-written strategy (full, sqrt, checkpointing every other block, torchtitan's and
 Megatron's selective policies): apply its plan and measure its peak (`remat.measure`); then plan
@@ -37,6 +37,7 @@ from remat import models, strategies
 from remat.bench import _interleaved_rounds, _plan_applied
 from remat.errors import InfeasibleBudget
 from remat.plans import Plan
+from remat.tune import tune
 from remat.units import format_bytes
 
 GPT2_STYLE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 8192}
@@ -90,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also plan auto with checkpointing's own cost left out of the profile (the cost "
         "model before issue 11 item 7), and time those plans in the same rounds",
     )
+    parser.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also auto:tuned at each peak (remat.tune: the best few plans that fit timed on the "
+        "model, the fastest kept), timed in the same rounds",
+    )
     args = parser.parse_args(argv)
 
     log = functools.partial(print, file=sys.stderr, flush=True)
@@ -136,9 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         row = {"name": name, "plan": mine, "what": _what(mine), "peak": peak}
         log(f"  measured peak {format_bytes(peak)} ({peak} B); auto at that budget ...")
         rows.append(row)
-        for label, p in planners.items():
+        choosers = {label: functools.partial(p.plan, peak, "auto") for label, p in planners.items()}
+        if args.tuned:  # the best few plans that fit, timed on the model: the fastest
+            choosers["auto:tuned"] = lambda peak=peak: (
+                tune(model, *inputs, planner=planner, budget_bytes=peak).chosen
+            )
+        for label, choose in choosers.items():
             try:
-                chosen = p.plan(peak, "auto")
+                chosen = choose()
             except InfeasibleBudget as err:
                 auto = {"name": f"{label}@{name}", "plan": None, "note": str(err), "budget": peak}
             else:
@@ -202,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         if auto["plan"] is None:
             lines.append(f"{mine} {label} | infeasible: {auto['note'][:100]} | | | | |")
             continue
-        extra = planners[label].make_plan(row["plan"].regions, "", None, "").recompute_seconds
+        extra = planners.get(label, planner).make_plan(row["plan"].regions, "", None, "")
+        extra = extra.recompute_seconds
         lines.append(
             f"{mine} {label} | {auto['what']} | {format_bytes(auto['peak'])} | {cell(auto)} | "
             f"{auto['plan'].recompute_seconds * 1e3:.0f} ms ({extra * 1e3:.0f} ms) |"
