@@ -17,7 +17,7 @@ linears). A model of one's own is laid out by calling `parallelize_module` with 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,3 +371,27 @@ def fsdp_sharded_as_bare(model: nn.Module) -> Iterator[None]:
 
 def _is_fsdp_hook(hook: Any) -> bool:
     return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp.")
+
+
+def regions_across_fsdp_units(
+    plan: Any, root: nn.Module, will_shard: Collection[str] = ()
+) -> list[tuple[str, ...]]:
+    """The regions of `plan` (module paths under `root`) whose modules FSDP gathers as separate
+    units: the region's first module calls the others' forwards itself, outside the hooks that
+    gather their parameters, so FSDP cannot run it (FSDP2: "mixed torch.Tensor and DTensor";
+    FSDP1: "mat2 must be a matrix"). A module's unit is the innermost FSDP1 wrapper or
+    `fully_shard`ed module holding it, or one of the paths in `will_shard` (units a wrapper will
+    make, for a plan made before it does)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    named = dict(root.named_modules())
+    coming = {id(named[p]) for p in will_shard if p in named}
+    unit_of: dict[int, int | None] = {}
+    stack: list[tuple[nn.Module, int | None]] = [(root, None)]
+    while stack:
+        module, unit = stack.pop()
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)) or id(module) in coming:
+            unit = id(module)
+        unit_of[id(module)] = unit
+        stack.extend((child, unit) for child in module.children())
+    return [r.modules for r in plan.regions if len({unit_of[id(named[p])] for p in r.modules}) > 1]

@@ -64,8 +64,10 @@ def enable(
     _switch_off_hf_checkpointing(model)
     if accelerator is not None:
         check_accelerator(accelerator)
-    units = _fsdp_units(model) | _units_accelerate_will_shard(accelerator, model)
-    if not units:
+    from remat.parallel import is_fsdp_sharded
+
+    units = _units_accelerate_will_shard(accelerator, model)
+    if not units and not is_fsdp_sharded(model):
         from remat.eager import auto
 
         return auto(model, **example, budget=budget, loss_fn=_own_loss, **kwargs)
@@ -93,7 +95,7 @@ def check_accelerator(accelerator: Any, *models: nn.Module) -> None:
     for model in models:
         state = vars(model).get(_APPLIED)
         if state is not None:
-            _refuse_regions_fsdp_cannot_run(state.plan, _fsdp_units(model))
+            _refuse_regions_fsdp_cannot_run(state.plan, model, set())
 
 
 def _switch_off_hf_checkpointing(model: nn.Module) -> None:
@@ -112,13 +114,6 @@ def _switch_off_hf_checkpointing(model: nn.Module) -> None:
         "remat's plan replaces it (it would checkpoint the layers twice)",
         type(model).__name__,
     )
-
-
-def _fsdp_units(model: nn.Module) -> set[str]:
-    """The paths of `model`'s submodules that FSDP2 has sharded as units of their own."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return {p for p, m in model.named_modules() if p and isinstance(m, FSDPModule)}
 
 
 def _units_accelerate_will_shard(accelerator: Any, model: nn.Module) -> set[str]:
@@ -141,22 +136,19 @@ def _units_accelerate_will_shard(accelerator: Any, model: nn.Module) -> set[str]
     return {p for p, m in model.named_modules() if p and policy(m)}
 
 
-def _crossing(plan: Plan, units: set[str]) -> list[tuple[str, ...]]:
-    """The regions of `plan` that continue into an FSDP unit: its later blocks run inside the
-    first one's forward, outside their own call, where FSDP gathers a unit's parameters."""
-    return [r.modules for r in plan.regions if units.intersection(r.modules[1:])]
+def _refuse_regions_fsdp_cannot_run(plan: Plan, model: nn.Module, units: set[str]) -> None:
+    from remat.parallel import regions_across_fsdp_units
 
-
-def _refuse_regions_fsdp_cannot_run(plan: Plan, units: set[str]) -> None:
-    crossing = _crossing(plan, units)
+    crossing = regions_across_fsdp_units(plan, model, units)
     if crossing:
-        unit = next(p for p in crossing[0][1:] if p in units)
         raise RematError(
-            f"the plan's region {', '.join(crossing[0])} runs {unit!r} inside the forward of "
-            f"{crossing[0][0]!r}, but FSDP shards {unit!r} on its own and gathers its parameters "
-            "only in its own call. Plan knowing the FSDP units: remat.integrations.hf.enable("
-            "model, batch, budget, accelerator=accelerator) before prepare, or a strategy of one "
-            "block per region (strategy='milp', 'first_k', 'full' or 'selective')"
+            f"the plan's region {', '.join(crossing[0])} runs "
+            f"{', '.join(repr(m) for m in crossing[0][1:])} inside "
+            f"the forward of {crossing[0][0]!r}, but FSDP shards them as units of their own and "
+            "gathers a unit's parameters only in its own call. Plan knowing the FSDP units: "
+            "remat.integrations.hf.enable(model, batch, budget, accelerator=accelerator) before "
+            "prepare, or a strategy of one block per region (strategy='milp', 'first_k', 'full' "
+            "or 'selective')"
         )
 
 
@@ -178,7 +170,7 @@ def _plan_for_fsdp(
     remove(model)
     graph = trace(model, **example, loss_fn=_own_loss)  # as the bare model (`remat.parallel`)
     chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
-    _refuse_regions_fsdp_cannot_run(chosen, units)
+    _refuse_regions_fsdp_cannot_run(chosen, model, units)
     apply(model, chosen)
     log.info(
         "remat: installed %s on %s under FSDP2 (planned as the bare model, one rank's batch): "

@@ -132,23 +132,6 @@ def _shards(strategy: Any) -> bool:
     return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
-def _shard_units(root: nn.Module) -> dict[nn.Module, nn.Module | None]:
-    """Each module under `root` -> the innermost FSDP unit holding it (FSDP1's
-    FullyShardedDataParallel or a `fully_shard`ed module), whose parameters FSDP gathers when
-    that unit is called; None above every unit."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    units: dict[nn.Module, nn.Module | None] = {}
-    stack: list[tuple[nn.Module, nn.Module | None]] = [(root, None)]
-    while stack:
-        module, unit = stack.pop()
-        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
-            unit = module
-        units[module] = unit
-        stack.extend((child, unit) for child in module.children())
-    return units
-
-
 def _check_installed(planned: nn.Module, plan: Plan, where: str) -> None:
     """Refuse what happened to `planned` (its plan installed) after planning that the plan does
     not survive: checkpointing added around its modules (by `where`), and a region that runs
@@ -164,16 +147,17 @@ def _check_installed(planned: nn.Module, plan: Plan, where: str) -> None:
             f"Leave activation checkpointing (checkpoint_wrapper, apply_activation_checkpointing,"
             f" torchtitan's apply_ac) out of {where}; remat's plan replaces it"
         )
-    named = dict(planned.named_modules())
-    units = _shard_units(planned)
-    for region in plan.regions:
-        if len({units[named[path]] for path in region.modules}) > 1:
-            raise RematError(
-                f"plan region {region.modules} runs {len(region.modules)} blocks as one "
-                "checkpoint, but FSDP shards them as separate units, whose parameters are "
-                "gathered only when each is called: plan block by block (strategy='milp', "
-                "'selective' or 'full') or shard these blocks as one unit"
-            )
+    from remat.parallel import regions_across_fsdp_units
+
+    crossing = regions_across_fsdp_units(plan, planned)
+    if crossing:
+        modules = crossing[0]
+        raise RematError(
+            f"plan region {modules} runs {len(modules)} blocks as one "
+            "checkpoint, but FSDP shards them as separate units, whose parameters are "
+            "gathered only when each is called: plan block by block (strategy='milp', "
+            "'selective' or 'full') or shard these blocks as one unit"
+        )
 
 
 class RematCallback(_base()):  # type: ignore[misc]
