@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 import remat
 from remat import models
-from remat.integrations.lightning import fabric_setup, installed_plan
+from remat.integrations.lightning import fabric_setup
 from remat.models.gpt import Block
 from remat.parallel import tensor_parallel
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     measured = args.strategy in ("auto", "ddp")  # the others' parameters are shards: no own step
     inputs = (ids[:, :-1], ids[:, 1:].contiguous()) if measured else ()
     check = remat.verify(planned, *inputs)
-    plan = installed_plan(planned)
+    plan = remat.installed_plan(planned)
     remat.remove(planned)
 
     return report(f"Fabric {args.strategy} on {world} process(es)", baseline, with_remat,

@@ -81,7 +81,7 @@ def test_integration_lightning_refuses_its_own_activation_checkpointing():
     from lightning.fabric.strategies import FSDPStrategy as FabricFSDP
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from remat.integrations.lightning import RematCallback, fabric_setup, installed_plan
+    from remat.integrations.lightning import RematCallback, fabric_setup
     from remat.models.gpt import Block
 
     module = _example().LitLM(17)
@@ -91,7 +91,7 @@ def test_integration_lightning_refuses_its_own_activation_checkpointing():
     fabric = SimpleNamespace(strategy=FabricFSDP(activation_checkpointing_policy={Block}))
     with pytest.raises(remat.RematError, match="FSDPStrategy checkpoints activations itself"):
         fabric_setup(fabric, module.model, example=(torch.zeros(1, 8, dtype=torch.long),))
-    assert installed_plan(module.model) is None  # nothing planned
+    assert remat.installed_plan(module.model) is None  # nothing planned
 
 
 def test_integration_lightning_refuses_checkpointing_added_after_the_plan():

@@ -5,7 +5,15 @@ apply -> `measure` (the independent ground truth) -> report.
 """
 
 from remat.compiled_estimate import CompiledEstimate, estimate_compiled
-from remat.eager import Verification, apply, auto, checkpointed_elsewhere, remove, verify
+from remat.eager import (
+    Verification,
+    apply,
+    auto,
+    checkpointed_elsewhere,
+    installed_plan,
+    remove,
+    verify,
+)
 from remat.errors import (
     BudgetError,
     InfeasibleBudget,
@@ -52,6 +60,7 @@ __all__ = [
     "auto",
     "backend",
     "checkpointed_elsewhere",
+    "installed_plan",
     "compile",
     "estimate",
     "estimate_compiled",

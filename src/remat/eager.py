@@ -221,6 +221,12 @@ class _RegionForward:
             )
 
 
+def installed_plan(model: nn.Module) -> Plan | None:
+    """The plan installed on `model` (by `remat.apply` or `remat.auto`), or None."""
+    state = vars(model).get(_APPLIED)
+    return None if state is None else state.plan
+
+
 def checkpointed_elsewhere(model: nn.Module) -> list[str]:
     """The paths of `model`'s modules that another tool already checkpoints: torch's
     `CheckpointWrapper` (accelerate's and Lightning's FSDP activation checkpointing,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.eager import _APPLIED, checkpointed_elsewhere
+from remat.eager import checkpointed_elsewhere, installed_plan
 from remat.errors import RematError, log
 from remat.plans import DEFAULT_BUDGET, Plan
 from remat.units import format_bytes
@@ -93,9 +93,9 @@ def check_accelerator(accelerator: Any, *models: nn.Module) -> None:
             "activation_checkpointing=False and let remat plan the layers"
         )
     for model in models:
-        state = vars(model).get(_APPLIED)
-        if state is not None:
-            _refuse_regions_fsdp_cannot_run(state.plan, model, set())
+        plan = installed_plan(model)
+        if plan is not None:
+            _refuse_regions_fsdp_cannot_run(plan, model, set())
 
 
 def _switch_off_hf_checkpointing(model: nn.Module) -> None:

@@ -26,6 +26,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from remat.eager import installed_plan
 from remat.errors import RematError
 from remat.plans import DEFAULT_BUDGET, Plan
 
@@ -90,14 +91,6 @@ def plan(
         step = TrainingStep(module)
         vars(module)[_STEP] = step  # not a submodule: the step holds the module, not the reverse
     return auto(step, batch, budget=budget, **auto_kwargs)
-
-
-def installed_plan(model: nn.Module) -> Plan | None:
-    """The plan installed on `model` (by `remat.auto`, `remat.apply`, `fabric_setup`), or None."""
-    from remat.eager import _APPLIED
-
-    state = vars(model).get(_APPLIED)
-    return None if state is None else state.plan
 
 
 def _installed(module: nn.Module) -> Plan | None:

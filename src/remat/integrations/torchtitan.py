@@ -46,8 +46,8 @@ import torch
 import tyro
 from torch import nn
 
-from remat.eager import _APPLIED, checkpointed_elsewhere
 from remat.eager import apply as install
+from remat.eager import checkpointed_elsewhere, installed_plan
 from remat.errors import RematError, log, warn
 from remat.plans import DEFAULT_BUDGET, Plan
 from remat.units import format_bytes
@@ -126,8 +126,7 @@ class RematAC(ActivationCheckpointing):
     def plan_of(model: nn.Module) -> Plan | None:
         """The plan installed on `model` (torchtitan's parallelize function builds the policy
         and drops it; the plan stays with the model)."""
-        state = vars(model).get(_APPLIED)
-        return None if state is None else state.plan
+        return installed_plan(model)
 
     def apply(self, model: nn.Module) -> None:
         config: RematAC.Config = self.config  # type: ignore[assignment]
