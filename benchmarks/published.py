@@ -100,8 +100,10 @@ _LLAMA2_7B_SHAPE = {
     "ffn_dim_multiplier": None,
     "rope_theta": 10000,
 }
+# the installed torchtitan's model code (the "Code versions traced" line names it): 0.2.2 and 0.3.0
+# differ on P2 (0.996 and 1.076 of the published peak active)
 _TITAN_7B = Source(
-    "torchtitan (0.2.2, Llama 2 7B shape)", "torchtitan:llama3:8B", _LLAMA2_7B_SHAPE, "torchtitan"
+    "torchtitan (Llama 2 7B shape)", "torchtitan:llama3:8B", _LLAMA2_7B_SHAPE, "torchtitan"
 )
 _LLAMA2_7B = Source("remat preset", "llama-2-7b")
 _BERT = Source(
