@@ -1,13 +1,18 @@
-"""torch.compile's partitioner against remat's at equal MEASURED peak (issue 11, item 5).
+"""torch.compile's partitioner, and the eager peers, against remat.compile at equal MEASURED peak
+(issue 11, item 5; issue 24).
 
-    python benchmarks/compiled_equal_peak.py [--rounds 9] [--budgets 0.8 0.5 0.2] [--tiny]
+    python benchmarks/compiled_equal_peak.py [--rounds 9] [--budgets 0.8 0.5 0.2]
+        [--eager-peers full selective:torchtitan] [--tiny]
 
 For each of torch's `activation_memory_budget` values: compile the model with torch's own
 partitioner at that value and measure its peak (`remat.measure`); then `remat.compile` with that
-measured peak as the byte budget (strategy auto), and measure its peak too. Every variant stays
-compiled and is timed in interleaved rounds (each round times one step of every variant, starting
-one variant later each round), so a slow moment of the machine hits all alike; the table shows the
-median step time, its min-max range and the ratio to torch's default (budget 1.0). The model is the
+measured peak as the byte budget (strategy auto), and measure its peak too. The same for each eager
+peer (a hand-written strategy applied to the uncompiled model: full checkpointing, torchtitan's
+selective policy): its measured peak is remat.compile's budget, and the peer itself is timed with
+the rest, as is eager store_all. Every variant is timed in interleaved rounds (each round times one
+step of every variant, starting one variant later each round), so a slow moment of the machine
+hits all alike; the table shows the median step time, its min-max range and the ratio to torch's
+default (budget 1.0) and to eager store_all. The model is the
 GPT-2-style one of the issue: 12 layers, d 768, vocab 8192, seq 256, batch 4 (`--tiny`: the gpt2
 preset's tiny size, for a quick check). Writes benchmarks/results/compiled-equal-peak-<tag>.json and
 prints a markdown table.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -26,8 +32,8 @@ import torch
 from torch._functorch import config as functorch_config
 
 import remat
-from remat import models
-from remat.bench import _interleaved_rounds
+from remat import models, strategies
+from remat.bench import _interleaved_rounds, _plan_applied
 from remat.compiled import RematBackend, remat_error_cause
 from remat.units import format_bytes
 
@@ -38,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.8, 0.5, 0.2])
+    parser.add_argument(
+        "--eager-peers",
+        nargs="*",
+        default=["full", "selective:torchtitan"],
+        help="hand-written eager strategies whose measured peaks remat.compile is also given",
+    )
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -46,10 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     model, inputs = models.build(
         "gpt2", device="cpu", tiny=args.tiny, **shape, **({} if args.tiny else GPT2_STYLE)
     )
-    variants: list[dict] = []
+    variants: list[dict] = [_eager(model, inputs, "store_all", None)]
+    if args.eager_peers:
+        meta_model, meta_inputs = models.build(
+            "gpt2", device="meta", tiny=args.tiny, **shape, **({} if args.tiny else GPT2_STYLE)
+        )
+        planner = remat.Planner(remat.trace(meta_model, *meta_inputs), "cpu")
+        for name in args.eager_peers:
+            print(f"eager {name} ...", file=sys.stderr)
+            plan = planner.solve(strategies.get(name, "eager"), planner.estimate.peak_bytes)
+            variants.append(_eager(model, inputs, name, plan))
     torch._dynamo.reset()
     # seven compiled variants of one forward: past dynamo's recompile limit it would run eagerly
     torch._dynamo.config.recompile_limit = 64
+    peers = [(v["name"], v["peak"]) for v in variants[1:]]
     for budget in [1.0, *args.budgets]:
         print(f"torch.compile@{budget:g} ...", file=sys.stderr)
         backend = RematBackend(strategy="torch", compiler="inductor")
@@ -57,59 +79,46 @@ def main(argv: list[str] | None = None) -> int:
         compiled.remat_backend = backend
         with functorch_config.patch(activation_memory_budget=budget):
             measured = remat.measure(compiled, *inputs)
-        variants.append(
-            {"name": f"torch.compile@{budget:g}", "module": compiled, "peak": measured.peak_bytes}
-        )
-        if budget == 1.0:
-            continue
-        print(f"remat.compile at {format_bytes(measured.peak_bytes)} ...", file=sys.stderr)
-        ours = remat.compile(model, budget=measured.peak_bytes, strategy="auto")
-        try:
-            mine = remat.measure(ours, *inputs)
-        except remat.RematError as err:
-            variants.append({"name": f"remat@{budget:g}", "module": None, "note": str(err)})
-            continue
-        except Exception as err:  # dynamo's wrapper
-            cause = remat_error_cause(err)
-            if cause is None:
-                raise
-            variants.append({"name": f"remat@{budget:g}", "module": None, "note": str(cause)})
-            continue
-        (plan,) = remat.compiled.plans_of(ours)
-        variants.append(
-            {
-                "name": f"remat@{budget:g}",
-                "module": ours,
-                "peak": mine.peak_bytes,
-                "budget": measured.peak_bytes,
-                "predicted": plan.predicted_peak_bytes,
-            }
-        )
+        variants.append(_variant(f"torch.compile@{budget:g}", compiled, measured.peak_bytes))
+        if budget != 1.0:
+            peers.append((f"torch.compile@{budget:g}", measured.peak_bytes))
+    for peer, peak in peers:
+        print(f"remat.compile at {peer}'s {format_bytes(peak)} ...", file=sys.stderr)
+        variants.append(_remat_compiled(model, inputs, f"remat@{peer}", peak))
     timed = [v for v in variants if v["module"] is not None]
-    graphs = [len(_backend(v["module"]).plans) for v in timed]
+    graphs = [_graphs(v["module"]) for v in timed]
     times = _interleaved_rounds(
-        [(v["module"], _nothing) for v in timed],
+        [(v["module"], v["setup"]) for v in timed],
         inputs,
         args.rounds,
         lambda text: print(text, file=sys.stderr),
     )
-    base = statistics.median(times[0])
+    eager = statistics.median(times[0])
+    base = statistics.median(times[[v["name"] for v in timed].index("torch.compile@1")])
     lines = [
-        "| variant | measured peak | budget | median step | min-max | ratio to torch@1 |",
-        "|---|---|---|---|---|---|",
+        "| variant | measured peak | budget | median step | min-max | vs torch.compile@1 | "
+        "vs eager store_all |",
+        "|---|---|---|---|---|---|---|",
     ]
     results = []
     for v, t, n in zip(timed, times, graphs, strict=True):
-        if len(_backend(v["module"]).plans) != n:
+        if _graphs(v["module"]) != n:
             v["name"] += " (recompiled while timing)"
         med = statistics.median(t)
         row = {k: v.get(k) for k in ("name", "peak", "budget", "predicted")}
-        row.update(step_seconds=med, step_min=min(t), step_max=max(t), ratio=med / base)
+        row.update(
+            step_seconds=med,
+            step_min=min(t),
+            step_max=max(t),
+            times=t,
+            ratio=med / base,
+            ratio_to_eager=med / eager,
+        )
         results.append(row)
         lines.append(
             f"| {v['name']} | {format_bytes(v['peak'])} | "
             f"{format_bytes(v['budget']) if v.get('budget') else '-'} | {med * 1e3:.0f} ms | "
-            f"{min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} ms | {med / base:.3f}x |"
+            f"{min(t) * 1e3:.0f}-{max(t) * 1e3:.0f} ms | {med / base:.3f}x | {med / eager:.3f}x |"
         )
     for v in variants:
         if v["module"] is None:
@@ -122,12 +131,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _backend(module: torch.nn.Module) -> RematBackend:
-    return module.remat_backend
+def _variant(name: str, module: torch.nn.Module, peak: int, **extra) -> dict:
+    return {"name": name, "module": module, "setup": contextlib.nullcontext, "peak": peak, **extra}
 
 
-def _nothing() -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
+def _eager(model: torch.nn.Module, inputs: tuple, name: str, plan: remat.Plan | None) -> dict:
+    """The uncompiled model under a hand-written plan (None: store_all), its peak measured."""
+    if plan is None:
+        setup = contextlib.nullcontext
+    else:
+        setup = functools.partial(_plan_applied, model, plan)
+    with setup():
+        peak = remat.measure(model, *inputs, steps=1).peak_bytes
+    return {"name": f"eager {name}", "module": model, "setup": setup, "peak": peak}
+
+
+def _remat_compiled(model: torch.nn.Module, inputs: tuple, name: str, budget: int) -> dict:
+    """remat.compile(strategy auto) at a byte budget, its peak measured, or why it cannot run."""
+    ours = remat.compile(model, budget=budget, strategy="auto")
+    try:
+        mine = remat.measure(ours, *inputs)
+    except remat.RematError as err:
+        return {"name": name, "module": None, "note": str(err)}
+    except Exception as err:  # dynamo's wrapper
+        cause = remat_error_cause(err)
+        if cause is None:
+            raise
+        return {"name": name, "module": None, "note": str(cause)}
+    (plan,) = remat.compiled.plans_of(ours)
+    return _variant(name, ours, mine.peak_bytes, budget=budget, predicted=plan.predicted_peak_bytes)
+
+
+def _graphs(module: torch.nn.Module) -> int:
+    """How many graphs a compiled variant has planned (0 for an eager one)."""
+    backend: RematBackend | None = getattr(module, "remat_backend", None)
+    return len(backend.plans) if backend else 0
 
 
 if __name__ == "__main__":

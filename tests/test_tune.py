@@ -1,8 +1,10 @@
 """`tune`: the fastest of the plans that fit, timed on the model, wins over the cost model's pick
 (checked with a fake clock, so the test does not depend on this machine's speed); results are
-cached per model, shapes and budget."""
+cached per model, shapes and budget, for the process and on disk."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -85,6 +87,45 @@ def test_noise_does_not_overrule_the_cost_models_pick(setup):
 
     won = tune(model, *inputs, planner=planner, budget_bytes=budget + 2, timer=clear)
     assert won.chosen.regions == plans[1].regions
+
+
+def test_a_tuned_plan_is_kept_on_disk_for_the_next_process(setup, monkeypatch, tmp_path):
+    """A new process (the in-process cache cleared) applies the kept plan without timing again;
+    a file this remat cannot read is said and timed again; REMAT_CACHE_DIR=off keeps nothing."""
+    model, inputs, planner, budget = setup
+    plans = candidate_plans(planner, budget)
+    last = plans[-1].strategy
+    calls: list[str] = []
+
+    def clock(m, args, kwargs):
+        calls.append(_installed(m))
+        return 0.010 if _installed(m) == last else 0.050
+
+    tuned = tune(model, *inputs, planner=planner, budget_bytes=budget, timer=clock)
+    assert tuned.cache_file is not None and tuned.cache_file.is_relative_to(tmp_path)
+    assert tuned.cache_file.exists() and not tuned.cached
+    timed = len(calls)
+    _CACHE.clear()
+    again = tune(model, *inputs, planner=planner, budget_bytes=budget, timer=clock)
+    assert again.cached and len(calls) == timed
+    assert again.chosen.regions == tuned.chosen.regions and again.seconds == tuned.seconds
+    assert again.chosen.reason == tuned.chosen.reason
+    other_budget = tune(model, *inputs, planner=planner, budget_bytes=budget - 1, timer=clock)
+    assert not other_budget.cached and other_budget.cache_file != tuned.cache_file
+
+    _CACHE.clear()
+    tuned.cache_file.write_text("{not json")
+    with pytest.warns(remat.RematWarning, match="ignoring the tuned-plan cache file"):
+        redone = tune(model, *inputs, planner=planner, budget_bytes=budget, timer=clock)
+    assert not redone.cached and len(calls) > timed + len(plans)
+    assert json.loads(tuned.cache_file.read_text())["chosen"]["regions"]  # written again
+
+    _CACHE.clear()
+    kept = sorted(tmp_path.rglob("*.json"))
+    assert len(kept) == 2  # the two budgets
+    monkeypatch.setenv("REMAT_CACHE_DIR", "off")
+    off = tune(model, *inputs, planner=planner, budget_bytes=budget + 3, timer=clock)
+    assert off.cache_file is None and sorted(tmp_path.rglob("*.json")) == kept
 
 
 def test_a_tie_goes_to_the_cost_models_pick(setup):

@@ -456,8 +456,9 @@ def auto(
 
     `tune=True`: where the cost model and the machine disagree, the machine wins: the best few
     plans that fit are timed on the model for a few steps and the fastest is applied
-    (`remat.tune`; cached per model, shapes and budget for the process). The inputs must then be
-    real tensors on the model's device.
+    (`remat.tune`; cached per model, shapes, budget and device, for the process and on disk under
+    `$REMAT_CACHE_DIR`, `~/.cache/remat` by default). The inputs must then be real tensors on the
+    model's device.
 
     The step is traced on fake tensors (`trace_device=None` or "meta"); when an op cannot run on
     them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
@@ -505,13 +506,19 @@ def auto(
             device = next(iter(model.parameters())).device
             measured = with_measured_overheads(get_profile(profile), device)
             planner = Planner(graph, measured, optimizer)
-            chosen = fastest(
+            tuning = fastest(
                 model,
                 *example_inputs,
                 planner=planner,
                 budget_bytes=planner.budget_bytes(budget),
                 **kwargs,
-            ).chosen
+            )
+            if tuning.cached and tuning.cache_file is not None:
+                log.info(
+                    "remat: the tuned plan kept in %s (delete it to time the plans again)",
+                    tuning.cache_file,
+                )
+            chosen = tuning.chosen
         else:
             chosen = plan(
                 graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer

@@ -10,15 +10,23 @@ whose checkpointing overheads were measured on this device, distinct regions onl
 `candidates`), times them in interleaved rounds (each round one step of
 every candidate, applied just before and removed just after, starting one later each round; a
 warmup step each in the first), and keeps the one of least median step time; a tie goes to the
-earlier, the cost model's pick. Results are cached for the process per model (its class and
-parameter shapes), input shapes, budget and profile.
+earlier, the cost model's pick. Results are cached per model (its class and parameter shapes),
+input shapes, budget, profile, device and versions: for the process, and on disk (a JSON file per
+result under `$REMAT_CACHE_DIR`, by default `~/.cache/remat/tune/`), so that the next run of a
+training script applies the same plan without timing again, as inductor keeps its autotuning.
+Deleting the file (the log names it) times again; `REMAT_CACHE_DIR=off` keeps nothing on disk.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +34,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from remat.cost import DeviceProfile
+from remat.errors import PlanFormatError, warn
 from remat.planner import Planner
 from remat.plans import Plan
 
@@ -36,18 +45,20 @@ Timer = Callable[[nn.Module, tuple, dict[str, Any]], float]
 @dataclass(frozen=True)
 class Tuning:
     """What `tune` timed and chose: `chosen` (its reason says so), each candidate's median step
-    seconds by strategy, in the order tried, the rounds, and whether this came from the cache."""
+    seconds by strategy, in the order tried, the rounds, and whether this came from the cache
+    (`cache_file`: where it is kept on disk, None when nothing is)."""
 
     chosen: Plan
     seconds: dict[str, float]
     rounds: int
     cached: bool = False
+    cache_file: Path | None = None
 
     def __repr__(self) -> str:
         timed = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.seconds.items())
         return (
             f"Tuning({self.chosen.strategy} fastest of {len(self.seconds)} in {self.rounds} "
-            f"rounds: {timed}{'; cached' if self.cached else ''})"
+            f"rounds: {timed}{f'; cached in {self.cache_file}' if self.cached else ''})"
         )
 
 
@@ -110,14 +121,22 @@ def tune(
     when no plan fits."""
     key = (
         type(model).__qualname__,
-        tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()),
+        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()),
         _shapes((inputs, kwargs)),
         budget_bytes,
         planner.profile.name,
         candidates,
+        _device_name(model),
+        torch.__version__,
     )
     if key in _CACHE:
         return replace(_CACHE[key], cached=True)
+    cache_file = _cache_file(key)
+    if cache_file is not None and cache_file.exists():
+        kept = _read(cache_file)
+        if kept is not None:
+            _CACHE[key] = kept
+            return replace(kept, cached=True)
     plans = candidate_plans(planner, budget_bytes, candidates)
     if not plans:
         planner.plan(budget_bytes, "auto")  # raises InfeasibleBudget, naming the least that fits
@@ -155,9 +174,75 @@ def tune(
         + (f"; {others}" if others else "")
         + f"): {plans[best].reason}",
     )
-    result = Tuning(chosen=chosen, seconds=seconds, rounds=rounds)
+    result = Tuning(chosen=chosen, seconds=seconds, rounds=rounds, cache_file=cache_file)
     _CACHE[key] = result
+    if cache_file is not None:
+        _write(cache_file, key, result)
     return result
+
+
+def cache_dir() -> Path | None:
+    """Where tuned plans are kept: `$REMAT_CACHE_DIR/tune`, by default under `$XDG_CACHE_HOME`
+    (`~/.cache`) `/remat/tune`; None when `REMAT_CACHE_DIR` is `off`."""
+    root = os.environ.get("REMAT_CACHE_DIR")
+    if root is not None and root.lower() in ("off", "0", "none", ""):
+        return None
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(xdg) / "remat"
+    return Path(root) / "tune"
+
+
+def _cache_file(key: tuple) -> Path | None:
+    where = cache_dir()
+    if where is None:
+        return None
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    return where / f"{key[0]}-{digest}.json"
+
+
+def _write(path: Path, key: tuple, result: Tuning) -> None:
+    """Keep a result on disk; a cache that cannot be written is said once, not an error."""
+    record = {
+        "key": repr(key),
+        "chosen": result.chosen.to_dict(),
+        "seconds": result.seconds,
+        "rounds": result.rounds,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)  # atomic: ranks tuning at once never read half a file
+    except OSError as err:
+        warn(f"remat: could not keep the tuned plan in {path} ({err}); set REMAT_CACHE_DIR")
+
+
+def _read(path: Path) -> Tuning | None:
+    """A result kept on disk, or None (said) when the file is not one this remat wrote."""
+    try:
+        record = json.loads(path.read_text())
+        chosen = Plan.from_json(json.dumps(record["chosen"]))
+        return Tuning(
+            chosen=chosen,
+            seconds={str(k): float(v) for k, v in record["seconds"].items()},
+            rounds=int(record["rounds"]),
+            cached=True,
+            cache_file=path,
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanFormatError) as err:
+        warn(f"remat: ignoring the tuned-plan cache file {path} ({err}); timing again")
+        return None
+
+
+def _device_name(model: nn.Module) -> str:
+    """The device the model runs on, as precisely as torch names it: timings on one GPU or CPU
+    model say nothing about another."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{platform.machine()}:{platform.processor()}:{os.cpu_count()}"
 
 
 def _shapes(tree: Any) -> tuple:
