@@ -49,6 +49,10 @@ def test_torchtitan_flavors_take_overrides_by_field_name():
         rope_theta=10000,
     )
     assert sum(p.numel() for p in model.parameters()) == 6_738_415_616  # Llama 2 7B
+    # q, k, v by three matmuls, as in torchtitan before 0.3 (0.3's flavors fuse them)
+    separate, _ = build("torchtitan:llama3:8B", batch=1, seq=128, n_layers=1, fuse_qkv=False)
+    names = [n.rsplit(".", 2)[-2] for n, _ in separate.named_parameters()]
+    assert {"wq", "wk", "wv"} <= set(names) and "wqkv" not in names
     with pytest.raises(UnknownModelError, match="no 'hidden'"):
         build("torchtitan:llama3:8B", hidden=3)
     with pytest.raises(UnknownModelError, match="8B"):

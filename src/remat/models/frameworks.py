@@ -191,9 +191,19 @@ def _flavors(package: Any) -> dict[str, Any]:
 
 
 #: torchtitan >= 0.3 overrides by name: any decoder's depth and vocabulary, and for llama3 the
-#: shape of its `_build_llama3_layers` (Llama 2 and 3 are both that shape).
+#: shape of its `_build_llama3_layers` (Llama 2 and 3 are both that shape); `fuse_qkv=False`: the
+#: separate wq, wk, wv of torchtitan before 0.3 (0.3's flavors fuse them into one wqkv matmul,
+#: which changes what a policy counting matmuls saves).
 _DECODER_FIELDS = ("n_layers", "vocab_size")
-_LLAMA3_FIELDS = ("dim", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier", "rope_theta")
+_LLAMA3_FIELDS = (
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "rope_theta",
+    "fuse_qkv",
+)
 
 
 def _build_torchtitan_model(
@@ -265,6 +275,7 @@ def _with_overrides(package: Any, config: Any, overrides: dict[str, Any]) -> Any
             hidden_dim=hidden,
             rope=rope,
             attn_backend="flex",
+            fuse_qkv=bool(shape.get("fuse_qkv", True)),
         )
         return replace(
             config,
@@ -317,6 +328,12 @@ def _build_torchtitan_0_2(
             + ", ".join(sorted(configs or ()))
         )
     args = configs[flavor]
+    overrides = dict(overrides)
+    if overrides.pop("fuse_qkv", False):
+        raise UnknownModelError(
+            f"torchtitan:{spec}: torchtitan 0.2's attention has separate wq, wk, wv; fuse_qkv=True "
+            "needs torchtitan >= 0.3"
+        )
     valid = {f.name for f in fields(args)}
     unknown = [k for k in overrides if k not in valid]
     if unknown:
