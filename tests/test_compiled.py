@@ -118,7 +118,7 @@ def test_the_articles_cut_fits_a_budget_of_store_alls_peak():
 @needs_cxx
 @pytest.mark.parametrize(
     ("name", "budgets"),
-    [("gpt2", ["100%", "70%", "60%"]), ("llama-3.2-1b", ["100%", "55%"])],
+    [("gpt2", ["100%", "70%", "60%"]), ("llama-3.2-1b", ["100%", "45%"])],
 )
 def test_inductor_predicted_peak_is_within_3_percent_and_never_above_the_budget(name, budgets):
     """Issue 11 item 1: the plan's peak is read from inductor's generated code (fusion, buffer
@@ -141,6 +141,28 @@ def test_inductor_predicted_peak_is_within_3_percent_and_never_above_the_budget(
         measured_peaks.append(measured.peak_bytes)
     assert measured_peaks == sorted(measured_peaks, reverse=True)
     assert measured_peaks[-1] < measured_peaks[0]
+
+
+@needs_cxx
+def test_a_tied_embeddings_weight_gradient_does_not_hold_the_logits_gradient_through_backward():
+    """Inductor fuses the tied weight's gradient, `mm(logits_grad^T, head_input) + embedding_grad`,
+    into one addmm that can run only at the end of backward, which kept the logits' gradient alive
+    throughout: remat.compile's lowest peak on gpt2 tiny was 1.98 MiB (eager full checkpointing:
+    1.80). Under remat's plans the product runs where it is written: a budget of 1.9 MiB fits, as
+    predicted, with the gradients of eager."""
+    model, inputs = models.build("gpt2", tiny=True, device="cpu", batch=2, seq=64)
+    assert model.lm_head.weight is model.wte.weight
+    budget = int(1.9 * 2**20)
+    compiled = remat.compile(model, budget=budget, strategy="auto")
+    measured = remat.measure(compiled, *inputs)
+    (plan,) = plans_of(compiled)
+    assert plan.details["peak_model"] == "inductor"
+    assert measured.peak_bytes <= budget
+    assert measured.peak_bytes == pytest.approx(plan.predicted_peak_bytes, abs=16)
+    reference = gradients(model, inputs)
+    got = gradients(compiled, inputs)
+    for name in reference:
+        torch.testing.assert_close(got[name], reference[name], rtol=1e-4, atol=1e-5)
 
 
 _WRAPPER = """

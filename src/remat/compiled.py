@@ -28,6 +28,7 @@ import contextlib
 import functools
 import operator
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -589,13 +590,80 @@ class RematBackend:
             )
         from torch._functorch import config as functorch_config
 
-        # A cached graph would skip the partitioner (and so the plan): no caches for these graphs.
-        with functorch_config.patch(enable_autograd_cache=False):
-            return compile_fx(
-                gm,
-                example_inputs,
-                config_patches={"custom_partitioner_fn": partitioner, "fx_graph_cache": False},
+        patches: dict[str, Any] = {"custom_partitioner_fn": partitioner, "fx_graph_cache": False}
+        if self.strategy != "torch":  # torch's own rows keep inductor's rules as they are
+            patches["post_grad_custom_pre_pass"] = _addmm_in_order_pass(
+                inductor_config.post_grad_custom_pre_pass
             )
+        # A cached graph would skip the partitioner (and so the plan): no caches for these graphs.
+        # The patches hold for the backward too, which inductor compiles later, at first use.
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+#: The graphs (forward and backward, as inductor's post-grad passes see them) of remat's plans,
+#: where inductor fuses `mm + c` into `addmm` only if `c` comes first (`_addmm_in_order_pass`).
+_IN_ORDER_GRAPHS: weakref.WeakSet[fx.Graph] = weakref.WeakSet()
+
+
+def _addmm_in_order_pass(then: Any) -> Any:
+    """A post-grad pre-pass (then inductor's passes, and `then`, a user's) that marks the graph
+    for `_addmm_in_order`. Why: inductor's post-grad pattern fuses `mm(a, b) + c` into
+    `addmm(c, a, b)`, which runs the product where `c` is ready. In a backward that can be the
+    very end: a tied embedding's weight gradient (the LM head's product plus the embedding's
+    gradient) then keeps the logits' gradient (batch x seq x vocab, fp32) and the head's input
+    alive through the whole backward, which run op by op die at once (GPT-2 style, 12 layers,
+    b4 s256: 32 MiB; without the rule remat.compile could not reach eager full checkpointing's
+    peak). Returns `then` unchanged where this torch has no such pattern."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+
+    if not _install_addmm_in_order():
+        return then
+
+    class AddmmInOrder(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            _IN_ORDER_GRAPHS.add(graph)
+
+        def uuid(self) -> str:
+            return "remat-addmm-in-order"
+
+    return (AddmmInOrder(), *get_custom_graph_passes(then))
+
+
+@functools.cache
+def _install_addmm_in_order() -> bool:
+    """Wrap the extra check of inductor's `mm + c -> addmm` patterns once, for the process: on a
+    graph in `_IN_ORDER_GRAPHS` the fusion also needs `c` defined before the product; on any
+    other graph the check is inductor's own. False where the patterns are not found."""
+    try:
+        from torch._inductor.fx_passes import post_grad
+    except ImportError:  # pragma: no cover - no inductor
+        return False
+    original = getattr(post_grad, "is_valid_addmm_fusion", None)
+    if original is None or not hasattr(post_grad, "pass_patterns"):
+        return False
+
+    def in_order(match: Any) -> bool:
+        if not original(match):
+            return False
+        product = next((n for n in match.nodes if n.target is torch.ops.aten.mm.default), None)
+        if product is None or product.graph not in _IN_ORDER_GRAPHS:
+            return True
+        addend = match.kwargs["inp"]
+        for node in product.graph.nodes:  # whichever comes first
+            if node is addend:
+                return True
+            if node is product:
+                return False
+        return True
+
+    wrapped = 0
+    for entries in post_grad.pass_patterns[2].patterns.values():
+        for entry in entries:
+            if getattr(entry, "extra_check", None) is original:
+                object.__setattr__(entry, "extra_check", in_order)
+                wrapped += 1
+    return wrapped > 0
 
 
 def backend(
