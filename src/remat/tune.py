@@ -133,10 +133,10 @@ def tune(
         return replace(_CACHE[key], cached=True)
     cache_file = _cache_file(key)
     if cache_file is not None and cache_file.exists():
-        kept = _read(cache_file)
+        kept = _read(cache_file)  # cached=True already
         if kept is not None:
             _CACHE[key] = kept
-            return replace(kept, cached=True)
+            return kept
     plans = candidate_plans(planner, budget_bytes, candidates)
     if not plans:
         planner.plan(budget_bytes, "auto")  # raises InfeasibleBudget, naming the least that fits
@@ -202,7 +202,7 @@ def _cache_file(key: tuple) -> Path | None:
 
 
 def _write(path: Path, key: tuple, result: Tuning) -> None:
-    """Keep a result on disk; a cache that cannot be written is said once, not an error."""
+    """Keep a result on disk; a cache that cannot be written is said (a warning), not an error."""
     record = {
         "key": repr(key),
         "chosen": result.chosen.to_dict(),
