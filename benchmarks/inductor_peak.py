@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     print(
-        "| model | budget | predicted | measured | measured vs predicted | within budget "
+        "| model | budget | predicted | measured | measured - predicted | within budget "
         "| saved | compile + step | plans read |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in row:
                 print(f"| {name} | {budget} | - | - | - | - | - | - | {row['error'][:80]} |")
                 continue
-            diff = row["measured_peak_bytes"] / row["predicted_peak_bytes"] - 1
+            diff = row["measured_peak_bytes"] - row["predicted_peak_bytes"]
             within = row["measured_peak_bytes"] <= row["budget_bytes"]
             print(
                 f"| {name} | {budget} ({format_bytes(row['budget_bytes'])}) "
                 f"| {format_bytes(row['predicted_peak_bytes'])} "
-                f"| {format_bytes(row['measured_peak_bytes'])} | {diff:+.2%} "
+                f"| {format_bytes(row['measured_peak_bytes'])} | {diff:+,d} B "
                 f"| {'yes' if within else 'NO'} | {format_bytes(row['held_bytes'])} "
                 f"| {row['seconds']:.0f} s | {row['inductor_plans_read']} |",
                 flush=True,
