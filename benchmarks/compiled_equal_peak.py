@@ -33,7 +33,7 @@ from torch._functorch import config as functorch_config
 
 import remat
 from remat import models, strategies
-from remat.bench import _interleaved_rounds, _plan_applied
+from remat.bench import _interleaved_rounds, _plan_applied, quartile_range
 from remat.compiled import RematBackend, remat_error_cause
 from remat.units import format_bytes
 
@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 def _paired(times: list[float], base: list[float]) -> dict[str, float]:
     """Each round's step over the baseline's in the same round: the machine's drift between rounds
     (+-20% on this VM) cancels, which the ratio of medians keeps."""
-    q1, median, q3 = statistics.quantiles([t / b for t, b in zip(times, base, strict=True)], n=4)
-    return {"median": median, "q1": q1, "q3": q3}
+    ratios = [t / b for t, b in zip(times, base, strict=True)]
+    q1, q3 = quartile_range(ratios)
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
 def _paired_text(ratio: dict[str, float]) -> str:
