@@ -32,9 +32,10 @@ import torch
 from torch._functorch import config as functorch_config
 
 import remat
-from remat import models, strategies
-from remat.bench import _interleaved_rounds, _plan_applied, quartile_range
-from remat.compiled import RematBackend, remat_error_cause
+from remat import models
+from remat.answers.bench import _interleaved_rounds, _plan_applied, quartile_range
+from remat.applying.compiled import RematBackend, remat_error_cause
+from remat.planning import strategies
 from remat.units import format_bytes
 
 GPT2_STYLE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 8192}
@@ -177,7 +178,7 @@ def _remat_compiled(model: torch.nn.Module, inputs: tuple, name: str, budget: in
         if cause is None:
             raise
         return {"name": name, "module": None, "note": str(cause)}
-    (plan,) = remat.compiled.plans_of(ours)
+    (plan,) = remat.applying.compiled.plans_of(ours)
     return _variant(name, ours, mine.peak_bytes, budget=budget, predicted=plan.predicted_peak_bytes)
 
 

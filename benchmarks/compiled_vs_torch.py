@@ -20,10 +20,10 @@ from torch._functorch import config as functorch_config
 
 import remat
 from remat import models
-from remat.bench import gradients
-from remat.cost import fused_op_seconds_all, get_profile
-from remat.solvers.mincut import joint_problem
-from remat.solvers.saveset import cheapest_save_set, describe_save_set
+from remat.answers.bench import gradients
+from remat.device.cost import fused_op_seconds_all, get_profile
+from remat.planning.solvers.mincut import joint_problem
+from remat.planning.solvers.saveset import cheapest_save_set, describe_save_set
 from remat.units import format_bytes
 
 

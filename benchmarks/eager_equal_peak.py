@@ -8,14 +8,14 @@ Megatron's selective policies): apply its plan and measure its peak (`remat.meas
 `auto` with that measured peak as the byte budget, apply it and measure its peak too. Both figures
 are whole-step peaks, parameters, gradients and inputs included, as the planner's budget is, so
 the budget is the hand-written plan's peak as measured, not as predicted. store_all, every
-strategy and every auto plan are then timed in interleaved rounds (`remat.bench`'s: each round
+strategy and every auto plan are then timed in interleaved rounds (`remat.answers.bench`'s: each round
 times one step of every row in turn, set up just before and torn down just after, starting one row
 later each round); an auto plan that is the same plan as a row already timed is not timed twice.
 
 The model is the GPT-2-style one of the issue: 12 layers, d 768, 12 heads, vocab 8192, seq 256,
 batch 4, fp32, on the CPU (`--tiny`: the gpt2 preset's tiny size, batch 2, seq 64, for a quick
 check). Costs are priced on the `cpu` profile, or with `--profile calibrated` on
-`remat.measure.calibrate_profile()` of this machine. Prints a markdown table and writes
+`remat.measuring.measure.calibrate_profile()` of this machine. Prints a markdown table and writes
 benchmarks/results/eager-equal-peak[-tiny].json.
 """
 
@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 
 import remat
-from remat import models, strategies
-from remat.bench import _interleaved_rounds, _plan_applied
+from remat import models
+from remat.answers.bench import _interleaved_rounds, _plan_applied
+from remat.applying.tune import tune
 from remat.errors import InfeasibleBudget
-from remat.plans import Plan
-from remat.tune import tune
+from remat.planning import strategies
+from remat.planning.plans import Plan
 from remat.units import format_bytes
 
 GPT2_STYLE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 8192}
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tuned",
         action="store_true",
-        help="also auto:tuned at each peak (remat.tune: the best few plans that fit timed on the "
+        help="also auto:tuned at each peak (remat.applying.tune: the best few plans that fit timed on the "
         "model, the fastest kept), timed in the same rounds",
     )
     args = parser.parse_args(argv)
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     graph = remat.trace(meta_model, *meta_inputs)
     if args.profile == "calibrated":
-        from remat.measure import calibrate_profile
+        from remat.measuring.measure import calibrate_profile
 
         profile = calibrate_profile()
     else:

@@ -4,7 +4,7 @@
 
 The compiled path prices a recomputed pointwise op at its arithmetic (one vector operation per
 element, `profile.transcendental_ops` of them for exp, sin, tanh and the like:
-`remat.cost.fused_op_seconds_all`), not at a round trip to memory, and a matmul at its roofline.
+`remat.device.cost.fused_op_seconds_all`), not at a round trip to memory, and a matmul at its roofline.
 This measures both premises on the machine at hand under inductor:
 
 - chains of k pointwise ops (k = 1, 2, 4, 8, 16) on one fp32 tensor, compiled by inductor into one
@@ -14,7 +14,7 @@ This measures both premises on the machine at hand under inductor:
 - a square matmul compiled by inductor against the profile's roofline (`peak_flops`).
 
 Each point is the median of `--reps` timed calls after a warm-up, the chains interleaved in every
-round. Prints a markdown table and compares with `remat.measure.calibrate_profile()` and the
+round. Prints a markdown table and compares with `remat.measuring.measure.calibrate_profile()` and the
 shipped cpu profile; writes benchmarks/results/fused-recompute-cost.json.
 """
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from remat.cost import get_profile
-from remat.measure import calibrate_profile
+from remat.device.cost import get_profile
+from remat.measuring.measure import calibrate_profile
 
 CHEAP = (lambda y: y * 1.0001, lambda y: y + 0.5)
 TRANSCENDENTAL = (torch.sin, torch.exp, torch.tanh)

@@ -14,9 +14,9 @@ caching allocator's `max_memory_allocated` above its count when the step began).
 
 Allocator (`--parts allocator`, CUDA only): for one preset and one Hugging Face model, two real
 training steps with AdamW on the GPU, and `torch.cuda.memory_stats()`'s requested, allocated and
-reserved peaks against `remat.gpu_memory`'s prediction from a meta copy traced for this GPU
-(`remat.gpus.get_gpu(torch.cuda.get_device_name())`); and the bytes autograd saves per op in a
-real CUDA trace against the fake trace with the GPU's kernel rules (`remat.targets`).
+reserved peaks against `remat.prediction.gpu_memory`'s prediction from a meta copy traced for this GPU
+(`remat.device.gpus.get_gpu(torch.cuda.get_device_name())`); and the bytes autograd saves per op in a
+real CUDA trace against the fake trace with the GPU's kernel rules (`remat.device.targets`).
 
 Speed: on a Llama (bf16-mixed at 4096 tokens on a GPU), the step time of each strategy relative
 to store_all, torch.compile at `activation_memory_budget=0.5` and remat.compile at the peak torch
@@ -52,15 +52,16 @@ import torch
 from torch import nn
 
 import remat
-from remat import Planner, models, strategies
-from remat.bench import _plan_applied
-from remat.cli import _parse_overrides
-from remat.compiled import plans_of
-from remat.cost import DeviceProfile
+from remat import Planner, models
+from remat.answers.bench import _plan_applied
+from remat.answers.cli import _parse_overrides
+from remat.applying.compiled import plans_of
+from remat.device.cost import DeviceProfile
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.graph import Graph
-from remat.measure import Measurement, calibrate_profile, measure, time_steps
-from remat.trace import default_loss
+from remat.measuring.measure import Measurement, calibrate_profile, measure, time_steps
+from remat.planning import strategies
+from remat.tracing.trace import default_loss
 from remat.units import format_bytes
 
 MODELS = ("gpt2", "llama-3.2-1b", "megatron-gpt", "mlp-chain-16")
@@ -297,7 +298,7 @@ def _compiled(
     step = Step(compiled, settings.autocast, settings.device.type)
     m = measure(step, *inputs, loss_fn=loss_of)
     plans, graphs = plans_of(compiled), compiled.remat_backend.graphs
-    # A compiled plan is "optimal" exactly when it is the min-cut (`remat.compiled.decide`).
+    # A compiled plan is "optimal" exactly when it is the min-cut (`remat.applying.compiled.decide`).
     row.plan = ", ".join("min-cut" if p.status == "optimal" else "budgeted save set" for p in plans)
     row.predicted_peak_bytes = max(
         p.predicted_peak_bytes - _persistent_bytes(g) for p, g in zip(plans, graphs, strict=True)
@@ -471,15 +472,15 @@ def compare_saved(real: dict[str, int], fake: dict[str, int]) -> dict[str, Any]:
 
 
 def allocator_part(name: str, settings: Settings, progress: Progress) -> dict[str, Any]:
-    """Two real AdamW steps of `name` on the GPU against `remat.gpu_memory`'s prediction, and the
+    """Two real AdamW steps of `name` on the GPU against `remat.prediction.gpu_memory`'s prediction, and the
     saved bytes per op of a real CUDA trace against the fake trace for this GPU."""
     row: dict[str, Any] = {"model": name, **ALLOCATOR_SHAPE}
     if settings.device.type != "cuda":
         row["note"] = "skipped: the caching allocator's statistics need a CUDA device"
         return row
     try:
-        from remat.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
-        from remat.gpus import get_gpu
+        from remat.device.gpus import get_gpu
+        from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
 
         gpu = get_gpu(torch.cuda.get_device_name(settings.device))
         progress(f"allocator: {name} predicted for {gpu.name}")

@@ -15,7 +15,7 @@ import time
 import warnings
 
 import remat
-from remat.bench import gradients
+from remat.answers.bench import gradients
 from remat.models.hf import build_for_training
 from remat.units import format_bytes
 

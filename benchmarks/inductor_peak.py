@@ -5,7 +5,7 @@
 
 For each model and budget: `remat.compile(model, budget, strategy="auto")` under inductor, one
 measured training step (`remat.measure`), and the plan's predicted peak, which comes from
-inductor's own buffer plan (src/remat/inductor_plan.py). gpt2 and llama-3.2-1b are the tiny
+inductor's own buffer plan (src/remat/prediction/inductor_plan.py). gpt2 and llama-3.2-1b are the tiny
 presets at batch 4, seq 64; gpt2-style is the issue's GPT-2-style model (12 layers, d 768, vocab
 8192, seq 256, batch 4). Prints a markdown table (predicted, measured, their difference, the
 budget, whether the measured peak is within it, compile time and how many of inductor's plans
@@ -24,7 +24,7 @@ import torch
 
 import remat
 from remat import models
-from remat.compiled import plans_of, remat_error_cause
+from remat.applying.compiled import plans_of, remat_error_cause
 from remat.units import format_bytes
 
 GPT2_STYLE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 8192}

@@ -6,7 +6,7 @@ Each point of shared/reference/published-memory.md (and a few more from the same
 rebuilt as the run was configured: the model from the framework's own code where that package is
 installed (torchtune, torchtitan, transformers) and from remat's own preset or shipped config,
 traced on fake tensors with the CUDA kernels of the GPU it ran on, planned with the checkpointing
-it used, and reported as the GPU reports it (`remat.gpu_memory`: the caching allocator's
+it used, and reported as the GPU reports it (`remat.prediction.gpu_memory`: the caching allocator's
 allocated and reserved bytes, the CUDA context for nvidia-smi). The figure compared is the one
 published: peak active (torch's `active_bytes.all.peak`, compared with allocated), peak reserved,
 or nvidia-smi's used memory. A point whose framework is not installed is skipped, saying so.
@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 import remat
-from remat import models, strategies
+from remat import models
+from remat.device.gpus import get_gpu
 from remat.errors import RematError
-from remat.gpu_memory import Fsdp, gpu_memory
-from remat.gpus import get_gpu
-from remat.planner import Planner
+from remat.planning import strategies
+from remat.planning.planner import Planner
+from remat.prediction.gpu_memory import Fsdp, gpu_memory
 
 GIB, MIB = 1 << 30, 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ class Point:
     compile: str | None = None
     context_bytes: int | None = None  # the context the publication measured, when it did
     pred_alive: bool = False  # the loop keeps the fp32 prediction through backward (see below)
-    torch_version: tuple[int, int] | None = None  # an older torch's autograd (remat.targets)
+    torch_version: tuple[int, int] | None = None  # an older torch's autograd (remat.device.targets)
     note: str = ""
 
 
@@ -284,7 +285,7 @@ POINTS: tuple[Point, ...] = (
         "kept between steps; and the runs of early 2022 had torch 1.10 (1.11 came out in March "
         "2022; inferred, the page does not say), whose softmax autograd kept its input as well as "
         "its output (pytorch/pytorch#64000, fixed by #65242): the target is "
-        "`remat.targets.cuda((7, 0), torch_version=(1, 10))`, one more fp32 (heads, seq, seq) "
+        "`remat.device.targets.cuda((7, 0), torch_version=(1, 10))`, one more fp32 (heads, seq, seq) "
         "tensor per layer and sample, 16 MiB here. Traced with torch 2.13's autograd instead, H1 "
         "is 0.895, H2 0.941, H3 0.995, H4 0.858, H5 0.984: the gap grows with the batch and "
         "vanishes under checkpointing, as that tensor does",
@@ -428,7 +429,7 @@ def predict(point: Point, source: Source) -> Prediction:
         plan = planner.solve(strategies.get(point.strategy, "eager"), planner.estimate.peak_bytes)
         regions = plan.regions
     if point.compile is not None:
-        from remat.compiled_estimate import estimate_compiled
+        from remat.prediction.compiled_estimate import estimate_compiled
 
         compiled = estimate_compiled(
             graph,
@@ -506,7 +507,7 @@ def markdown(rows: list[Prediction], seconds: float) -> str:
         "",
         "Written by `python benchmarks/published.py` (no GPU needed: every step is traced on fake",
         "tensors with the CUDA kernels of the GPU it ran on, and reported as that GPU reports it:",
-        "`remat.gpu_memory`, the caching allocator simulated). Published figures: "
+        "`remat.prediction.gpu_memory`, the caching allocator simulated). Published figures: "
         "shared/reference/published-memory.md",
         "and the publications named below. Tolerance: 5% for active/allocated, 10% for reserved",
         "and nvidia-smi (issue 19). Nothing is fitted to these figures; each input is the run's",

@@ -35,8 +35,8 @@ from torch.distributed.fsdp import fully_shard
 import remat
 from remat import models
 from remat.integrations.lightning import fabric_setup
+from remat.layouts.parallel import tensor_parallel
 from remat.models.gpt import Block
-from remat.parallel import tensor_parallel
 
 
 class FabricFSDPOnCPU(FSDPStrategy):

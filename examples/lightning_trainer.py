@@ -41,8 +41,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 import remat
 from remat import models
 from remat.integrations.lightning import RematCallback, plan
+from remat.layouts.parallel import tensor_parallel
 from remat.models.gpt import Block
-from remat.parallel import tensor_parallel
 
 STRATEGIES = ("auto", "ddp", "fsdp", "model-parallel")
 

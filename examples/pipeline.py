@@ -7,13 +7,13 @@ single-process run.
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule interleaved-1f1b
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --optimizer adamw
 
-The model is cut by `remat.pipeline.split` (2 stages, or 4 interleaved: stages r and r + 2 on
+The model is cut by `remat.layouts.pipeline.split` (2 stages, or 4 interleaved: stages r and r + 2 on
 rank r); each rank runs its stages in `PipelineStage`s under torch's schedule, 4 micro-batches.
 The prediction comes from the same architecture built on the meta device
-(`remat.pipeline.predict`, or `plan` under `--budget`, whose plan for this rank's stage is applied
+(`remat.layouts.pipeline.predict`, or `plan` under `--budget`, whose plan for this rank's stage is applied
 before the run). One step warms up (it allocates `PipelineStage`'s receive buffers and the
 optimizer's state), then the second is measured with the profiler's CPU memory events
-(`remat.measure.cpu_peak_bytes`) above what is live before it: the stages' parameters and
+(`remat.measuring.measure.cpu_peak_bytes`) above what is live before it: the stages' parameters and
 buffers, the receive buffers, the optimizer's state and the rank's part of the batch. The
 gradients, averaged over the micro-batches as the schedule scales them, must equal those of the
 whole model on the whole batch, and the in-flight micro-batches those predicted.
@@ -31,8 +31,8 @@ from torch.distributed.pipelining import PipelineStage
 
 import remat
 from remat import models
-from remat import pipeline as pp
-from remat.measure import cpu_peak_bytes
+from remat.layouts import pipeline as pp
+from remat.measuring.measure import cpu_peak_bytes
 
 BATCH, SEQ, MICROBATCHES = 8, 128, 4
 # lr 0: the optimizers keep and allocate what they do in training, and leave the weights as they are

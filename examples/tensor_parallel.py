@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import remat
 from remat import models
-from remat.parallel import tensor_parallel
+from remat.layouts.parallel import tensor_parallel
 
 
 def build():

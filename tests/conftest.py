@@ -14,6 +14,6 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def tuned_plans_kept_in_a_fresh_folder(tmp_path, monkeypatch):
-    """`remat.tune` keeps its results on disk: each test starts with none, and nothing is written
+    """`remat.applying.tune` keeps its results on disk: each test starts with none, and nothing is written
     to the user's ~/.cache."""
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))

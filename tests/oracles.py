@@ -1,11 +1,11 @@
 """Slow, obviously correct references the solvers are tested against. Test code, not remat's.
 
 - `textbook_chain_dp`: the classic recursion over segments for the chain model of
-  `remat.solvers.chain`, the reference for `chain_dp` on chains too long to enumerate;
+  `remat.planning.solvers.chain`, the reference for `chain_dp` on chains too long to enumerate;
 - `chain_brute_force`: every schedule of a short chain (the reference for ties and infeasibility);
 - `blocks_brute_force`: every choice of a small `BlockProblem` (the reference for `milp`);
 - `store_all_timeline`: the live bytes of a step without checkpointing, the reference for
-  `remat.estimate` (which is `remat.schedule.simulate` with no regions).
+  `remat.estimate` (which is `remat.prediction.schedule.simulate` with no regions).
 """
 
 from __future__ import annotations
@@ -16,17 +16,22 @@ import math
 
 import numpy as np
 
+from remat.device.targets import scratch_bytes
 from remat.errors import InfeasibleBudget
 from remat.graph import Graph
-from remat.solvers.chain import (
+from remat.planning.solvers.chain import (
     Chain,
     ChainPlan,
     ChainSchedule,
     chain_peak_bytes,
     chain_recompute_seconds,
 )
-from remat.solvers.milp import BlockProblem, MilpResult, block_peak_bytes, block_recompute_seconds
-from remat.targets import scratch_bytes
+from remat.planning.solvers.milp import (
+    BlockProblem,
+    MilpResult,
+    block_peak_bytes,
+    block_recompute_seconds,
+)
 
 Segment = tuple[int, int, bool]
 
@@ -181,7 +186,7 @@ def blocks_brute_force(problem: BlockProblem, budget_bytes: int) -> MilpResult:
 def store_all_timeline(graph: Graph, base_bytes: int) -> list[int]:
     """The live bytes at each op of a step without checkpointing, written directly: each storage
     allocated by the step is live from its op until both the program and every autograd node that
-    saved it have let go, plus the op's kernel scratch. What `remat.schedule.simulate` must give
+    saved it have let go, plus the op's kernel scratch. What `remat.prediction.schedule.simulate` must give
     with no regions (the estimate's timeline), by a second route."""
     end = len(graph.ops)
     death = {

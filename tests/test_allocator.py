@@ -1,11 +1,11 @@
-"""The caching allocator model (`remat.allocator`): each rule of c10/cuda/CUDACachingAllocator.cpp
+"""The caching allocator model (`remat.device.allocator`): each rule of c10/cuda/CUDACachingAllocator.cpp
 pinned by a small case whose bytes follow from the rule, derived in the comments."""
 
 from __future__ import annotations
 
 import pytest
 
-from remat.allocator import (
+from remat.device.allocator import (
     Alloc,
     AllocatorSettings,
     Free,

@@ -8,7 +8,7 @@ from torch import nn
 
 import remat
 from remat import Planner, models
-from remat.bench import gradients
+from remat.answers.bench import gradients
 
 SMALL = {"resnet50": {"batch": 4, "image_size": 64}, "mlp-chain-16": {"batch": 8}}
 ZOO = [n for n in models.preset_names() if not n.startswith("mlp-chain")] + ["mlp-chain-16"]

@@ -1,5 +1,5 @@
-"""`remat.bench`: interleaved timing rounds, the spread and noise flag of each row, the table that
-shows them, and `remat.measure.time_steps`."""
+"""`remat.answers.bench`: interleaved timing rounds, the spread and noise flag of each row, the table that
+shows them, and `remat.measuring.measure.time_steps`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from rich.console import Console
 
 from remat import Planner, models, trace
-from remat.bench import BenchRow, _interleaved_rounds, bench, bench_compiled, progress_total
+from remat.answers.bench import BenchRow, _interleaved_rounds, bench, bench_compiled, progress_total
+from remat.answers.report import bench_table
 from remat.errors import RematError
-from remat.measure import time_steps
-from remat.report import bench_table
+from remat.measuring.measure import time_steps
 
 MIB = 2**20
 LONG_NOTE = (
@@ -217,7 +217,7 @@ def test_bench_needs_a_timing_round(tiny_mlp):
 
 
 def test_gradient_differences_are_given_relative_to_the_gradients_scale():
-    from remat.bench import _max_diff
+    from remat.answers.bench import _max_diff
 
     reference = {"w": torch.tensor([1e4, -2e4]), "b": torch.tensor([3.0])}
     compiled = {"w": torch.tensor([1e4 + 0.8, -2e4]), "b": torch.tensor([3.0])}
@@ -229,7 +229,7 @@ def test_gradient_differences_are_given_relative_to_the_gradients_scale():
 def test_one_slow_round_of_store_all_does_not_put_every_row_within_noise():
     """Min-max overlap called 1.5x "within noise" when store_all had one slow round; the middle
     halves of the rounds do not."""
-    from remat.bench import _timed_row, quartile_range
+    from remat.answers.bench import _timed_row, quartile_range
 
     base = [0.100] * 8 + [0.500]
     row = _timed_row(BenchRow("full"), [0.150] * 9, 0.100, quartile_range(base))
@@ -239,7 +239,7 @@ def test_one_slow_round_of_store_all_does_not_put_every_row_within_noise():
 
 
 def test_a_row_whose_rounds_disagree_is_marked_noisy_with_advice_to_rerun():
-    from remat.bench import _timed_row, quartile_range
+    from remat.answers.bench import _timed_row, quartile_range
 
     rounds = [0.247, 0.251, 2.042, 0.260, 0.255]  # a busy machine, as the first `remat demo`
     row = _timed_row(replace(table_rows()[1], note=""), rounds, 0.2, quartile_range([0.2] * 5))
@@ -267,7 +267,7 @@ def _render(table, width: int) -> str:
 def test_no_series_of_the_bench_plot_has_the_budget_lines_colour():
     from matplotlib.colors import to_rgb
 
-    from remat.report import _COLORS, _MARKERS
+    from remat.answers.report import _COLORS, _MARKERS
 
     assert to_rgb("crimson") not in [to_rgb(c) for c in _COLORS]
     assert to_rgb("C3") not in [to_rgb(c) for c in _COLORS]  # tab10's red, next to crimson

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from oracles import chain_brute_force, textbook_chain_dp
 
 from remat.errors import InfeasibleBudget
-from remat.solvers.chain import (
+from remat.planning.solvers.chain import (
     Chain,
     ChainBlock,
     ChainSchedule,

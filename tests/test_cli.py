@@ -13,13 +13,16 @@ import pytest
 import torch
 
 import remat
-from remat.cli import main
+from remat.answers.cli import main
 from remat.units import format_bytes
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "remat.answers.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -110,7 +113,7 @@ def test_plan_json_has_the_documented_fields(capsys, tmp_path):
     assert out["predicted_peak_bytes"] <= out["budget_bytes"]
     assert {"name", "op", "bytes"} <= set(out["saved"][0])
     assert {row["strategy"] for row in out["comparison"]} >= {"store_all", "full", "sqrt", "milp"}
-    from remat.plans import Plan
+    from remat.planning.plans import Plan
 
     assert Plan.from_json(out_file.read_text()).predicted_peak_bytes == out["predicted_peak_bytes"]
 

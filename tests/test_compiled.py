@@ -22,11 +22,11 @@ from torch.utils.checkpoint import (
 
 import remat
 from remat import models
-from remat.bench import gradients
-from remat.compiled import plans_of
-from remat.measure import saved_tensor_bytes
-from remat.solvers.mincut import joint_problem, recomputed_values
-from remat.solvers.saveset import cheapest_save_set, describe_save_set
+from remat.answers.bench import gradients
+from remat.applying.compiled import plans_of
+from remat.measuring.measure import saved_tensor_bytes
+from remat.planning.solvers.mincut import joint_problem, recomputed_values
+from remat.planning.solvers.saveset import cheapest_save_set, describe_save_set
 
 BANDWIDTH = 1e9
 
@@ -189,7 +189,7 @@ def call(args):
 def test_replay_counts_inductors_allocations_reuses_and_frees():
     """The replay runs inductor's wrapper as written, kernels doing nothing: a buffer reused in
     place costs nothing new, an input the wrapper deletes (and nothing else holds) dies there."""
-    from remat.inductor_plan import replay
+    from remat.prediction.inductor_plan import replay
 
     args = [torch.empty(1024, device="meta")]
     result = replay(_WRAPPER, args)
@@ -199,7 +199,7 @@ def test_replay_counts_inductors_allocations_reuses_and_frees():
 
 @needs_cxx
 def test_an_unreadable_inductor_plan_falls_back_to_the_op_by_op_count(monkeypatch):
-    from remat import inductor_plan
+    from remat.prediction import inductor_plan
 
     def moved(*args, **kwargs):
         raise RuntimeError("a torch internal moved")
@@ -291,7 +291,7 @@ def test_remat_needs_no_more_recompute_than_torch_at_its_saved_bytes(torch_budge
     (theirs,) = watcher.plans
     graph = watcher.graphs[0]
     problem = joint_problem(graph, None)
-    from remat.cost import fused_op_seconds_all, get_profile
+    from remat.device.cost import fused_op_seconds_all, get_profile
 
     op_seconds = fused_op_seconds_all(graph, get_profile("cpu"))
     ours = cheapest_save_set(
@@ -478,8 +478,8 @@ def test_kernel_scratch_rule_equals_what_cpu_flash_attention_backward_allocates(
     sees inside the op beyond the three gradients (measured by the profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from remat.inductor_plan import kernel_scratch_bytes
-    from remat.measure import _walk
+    from remat.measuring.measure import _walk
+    from remat.prediction.inductor_plan import kernel_scratch_bytes
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     q, k, v = (torch.randn(2, 4, seq, 16, requires_grad=True) for _ in range(3))

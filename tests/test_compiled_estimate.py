@@ -15,7 +15,7 @@ from torch import nn
 
 import remat
 from remat import models
-from remat.cli import main
+from remat.answers.cli import main
 from remat.errors import RematError
 
 needs_cxx = pytest.mark.skipif(
@@ -196,8 +196,8 @@ def test_cli_prints_the_compiled_row_and_json_carries_it(capsys):
 def test_fit_adds_the_compiled_row_at_the_asked_size():
     """`fit(compile=...)`: one more row, the compiled step's peak at the asked size (from the step
     fit traced for its GPU), judged against the same usable bytes; one rank only."""
-    from remat.fit import fit
-    from remat.gpus import custom_gpu
+    from remat.answers.fit import fit
+    from remat.device.gpus import custom_gpu
 
     def build(batch: int, seq: int):
         return models.build("gpt2", batch=batch, seq=seq, tiny=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.cost import (
+from remat.device.cost import (
     PROFILES,
     DeviceProfile,
     fused_op_seconds_all,
@@ -20,7 +20,7 @@ from remat.cost import (
     op_seconds_all,
 )
 from remat.errors import UnknownProfileError
-from remat.measure import calibrate_profile
+from remat.measuring.measure import calibrate_profile
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 
 import remat
-from remat import models, strategies
-from remat.cost import PROFILES, DeviceProfile, checkpoint_overhead_seconds
-from remat.schedule import analyse_regions
+from remat import models
+from remat.device.cost import PROFILES, DeviceProfile, checkpoint_overhead_seconds
+from remat.planning import strategies
+from remat.prediction.schedule import analyse_regions
 
 BARE = DeviceProfile("bare", peak_flops=1e11, vector_flops=2e10, bandwidth=2e10)
 

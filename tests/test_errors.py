@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from remat.cost import get_profile
+from remat.device.cost import get_profile
 from remat.errors import (
     BudgetError,
     InfeasibleBudget,
@@ -96,7 +96,7 @@ def test_parse_bytes_still_reads_good_sizes():
 
 
 def test_get_profile_raises_unknown_profile_error_listing_known_names():
-    from remat.cost import PROFILES
+    from remat.device.cost import PROFILES
 
     with pytest.raises(UnknownProfileError, match="'tpu-v9'") as err:
         get_profile("tpu-v9")

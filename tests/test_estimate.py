@@ -13,7 +13,8 @@ from torch import nn
 import remat
 from remat import models
 from remat.errors import RematError
-from remat.estimate import (
+from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
+from remat.prediction.estimate import (
     OPTIMIZER_MEMORY,
     OPTIMIZERS,
     estimate,
@@ -25,8 +26,7 @@ from remat.estimate import (
     storage_deaths,
     trainable_param_elements,
 )
-from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
-from remat.schedule import simulate
+from remat.prediction.schedule import simulate
 
 
 def _graph() -> Graph:

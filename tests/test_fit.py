@@ -7,7 +7,7 @@ import pytest
 
 import remat
 from remat import models
-from remat.fit import SEQ_STEP, fit
+from remat.answers.fit import SEQ_STEP, fit
 
 
 def _build(batch: int, seq: int, device: str = "meta"):
@@ -28,7 +28,7 @@ def capacity_for_batch_3() -> int:
 
 
 def _gpu(capacity: int):
-    from remat.gpus import custom_gpu
+    from remat.device.gpus import custom_gpu
 
     return custom_gpu(capacity, "h100")
 
@@ -90,7 +90,7 @@ def test_the_search_finds_the_largest_fitting_size_from_any_guess():
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from remat.fit import _largest
+    from remat.answers.fit import _largest
 
     @given(st.integers(1, 500), st.integers(0, 500), st.integers(-10, 1000))
     def check(high, answer, guess):
@@ -180,7 +180,7 @@ def test_fsdp2_mixed_precision_needs_ranks_and_drops_autocasts_weight_copies():
 
 
 def test_advice_names_fsdp2_mixed_precision_when_no_rank_count_fits_autocast():
-    from remat.fit import FitReport, FitRow, advice
+    from remat.answers.fit import FitReport, FitRow, advice
 
     row = FitRow("full", 200 << 30, False, 0.25, None, None, plan="full")
     common = {"model": "m", "batch": 1, "seq": 8192, "gpu": "h100-80gb", "profile": "h100"}
@@ -202,8 +202,8 @@ def test_rows_are_judged_by_the_caching_allocators_reserved_bytes():
     """Without --reserve, a row fits when the simulated allocator's reserved bytes stay within its
     limit (total_memory less what sits outside the allocator): a GPU with exactly that room fits,
     one whose allocator cannot even hold the live bytes does not; the JSON row carries them."""
-    from remat.gpu_memory import gpu_memory
-    from remat.gpus import allocator_limit_bytes
+    from remat.device.gpus import allocator_limit_bytes
+    from remat.prediction.gpu_memory import gpu_memory
 
     big = _gpu(1 << 40)
     outside = big.capacity_bytes - allocator_limit_bytes(big)
@@ -233,7 +233,7 @@ def test_when_nothing_fits_the_advice_ends_with_a_command_that_fits(capsys):
     import json
     import shlex
 
-    from remat.cli import main
+    from remat.answers.cli import main
 
     asked = ["fit", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "256"]
     asked += ["--precision", "bf16-mixed", "--optimizer", "adamw"]
@@ -262,7 +262,7 @@ def _llama(batch: int, seq: int):
 def test_a_tensor_parallel_fit_is_the_traced_ranks_step():
     """`fit(layout=Layout(tp=2))`'s per-rank peak is the peak of the rank's own trace (its shards
     and collectives, `Layout.trace`), and below the one-rank step's."""
-    from remat.parallel import Layout
+    from remat.layouts.parallel import Layout
 
     gpu = _gpu(1 << 40)
     asked = {"batch": 2, "seq": 64, "precision": "fp32", "optimizer": None, "reserve": 0}
@@ -283,9 +283,9 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
     """`fit(layout=Layout(pp=2, microbatches=4))`: every row is its tightest rank's peak (the
     highest of its stages'), the table per stage holds each rank's peak, and auto's plan fits
     every rank where store-all does not."""
-    from remat.fit_pipeline import pipeline_rows
-    from remat.parallel import Layout
-    from remat.pipeline import Sharding, TracedPipeline
+    from remat.layouts.fit_pipeline import pipeline_rows
+    from remat.layouts.parallel import Layout
+    from remat.layouts.pipeline import Sharding, TracedPipeline
 
     layout = Layout(pp=2, microbatches=4)
     gpu = _gpu(1 << 40)
@@ -310,14 +310,14 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
 
 
 def test_a_pipeline_fit_is_judged_by_each_ranks_caching_allocator():
-    """`fit --pp` runs each rank's walk through the caching allocator (`remat.pipeline.
+    """`fit --pp` runs each rank's walk through the caching allocator (`remat.layouts.pipeline.
     rank_events`): on a GPU whose allocator limit is exactly store-all's requested bytes on its
     tightest rank, store-all's live bytes fit but its blocks do not (rounding, fragmentation), so
     it does not fit; auto plans again within what the allocator leaves and fits by its reserved
     bytes; the per-stage table gives each rank's reserved bytes."""
-    from remat.gpus import custom_gpu, fixed_memory
-    from remat.parallel import Layout
-    from remat.pipeline import TracedPipeline
+    from remat.device.gpus import custom_gpu, fixed_memory
+    from remat.layouts.parallel import Layout
+    from remat.layouts.pipeline import TracedPipeline
 
     big = _gpu(1 << 40)
     traced = TracedPipeline.of(
@@ -345,9 +345,9 @@ def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
     """GPipe holds every micro-batch on every stage; where no plan fits that, the advice finds
     the layout that does (1F1B on the same ranks, fewer micro-batches in flight) and its plan
     fits every rank there."""
-    from remat.fit_pipeline import layout_that_fits
-    from remat.parallel import Layout
-    from remat.pipeline import TracedPipeline
+    from remat.layouts.fit_pipeline import layout_that_fits
+    from remat.layouts.parallel import Layout
+    from remat.layouts.pipeline import TracedPipeline
 
     gpu = _gpu(1 << 40)
     traced = TracedPipeline.of(_llama, 2 * 4, 64, stages=2, microbatches=4, schedule="1f1b")

@@ -7,7 +7,7 @@ import pytest
 
 import remat
 from remat import models
-from remat.report import block_activation_bytes
+from remat.answers.report import block_activation_bytes
 
 
 def per_layer_bytes(name: str, **kw) -> int:

@@ -1,4 +1,4 @@
-"""The allocation events of a training step (`remat.gpu_memory`) and what the GPU reports from them.
+"""The allocation events of a training step (`remat.prediction.gpu_memory`) and what the GPU reports from them.
 
 The events are checked against `remat.estimate` (their live total is its peak, to the byte) and
 the reported figures against the allocator model's own rules (`tests/test_allocator.py`)."""
@@ -8,17 +8,23 @@ from __future__ import annotations
 import pytest
 
 import remat
-from remat import models, strategies
-from remat.allocator import Alloc, AllocatorSettings, Free
-from remat.estimate import estimate, param_blocks
-from remat.gpu_memory import (
+from remat import models
+from remat.device.allocator import Alloc, AllocatorSettings, Free
+from remat.device.gpus import (
+    BLAS_HANDLES,
+    allocator_limit_bytes,
+    blas_workspace_bytes,
+    fixed_memory,
+)
+from remat.planning import strategies
+from remat.prediction.estimate import estimate, param_blocks
+from remat.prediction.gpu_memory import (
     ALL_GATHER_STREAM,
     REDUCE_SCATTER_STREAM,
     Fsdp,
     gpu_memory,
     step_events,
 )
-from remat.gpus import BLAS_HANDLES, allocator_limit_bytes, blas_workspace_bytes, fixed_memory
 
 
 @pytest.fixture(scope="module")

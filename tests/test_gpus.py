@@ -8,9 +8,8 @@ import math
 
 import pytest
 
-from remat.cost import PROFILES
-from remat.errors import BudgetError, UnknownProfileError
-from remat.gpus import (
+from remat.device.cost import PROFILES
+from remat.device.gpus import (
     ARCHITECTURES,
     BLAS_HANDLES,
     DEFAULT_CUSTOM_PROFILE,
@@ -29,6 +28,7 @@ from remat.gpus import (
     reserve_bytes,
     usable_bytes,
 )
+from remat.errors import BudgetError, UnknownProfileError
 
 GB, GiB, MiB = 10**9, 2**30, 2**20
 

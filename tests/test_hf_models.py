@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.bench import gradients
+from remat.answers.bench import gradients
 
 pytest.importorskip("transformers")
 from remat.models.hf import build_for_training  # noqa: E402

@@ -1,4 +1,4 @@
-"""The HTML report (`remat.html.write_report`): one self-contained file (inline SVG, inline data,
+"""The HTML report (`remat.answers.html.write_report`): one self-contained file (inline SVG, inline data,
 nothing fetched), every section there, the numbers in its JSON block those of the planner; and,
 where Chromium is installed, that a browser renders it without a console message."""
 
@@ -19,7 +19,7 @@ from torch import nn
 
 import remat
 from remat import models
-from remat.html import SECTIONS, TOP_DECISIONS, write_report
+from remat.answers.html import SECTIONS, TOP_DECISIONS, write_report
 from remat.units import format_bytes
 
 TITLE = "gpt2 (tiny) batch 2 seq 64"

@@ -205,7 +205,7 @@ def test_a_lora_model_traces_measures_and_plans_exactly():
     adapters' gradients unchanged."""
     peft = pytest.importorskip("peft")
     from remat import models
-    from remat.trace import default_loss
+    from remat.tracing.trace import default_loss
 
     torch.manual_seed(0)
     model, inputs = models.build("hf:llama", tiny=True, device="cpu", batch=2, seq=32)

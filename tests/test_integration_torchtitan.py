@@ -118,7 +118,7 @@ def test_integration_torchtitan_rematac_plans_each_tensor_parallel_ranks_own_ste
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     from remat.integrations.torchtitan import RematAC
-    from remat.parallel import fake_ranks
+    from remat.layouts.parallel import fake_ranks
 
     monkeypatch.setattr(parallel_dims, "device_type", "cpu")  # torchtitan says "cuda" on a CPU
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat.errors import RematError
-from remat.measure import Measurement, measure, saved_tensor_bytes
+from remat.measuring.measure import Measurement, measure, saved_tensor_bytes
 
 F32 = 4
 

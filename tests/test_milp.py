@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from oracles import blocks_brute_force
 
 from remat.errors import InfeasibleBudget
-from remat.solvers.milp import (
+from remat.planning.solvers.milp import (
     BlockOption,
     BlockProblem,
     block_peak_bytes,

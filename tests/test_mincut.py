@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat.cost import is_matmul
+from remat.device.cost import is_matmul
 from remat.graph import Graph, Op, Saved, Storage, Tensor
-from remat.solvers.mincut import cut_cost, default_save_set, mincut
+from remat.planning.solvers.mincut import cut_cost, default_save_set, mincut
 
 B = 1024 * 4  # one fp32 vector of 1024 elements
 

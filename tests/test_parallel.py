@@ -12,10 +12,10 @@ from torch import nn
 
 import remat
 from remat import models
-from remat.cost import op_seconds
+from remat.answers.report import block_activation_bytes
+from remat.device.cost import op_seconds
 from remat.errors import RematError
-from remat.parallel import fake_ranks, tensor_parallel
-from remat.report import block_activation_bytes
+from remat.layouts.parallel import fake_ranks, tensor_parallel
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available(), reason="torch built without torch.distributed"
@@ -158,7 +158,7 @@ def test_a_fully_sharded_model_is_planned_as_the_bare_model_and_trains_as_withou
 
     from torch.distributed.fsdp import fully_shard
 
-    from remat.parallel import is_fsdp_sharded
+    from remat.layouts.parallel import is_fsdp_sharded
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -190,7 +190,7 @@ def test_context_parallel_on_a_cuda_target_runs_torchs_ring_attention():
     step, the second step (load-balanced, causal) on the second half of its queries only, so
     its attention FLOPs are 1.5x those of the local chunk's step; what it saves is the local
     step's and the ring's merge (a few %). On a CPU target the local chunk stands for it."""
-    from remat.parallel import Layout
+    from remat.layouts.parallel import Layout
 
     def build(batch, seq):
         return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True)

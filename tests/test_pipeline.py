@@ -11,8 +11,8 @@ from torch.distributed.pipelining.schedules import _get_warmup_ops
 from torchrun import torchrun
 
 from remat import models
-from remat import pipeline as pp
 from remat.errors import InfeasibleBudget, RematError
+from remat.layouts import pipeline as pp
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline.py"
 
@@ -109,7 +109,7 @@ def test_a_rank_of_two_interleaved_stages_gets_the_cheapest_pair_of_plans_that_f
     """Interleaved 1F1B runs two stages a rank: they are planned together, the pair of plans of
     least summed recompute whose rank peak fits; no single fixed strategy on every stage that
     fits recomputes less, and brute force over every pair of candidates finds none cheaper."""
-    from remat import strategies
+    from remat.planning import strategies
 
     def build(batch, seq):
         return tiny("llama-2-7b", layers=8, batch=batch, seq=seq)
@@ -172,8 +172,8 @@ def test_each_ranks_allocation_events_request_what_its_walk_counts(schedule, sta
     """`rank_events` (the walk as the blocks a rank allocates and frees, for the caching
     allocator) requests at its peak exactly the walk's peak, with and without plans, optimizer
     and FSDP sharding: two accounts of one step that must agree to the byte."""
-    from remat import strategies
-    from remat.allocator import simulate
+    from remat.device.allocator import simulate
+    from remat.planning import strategies
 
     def build(batch, seq):
         return tiny("llama-2-7b", layers=2 * stages, batch=batch, seq=seq)
@@ -213,7 +213,7 @@ def test_largest_microbatch_fits_and_the_next_one_does_not():
 def test_middle_stages_traced_alike_predict_as_stages_traced_apart():
     """`reuse_alike` traces middle stages of as many blocks once: every rank's peak is as when
     each stage is traced on its own blocks."""
-    from remat.pipeline import TracedPipeline
+    from remat.layouts.pipeline import TracedPipeline
 
     def build(batch, seq):
         return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True, n_layers=8)

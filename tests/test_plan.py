@@ -11,8 +11,8 @@ import torch
 import remat
 from remat import Planner, models, plan
 from remat.errors import InfeasibleBudget
-from remat.plans import Plan
-from remat.solvers.mincut import cut_cost, mincut
+from remat.planning.plans import Plan
+from remat.planning.solvers.mincut import cut_cost, mincut
 
 
 def cos_cos(a, b, c, d):

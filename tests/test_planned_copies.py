@@ -14,7 +14,7 @@ import torch
 
 import remat
 from remat import Planner, models
-from remat.bench import gradients
+from remat.answers.bench import gradients
 
 NAMES = ["gpt2", "hf:llama"]
 

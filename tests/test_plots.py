@@ -13,8 +13,7 @@ from matplotlib.text import Text
 
 import remat
 from remat import models
-from remat.errors import InfeasibleBudget
-from remat.report import (
+from remat.answers.report import (
     _bench_figure,
     _byte_unit,
     _dodge,
@@ -22,6 +21,7 @@ from remat.report import (
     plot_bench,
     plot_frontier,
 )
+from remat.errors import InfeasibleBudget
 from remat.units import format_bytes
 
 MIB = 2**20

@@ -40,8 +40,8 @@ def test_result_reprs_are_one_short_line_that_leads_with_the_answer(planned):
 
 
 def test_fit_report_repr_says_whether_it_fits(planned):
-    from remat.fit import fit
-    from remat.gpus import get_gpu
+    from remat.answers.fit import fit
+    from remat.device.gpus import get_gpu
 
     def build(batch, seq, device="meta"):
         return models.build("gpt2", batch=batch, seq=seq, tiny=True, device=device)

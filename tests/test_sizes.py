@@ -9,7 +9,7 @@ import torch
 
 import remat
 from remat import models
-from remat.sizes import SizeModel, same_graph
+from remat.prediction.sizes import SizeModel, same_graph
 
 
 def _graph(name: str, batch: int, seq: int) -> remat.Graph:

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import remat
-from remat import models, strategies
-from remat.cli import build_parser
+from remat import models
+from remat.answers.cli import build_parser
+from remat.planning import strategies
 
 EVERY_OTHER = '''
 """Checkpoint every other block: a strategy written outside remat, in one file."""
-from remat.strategies import Strategy, register
+from remat.planning.strategies import Strategy, register
 
 
 def solve(planner, budget_bytes):
@@ -123,7 +124,7 @@ def test_a_strategy_needs_a_solve_function():
 def test_first_k_checkpoints_the_fewest_first_blocks_that_fit():
     """Megatron-LM's block method: the smallest k whose plan (blocks 0..k-1 checkpointed, the
     rest kept) fits by the exact simulation; k - 1 does not."""
-    from remat.strategies import get
+    from remat.planning.strategies import get
 
     model, inputs = models.build("gpt2", tiny=True, batch=8, seq=128, n_layer=6)
     planner = remat.Planner(remat.trace(model, *inputs))

@@ -1,4 +1,4 @@
-"""A CUDA target traces the kernels a GPU runs, on fake CPU tensors (remat.targets, remat.emulate).
+"""A CUDA target traces the kernels a GPU runs, on fake CPU tensors (remat.device.targets, remat.device.emulate).
 
 The CUDA rules are pinned two ways: against torch's own CUDA dispatch on this machine (fake CUDA
 tensors run forward without autograd: CUDA autocast's casts and the CUDA meta kernels' outputs
@@ -15,10 +15,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat import emulate, models, schedule, strategies, targets
+from remat import models
+from remat.device import emulate, targets
+from remat.device.targets import AttentionCall, select_attention
 from remat.errors import RematError, TraceError
-from remat.estimate import estimate
-from remat.targets import AttentionCall, select_attention
+from remat.planning import strategies
+from remat.prediction import schedule
+from remat.prediction.estimate import estimate
 
 
 class _Record(TorchDispatchMode):

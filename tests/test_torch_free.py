@@ -24,22 +24,22 @@ REMAT_DIR = Path(remat.__file__).parent
 
 CORE_MODULES = [
     "remat.graph",
-    "remat.gpus",
-    "remat.sizes",
-    "remat.cost",
-    "remat.estimate",
-    "remat.schedule",
-    "remat.targets",
-    "remat.allocator",
-    "remat.gpu_memory",
-    "remat.plans",
+    "remat.device.gpus",
+    "remat.prediction.sizes",
+    "remat.device.cost",
+    "remat.prediction.estimate",
+    "remat.prediction.schedule",
+    "remat.device.targets",
+    "remat.device.allocator",
+    "remat.prediction.gpu_memory",
+    "remat.planning.plans",
     "remat.units",
     "remat.errors",
-    "remat.solvers.chain",
-    "remat.solvers.milp",
-    "remat.solvers.mincut",
-    "remat.solvers.saveset",
-    "remat.solvers.selective",
+    "remat.planning.solvers.chain",
+    "remat.planning.solvers.milp",
+    "remat.planning.solvers.mincut",
+    "remat.planning.solvers.saveset",
+    "remat.planning.solvers.selective",
 ]
 
 # Runs in the child. Torch is made unimportable twice over: `sys.modules["torch"] = None` makes
@@ -84,13 +84,13 @@ def _run_torch_free(body: str, **values: object) -> dict:
 
 
 def _strategy_modules() -> list[str]:
-    """`remat.strategies` and every module in it, if the package exists."""
+    """`remat.planning.strategies` and every module in it, if the package exists."""
     if not (REMAT_DIR / "strategies" / "__init__.py").exists():
         return []
     import pkgutil
 
     names = sorted(m.name for m in pkgutil.iter_modules([str(REMAT_DIR / "strategies")]))
-    return ["remat.strategies", *(f"remat.strategies.{n}" for n in names)]
+    return ["remat.planning.strategies", *(f"remat.planning.strategies.{n}" for n in names)]
 
 
 def test_core_modules_import_without_torch():
@@ -115,11 +115,11 @@ def test_core_modules_import_without_torch():
 
 
 def test_strategies_package_is_checked_when_present():
-    """Guards the test above: if `remat/strategies/` exists, its modules are in the list."""
+    """Guards the test above: if `remat/planning/strategies/` exists, its modules are in the list."""
     found = _strategy_modules()
     if not (REMAT_DIR / "strategies").is_dir():
-        pytest.skip("remat.strategies does not exist yet")
-    assert "remat.strategies" in found
+        pytest.skip("remat.planning.strategies does not exist yet")
+    assert "remat.planning.strategies" in found
     assert len(found) > 1
 
 
@@ -132,14 +132,14 @@ def test_saved_graph_estimates_and_prices_the_same_without_torch(tmp_path):
     path = tmp_path / "graph.json"
     path.write_text(graph.to_json())
     est = remat.estimate(graph, "adamw")
-    from remat.cost import op_seconds_all
+    from remat.device.cost import op_seconds_all
 
     seconds = op_seconds_all(graph, "h100")
 
     result = _run_torch_free(
         """
-        from remat.cost import op_seconds_all
-        from remat.estimate import estimate
+        from remat.device.cost import op_seconds_all
+        from remat.prediction.estimate import estimate
         from remat.graph import Graph
 
         with open(GRAPH_PATH) as f:

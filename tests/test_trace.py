@@ -248,7 +248,7 @@ def test_a_mixed_precision_plan_applies_with_the_gradients_of_no_checkpointing()
     """autocast's cached bf16 copies of the weights outlive a block's call without being state:
     a plan over the blocks is made, and applied under autocast it changes no gradient."""
     from remat import models
-    from remat.bench import gradients
+    from remat.answers.bench import gradients
 
     model, inputs = models.build("llama-3.2-1b", batch=2, seq=32, tiny=True, device="cpu")
     graph = remat.trace(model, *inputs, autocast=torch.bfloat16)

@@ -10,7 +10,7 @@ from torch import nn
 
 import remat
 from remat.errors import TraceError
-from remat.trace import fits_in_memory_for_real_trace
+from remat.tracing.trace import fits_in_memory_for_real_trace
 
 
 class Masked(nn.Module):

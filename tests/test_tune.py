@@ -11,7 +11,7 @@ import torch
 
 import remat
 from remat import models
-from remat.tune import _CACHE, candidate_plans, tune
+from remat.applying.tune import _CACHE, candidate_plans, tune
 
 
 @pytest.fixture()
@@ -136,7 +136,7 @@ def test_a_tie_goes_to_the_cost_models_pick(setup):
 
 def test_auto_with_tune_applies_the_fastest_and_keeps_gradients(setup, monkeypatch):
     model, inputs, _, _ = setup
-    from remat.bench import gradients
+    from remat.answers.bench import gradients
 
     reference = gradients(model, inputs)
     plan = remat.auto(model, *inputs, budget="90%", tune=True)
@@ -150,8 +150,8 @@ def test_auto_with_tune_applies_the_fastest_and_keeps_gradients(setup, monkeypat
 
 
 def test_candidates_are_ranked_with_checkpointings_cost_measured_on_this_device():
-    from remat.cost import get_profile
-    from remat.tune import with_measured_overheads
+    from remat.applying.tune import with_measured_overheads
+    from remat.device.cost import get_profile
 
     shipped = get_profile("cpu")
     assert shipped.region_seconds == shipped.policy_op_seconds == 0  # rooflines: no launch cost

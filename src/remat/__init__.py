@@ -1,11 +1,13 @@
 """remat: decide which activations a training step keeps and which it recomputes, under a budget.
 
 Data flows one way: `trace` (model -> Graph) -> `estimate` (Graph -> MemoryEstimate) -> plan ->
-apply -> `measure` (the independent ground truth) -> report.
+apply -> `measure` (the independent ground truth) -> report. Each stage is a folder (docs/architecture.md).
 """
 
-from remat.compiled_estimate import CompiledEstimate, estimate_compiled
-from remat.eager import (
+import sys
+
+from remat import _moved
+from remat.applying.eager import (
     Verification,
     apply,
     auto,
@@ -27,13 +29,20 @@ from remat.errors import (
     UnknownProfileError,
     UnknownStrategyError,
 )
-from remat.estimate import MemoryEstimate, estimate
 from remat.graph import Graph
-from remat.measure import Measurement, measure
-from remat.planner import Frontier, Planner, pareto, plan
-from remat.plans import Plan
-from remat.strategies import Strategy
-from remat.trace import trace
+from remat.measuring.measure import Measurement, measure
+from remat.planning import strategies as strategies  # remat.strategies.available(), register()
+from remat.planning.planner import Frontier, Planner, pareto, plan
+from remat.planning.plans import Plan
+from remat.planning.strategies import Strategy
+from remat.prediction.compiled_estimate import CompiledEstimate, estimate_compiled
+from remat.prediction.estimate import MemoryEstimate, estimate
+from remat.tracing.trace import trace
+
+_moved.install()
+# Old paths named like a function of remat's: an import of them must not rebind the function.
+for _name in ("estimate", "measure", "trace"):
+    sys.modules.setdefault(f"remat.{_name}", sys.modules[_moved.new_path(f"remat.{_name}")])
 
 __all__ = [
     "Frontier",
@@ -77,7 +86,7 @@ __version__ = "0.4.0"
 def __getattr__(name: str):
     """`remat.compile` and `remat.backend` import torch's inductor (seconds): only when used."""
     if name in ("compile", "backend"):
-        from remat import compiled
+        from remat.applying import compiled
 
         return getattr(compiled, name)
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -51,7 +51,7 @@ class TraceError(RematError):
         self.op = op
         self.module = module
         self.fake_tensor_failure = fake_tensor_failure
-        #: reads of random draws before the failure (`remat.draws`): the trace tries their other
+        #: reads of random draws before the failure (`remat.tracing.draws`): the trace tries their other
         #: extreme, as when LayerDrop skipped every layer
         self.random_reads: list[tuple[str, str]] = []
 
@@ -106,7 +106,7 @@ class BudgetError(RematError):
 
 
 class UnknownProfileError(RematError):
-    """Raised for a device cost profile name that is not in `remat.cost.PROFILES`."""
+    """Raised for a device cost profile name that is not in `remat.device.cost.PROFILES`."""
 
 
 #: CLI exit status of a `RematError` that is not listed in `_EXIT_CODES`.

@@ -10,7 +10,7 @@ Trainer (with accelerate: before `accelerator.prepare`).
 
 Hugging Face's own gradient checkpointing is switched off first, saying so (remat would
 checkpoint its layers twice); the model trains on its own loss (`out.loss`), with its cache off
-in training as Hugging Face's checkpointing does (`remat.caches`).
+in training as Hugging Face's checkpointing does (`remat.tracing.caches`).
 
 Under FSDP2 (`fully_shard`, which accelerate applies at prepare) a plan is made for the bare
 model, one rank's batch: FSDP changes where the parameters live, not the activations. A region
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.eager import checkpointed_elsewhere, installed_plan
+from remat.applying.eager import checkpointed_elsewhere, installed_plan
 from remat.errors import RematError, log
-from remat.plans import DEFAULT_BUDGET, Plan
+from remat.planning.plans import DEFAULT_BUDGET, Plan
 from remat.units import format_bytes
 
 #: accelerate's setting that checkpoints the layers itself, as a user writes it in each API
@@ -64,11 +64,11 @@ def enable(
     _switch_off_hf_checkpointing(model)
     if accelerator is not None:
         check_accelerator(accelerator)
-    from remat.parallel import is_fsdp_sharded
+    from remat.layouts.parallel import is_fsdp_sharded
 
     units = _units_accelerate_will_shard(accelerator, model)
     if not units and not is_fsdp_sharded(model):
-        from remat.eager import auto
+        from remat.applying.eager import auto
 
         return auto(model, **example, budget=budget, loss_fn=_own_loss, **kwargs)
     return _plan_for_fsdp(model, example, budget, units, **kwargs)
@@ -137,7 +137,7 @@ def _units_accelerate_will_shard(accelerator: Any, model: nn.Module) -> set[str]
 
 
 def _refuse_regions_fsdp_cannot_run(plan: Plan, model: nn.Module, units: set[str]) -> None:
-    from remat.parallel import regions_across_fsdp_units
+    from remat.layouts.parallel import regions_across_fsdp_units
 
     crossing = regions_across_fsdp_units(plan, model, units)
     if crossing:
@@ -163,12 +163,14 @@ def _plan_for_fsdp(
 ) -> Plan:
     """Trace the bare model on fake tensors, plan, refuse a plan with a region FSDP cannot run
     and install it."""
-    from remat.eager import apply, remove
-    from remat.planner import plan
-    from remat.trace import trace
+    from remat.applying.eager import apply, remove
+    from remat.planning.planner import plan
+    from remat.tracing.trace import trace
 
     remove(model)
-    graph = trace(model, **example, loss_fn=_own_loss)  # as the bare model (`remat.parallel`)
+    graph = trace(
+        model, **example, loss_fn=_own_loss
+    )  # as the bare model (`remat.layouts.parallel`)
     chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
     _refuse_regions_fsdp_cannot_run(chosen, model, units)
     apply(model, chosen)

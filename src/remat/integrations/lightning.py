@@ -26,9 +26,9 @@ from unittest import mock
 import torch
 from torch import nn
 
-from remat.eager import installed_plan
+from remat.applying.eager import installed_plan
 from remat.errors import RematError
-from remat.plans import DEFAULT_BUDGET, Plan
+from remat.planning.plans import DEFAULT_BUDGET, Plan
 
 _STEP = "_remat_training_step"  # the LightningModule's planned TrainingStep, in its __dict__
 
@@ -81,7 +81,7 @@ def plan(
     in `configure_model` after tensor parallelism and before `fully_shard`."""
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    from remat.eager import auto
+    from remat.applying.eager import auto
 
     if batch is None:
         batch = _first_batch(module.trainer)
@@ -130,7 +130,7 @@ def _check_installed(planned: nn.Module, plan: Plan, where: str) -> None:
     not survive: checkpointing added around its modules (by `where`), and a region that runs
     blocks FSDP gathers separately (the region's first block calls the others' forwards itself,
     outside the hooks that gather their parameters)."""
-    from remat.eager import checkpointed_elsewhere
+    from remat.applying.eager import checkpointed_elsewhere
 
     found = checkpointed_elsewhere(planned)
     if found:
@@ -140,7 +140,7 @@ def _check_installed(planned: nn.Module, plan: Plan, where: str) -> None:
             f"Leave activation checkpointing (checkpoint_wrapper, apply_activation_checkpointing,"
             f" torchtitan's apply_ac) out of {where}; remat's plan replaces it"
         )
-    from remat.parallel import regions_across_fsdp_units
+    from remat.layouts.parallel import regions_across_fsdp_units
 
     crossing = regions_across_fsdp_units(plan, planned)
     if crossing:
@@ -220,7 +220,7 @@ def fabric_setup(
     `activation_checkpointing_policy`), and tensor parallelism, whose layout the plan must see:
     call `remat.auto` inside ModelParallelStrategy's `parallelize_fn`, after the tensor-parallel
     layout and before `fully_shard`, and `fabric.setup` as usual."""
-    from remat.eager import auto
+    from remat.applying.eager import auto
 
     _refuse_own_checkpointing(fabric.strategy)
     if _tensor_parallel_size(fabric.strategy) > 1:

@@ -46,10 +46,10 @@ import torch
 import tyro
 from torch import nn
 
-from remat.eager import apply as install
-from remat.eager import checkpointed_elsewhere, installed_plan
+from remat.applying.eager import apply as install
+from remat.applying.eager import checkpointed_elsewhere, installed_plan
 from remat.errors import RematError, log, warn
-from remat.plans import DEFAULT_BUDGET, Plan
+from remat.planning.plans import DEFAULT_BUDGET, Plan
 from remat.units import format_bytes
 
 try:
@@ -93,7 +93,7 @@ class RematAC(ActivationCheckpointing):
         gathers its table by position)."""
 
         strategy: str = "auto"
-        """A remat strategy (`remat.strategies`): auto, full, first_k, selective:..."""
+        """A remat strategy (`remat.planning.strategies`): auto, full, first_k, selective:..."""
 
         target: str = ""
         """The device the step is planned for: "cpu", "cuda", "cuda:sm80"; "" for this
@@ -137,8 +137,8 @@ class RematAC(ActivationCheckpointing):
         kwargs = {}
         if config.positions:
             kwargs["positions"] = torch.empty((batch, seq), dtype=torch.long, device="meta")
-        from remat.planner import plan
-        from remat.trace import trace
+        from remat.planning.planner import plan
+        from remat.tracing.trace import trace
 
         with _parameters_in(model, dtype):
             graph = trace(
@@ -192,7 +192,7 @@ def _refuse(model: nn.Module) -> None:
         raise RematError(
             f"RematAC plans a whole decoder (tokens in, tok_embeddings, layers): "
             f"{type(model).__name__} has no tok_embeddings, as a later pipeline stage has not. "
-            "Pipeline parallelism: remat.pipeline plans per stage"
+            "Pipeline parallelism: remat.layouts.pipeline plans per stage"
         )
 
 
@@ -206,7 +206,7 @@ def _target_and_profile(target: str, profile: str) -> tuple[str, str]:
     if not profile:
         profile = "cpu"
         if target.startswith("cuda"):
-            from remat.gpus import get_gpu
+            from remat.device.gpus import get_gpu
 
             profile = "h100"
             if torch.cuda.is_available():

@@ -7,7 +7,7 @@ SDPA where the architecture supports it, else the eager implementation.
 
 The model sits behind `HFLogits` so that `model(input_ids)` returns a tensor, which remat sums for
 a loss, instead of a ModelOutput. On meta tensors transformers' mask code reads a value
-(`.item()`) and fails; trace these models under FakeTensorMode instead (`remat.hfcompat` gives its
+(`.item()`) and fails; trace these models under FakeTensorMode instead (`remat.tracing.hfcompat` gives its
 data-dependent decisions the real run's answers). `build_for_training` builds a model as users
 train it: default config and call, dropout and caching as they are, labels for the loss.
 """

@@ -1,0 +1,542 @@
+"""Realise a `Plan` on a live `nn.Module` with PyTorch's own mechanisms, and check it was.
+
+Each region becomes `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around the module
+(or run of consecutive blocks) it names; a region that keeps some ops gets a selective-checkpoint
+policy (`create_selective_checkpoint_contexts`) that marks exactly those ops MUST_SAVE. Ops are
+found by a stable key, (module path, aten op, occurrence of that op in that module within the
+region's call), read from a module stack that forward hooks keep: a real run that issues a few
+ops the trace did not (or the other way round) still keeps the planned ones. Every forward counts
+what it kept; a region that missed some warns once, and `verify(model)` reports them all.
+A region that draws no random numbers does not keep the RNG state, and the step runs with
+key/value caching off (`remat.tracing.caches`), as the trace did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from remat.errors import RematError, TraceError, log, warn
+from remat.planning.plans import DEFAULT_BUDGET, Plan
+from remat.prediction.schedule import OpKey
+from remat.tracing.caches import CachesOff
+from remat.units import format_bytes
+
+_APPLIED = "_remat_applied"
+
+
+@dataclass
+class RegionCheck:
+    """What one region's policy kept in the latest forward, against what the plan keeps."""
+
+    modules: tuple[str, ...]
+    expected: frozenset[OpKey]
+    matched: frozenset[OpKey] = frozenset()  # in the latest finished forward
+    forwards: int = 0
+    running: set[OpKey] = field(default_factory=set, repr=False)  # in the forward under way
+
+    @property
+    def missing(self) -> list[OpKey]:
+        return sorted(self.expected - self.matched)
+
+
+@dataclass
+class _Applied:
+    """Everything `apply` changed on a model, so that `remove` undoes exactly that. It and every
+    callable `apply` installs are plain objects of this module's classes, not closures, so that a
+    planned model survives `copy.deepcopy` (each copy's regions run and remove its own blocks),
+    `pickle`, `torch.save` and multiprocessing spawn."""
+
+    plan: Plan
+    checks: list[RegionCheck]
+    caches: CachesOff
+    handles: list[Any]
+    #: module -> the instance `forward` it had before the plan, or None (its class's)
+    forwards: dict[nn.Module, Any]
+    warned: bool = False
+
+
+class _KeepPolicy:
+    """A `context_fn` for checkpoint: fresh selective-checkpoint contexts per call whose policy
+    keeps the ops whose stable key is in `check.expected`, counting occurrences separately in the
+    forward and in the recomputation (they issue the same stream) and recording what the forward
+    kept."""
+
+    def __init__(self, check: RegionCheck, scope: list[str]):
+        self.check = check
+        self.scope = scope
+        self.target_of: dict[Any, str] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "target_of": {}}  # a cache of op names; ops do not pickle
+
+    def __call__(self) -> Any:
+        counts: tuple[dict, dict] = ({}, {})
+        keys, check, scope, target_of = self.check.expected, self.check, self.scope, self.target_of
+
+        def policy(ctx, func, *args, **kwargs):
+            target = target_of.get(func)
+            if target is None:
+                target = target_of[func] = str(func)
+            at = (scope[-1], target)
+            seen = counts[ctx.is_recompute]
+            n = seen.get(at, 0)
+            seen[at] = n + 1
+            key = (*at, n)
+            if key in keys:
+                if not ctx.is_recompute:
+                    check.running.add(key)
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+
+class _EnterScope:
+    """Forward pre-hook: `path` is now the innermost module running (as the tracer names ops'
+    modules)."""
+
+    def __init__(self, scope: list[str], path: str):
+        self.scope, self.path = scope, path
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.scope.append(self.path)
+
+
+class _LeaveScope:
+    def __init__(self, scope: list[str]):
+        self.scope = scope
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.scope.pop()
+
+
+def _scope_hooks(model: nn.Module, scope: list[str]) -> list[Any]:
+    """Keep `scope[-1]` equal to the path of the innermost module running."""
+    handles = []
+    for path, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(_EnterScope(scope, path)))
+        handles.append(module.register_forward_hook(_LeaveScope(scope), always_call=True))
+    return handles
+
+
+def _batchnorms(modules: list[nn.Module]) -> list[nn.Module]:
+    return [
+        m
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+
+
+def _restore_batchnorm_after_backward(norms: list[nn.Module], args: tuple) -> None:
+    """Recomputation re-runs BatchNorm in training mode and updates its running statistics a
+    second time. Snapshot them now, after the region's forward, and put them back once the
+    region's backward (and so its recomputation) is done: when its input's gradient arrives.
+    Nothing here may run inside recomputation, whose op stream must match the forward's."""
+    anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if anchor is None:
+        return
+    snapshot = [[b.detach().clone() for b in m.buffers()] for m in norms]
+
+    def restore(grad):
+        with torch.no_grad():
+            for m, buffers in zip(norms, snapshot, strict=True):
+                for b, old in zip(m.buffers(), buffers, strict=True):
+                    b.copy_(old)
+        return grad
+
+    anchor.register_hook(restore)
+
+
+class _RegionForward:
+    """The `forward` of a region's first block: the region's blocks, x -> b0(x, *rest) ->
+    b1(., *rest) -> ..., under `torch.utils.checkpoint` (with the region's keep policy), each
+    block's path on the module stack: the recomputation calls `run` directly, outside
+    `__call__` and so outside the blocks' own hooks. After each forward it counts the region and
+    warns once per model when it kept fewer ops than planned."""
+
+    def __init__(
+        self,
+        state: _Applied,
+        check: RegionCheck,
+        blocks: list[nn.Module],
+        paths: list[str],
+        scope: list[str],
+        preserve_rng_state: bool,
+    ):
+        self.state, self.check = state, check
+        self.blocks, self.paths, self.scope = blocks, paths, scope
+        self.context_fn = _KeepPolicy(check, scope) if check.expected else None
+        self.preserve_rng_state = preserve_rng_state
+
+    def run(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        for path, block in zip(self.paths, self.blocks, strict=True):
+            own = self.state.forwards[block]
+            self.scope.append(path)
+            try:
+                x = (own or type(block).forward.__get__(block))(x, *rest, **kwargs)
+            finally:
+                self.scope.pop()
+        return x
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.run(*args, **kwargs)  # inference: nothing to save, no overhead
+        kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+        out = checkpoint(
+            self.run,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=self.preserve_rng_state,
+            **kw,
+            **kwargs,
+        )
+        norms = _batchnorms(self.blocks)
+        if norms:
+            _restore_batchnorm_after_backward(norms, args)
+        self.after_forward()
+        return out
+
+    def after_forward(self) -> None:
+        check, state = self.check, self.state
+        check.forwards += 1
+        check.matched, check.running = frozenset(check.running), set()
+        if check.missing and not state.warned:
+            state.warned = True
+            name, target, n = check.missing[0]
+            warn(
+                f"remat: the plan is not fully carried out in {', '.join(check.modules)}: "
+                f"{len(check.matched)} of {len(check.expected)} kept ops matched (first missing: "
+                f"occurrence {n} of {target} in {name or '<root>'}); memory and time differ from "
+                "the plan. remat.verify(model) lists every region"
+            )
+
+
+def installed_plan(model: nn.Module) -> Plan | None:
+    """The plan installed on `model` (by `remat.apply` or `remat.auto`), or None."""
+    state = vars(model).get(_APPLIED)
+    return None if state is None else state.plan
+
+
+def checkpointed_elsewhere(model: nn.Module) -> list[str]:
+    """The paths of `model`'s modules that another tool already checkpoints: torch's
+    `CheckpointWrapper` (accelerate's and Lightning's FSDP activation checkpointing,
+    `apply_activation_checkpointing`), and Hugging Face layers with gradient checkpointing on
+    (`gradient_checkpointing_enable()`, `TrainingArguments(gradient_checkpointing=True)`)."""
+    found = []
+    for path, module in model.named_modules():
+        # fully_shard renames a module's class FSDP<name> (accelerate shards after wrapping)
+        name = type(module).__name__.removeprefix("FSDP")
+        wrapped = name in ("CheckpointWrapper", "OffloadWrapper")
+        if wrapped or getattr(module, "gradient_checkpointing", False) is True:
+            found.append(path or "<root>")
+    return found
+
+
+def _refuse_double_checkpointing(model: nn.Module) -> None:
+    found = checkpointed_elsewhere(model)
+    if found:
+        shown = ", ".join(repr(p) for p in found[:3]) + (
+            f" and {len(found) - 3} more" if len(found) > 3 else ""
+        )
+        raise RematError(
+            f"{len(found)} module(s) of the model are already checkpointed by another tool "
+            f"({shown}): remat would checkpoint them twice. Turn that off and let remat plan the "
+            "bare model: model.gradient_checkpointing_disable() (or TrainingArguments("
+            "gradient_checkpointing=False)) for Hugging Face layers; no activation_checkpointing"
+            " in accelerate's or Lightning's FSDP settings for CheckpointWrapper"
+        )
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Install `plan` on `model` in place (undo with `remove`): a plan made for, or read from JSON
+    for, any model of the same architecture. The model then trains with caching off. Refused for
+    a model another tool already checkpoints (`checkpointed_elsewhere`)."""
+    remove(model)
+    _refuse_double_checkpointing(model)
+    named = dict(model.named_modules())
+    for region in plan.regions:
+        missing = [p for p in region.modules if p not in named]
+        if missing:
+            raise RematError(
+                f"plan region {region.modules[0]!r}: the model has no submodule {missing[0]!r}; "
+                "the plan was made for another architecture"
+            )
+    scope: list[str] = [""]
+    selective = any(region.keep_keys for region in plan.regions)
+    state = _Applied(
+        plan=plan,
+        checks=[],
+        caches=CachesOff(model),
+        handles=_scope_hooks(model, scope) if selective else [],
+        forwards={},
+    )
+    for region in plan.regions:
+        check = RegionCheck(region.modules, frozenset(region.keep_keys))
+        state.checks.append(check)
+        blocks = [named[p] for p in region.modules]
+        for block in blocks:
+            state.forwards[block] = vars(block).get("forward")
+        blocks[0].forward = _RegionForward(
+            state, check, blocks, list(region.modules), scope, region.random
+        )
+        for block in blocks[1:]:
+            block.forward = _pass_through
+    setattr(model, _APPLIED, state)
+    return model
+
+
+def _pass_through(x, *args, **kwargs):
+    """The later blocks of a checkpointed segment: the segment's first block already ran them."""
+    return x
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo `apply`: every module gets back exactly the `forward` it had, and hooks come off."""
+    state = vars(model).get(_APPLIED)
+    if state is None:
+        return model
+    for module, forward in state.forwards.items():
+        if forward is None:
+            del module.forward
+        else:
+            module.forward = forward
+    for handle in state.handles:
+        handle.remove()
+    state.caches.remove()
+    delattr(model, _APPLIED)
+    return model
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How far the real run carried out a plan: per region, the kept ops its policy matched in
+    the latest forward against the plan's; with example inputs, the bytes a measured step held
+    for the backward at the end of its forward, and its peak, against the plan's predictions."""
+
+    regions: tuple[RegionCheck, ...]
+    kept_ops_expected: int
+    kept_ops_matched: int
+    held_bytes_predicted: int
+    held_bytes_measured: int | None
+    peak_bytes_predicted: int
+    peak_bytes_measured: int | None
+    #: modules another tool checkpoints around the plan (`checkpointed_elsewhere`), wrapped
+    #: after it was installed: their own checkpointing overrides what the plan keeps
+    checkpointed_elsewhere: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        """The answer first: ok, then what it rests on (the per-region detail: `regions`)."""
+
+        def versus(measured: int | None, predicted: int, ratio: float | None) -> str:
+            if measured is None:
+                return f"{format_bytes(predicted)} predicted (not measured: pass example inputs)"
+            return f"{format_bytes(measured)} measured / {format_bytes(predicted)} ({ratio:.4f})"
+
+        missing = [c for c in self.regions if c.missing]
+        where = f", missing in {missing[0].modules[0]!r}" if missing else ""
+        if self.checkpointed_elsewhere:
+            where += f"; checkpointed elsewhere too: {', '.join(self.checkpointed_elsewhere)}"
+        return (
+            f"Verification(ok={self.ok}: kept ops {self.kept_ops_matched}/"
+            f"{self.kept_ops_expected}{where}; held "
+            f"{versus(self.held_bytes_measured, self.held_bytes_predicted, self.held_ratio)}; "
+            f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)})"
+        )
+
+    @property
+    def held_ratio(self) -> float | None:
+        if self.held_bytes_measured is None or not self.held_bytes_predicted:
+            return None
+        return self.held_bytes_measured / self.held_bytes_predicted
+
+    @property
+    def peak_ratio(self) -> float | None:
+        if self.peak_bytes_measured is None or not self.peak_bytes_predicted:
+            return None
+        return self.peak_bytes_measured / self.peak_bytes_predicted
+
+    @property
+    def ok(self) -> bool:
+        """Every kept op matched, nothing checkpointed around the plan by another tool; when
+        measured, held bytes within 2% and the peak within 5%."""
+        held, peak = self.held_ratio, self.peak_ratio
+        return (
+            self.kept_ops_matched == self.kept_ops_expected
+            and not self.checkpointed_elsewhere
+            and (held is None or abs(held - 1) <= 0.02)
+            and (peak is None or abs(peak - 1) <= 0.05)
+        )
+
+
+def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verification:
+    """Report what the plan installed on `model` did in its latest training forward. With example
+    inputs (and the keyword arguments of the model's call, `loss_fn` included), first run one
+    measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes`. The
+    parameters' `.grad` are as the caller left them afterwards (the measured step's gradients
+    are discarded), so verify may sit between `backward()` and `optimizer.step()`; the step does
+    run the forward, so buffers a training forward updates (BatchNorm's statistics) move. A step
+    whose ops depend on random draws (LayerDrop) is measured at both extremes of the draws and
+    the longer compared, as it was planned (`remat.tracing.draws`)."""
+    state = vars(model).get(_APPLIED)
+    if state is None:
+        raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
+    measured = None
+    if example_inputs or kwargs:
+        grads = [(p, p.grad) for p in model.parameters()]
+        try:
+            measured = _measure_longest_draws(model, example_inputs, kwargs)
+        finally:
+            for p, grad in grads:
+                p.grad = grad
+    checks = [c for c in state.checks if c.expected]
+    if any(c.forwards == 0 for c in checks):
+        raise RematError(
+            "verify: the model has not run a training forward since the plan was applied; run a "
+            "step first, or pass example inputs to verify(model, *inputs)"
+        )
+    snapshot = tuple(RegionCheck(c.modules, c.expected, c.matched, c.forwards) for c in checks)
+    return Verification(
+        regions=snapshot,
+        kept_ops_expected=sum(len(c.expected) for c in snapshot),
+        kept_ops_matched=sum(len(c.matched) for c in snapshot),
+        held_bytes_predicted=state.plan.held_bytes,
+        held_bytes_measured=None if measured is None else measured.held_bytes,
+        peak_bytes_predicted=state.plan.predicted_peak_bytes,
+        peak_bytes_measured=None if measured is None else measured.peak_bytes,
+        checkpointed_elsewhere=tuple(checkpointed_elsewhere(model)),
+    )
+
+
+def _measure_longest_draws(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> Any:
+    """One measured step with random draws at their low extreme (`remat.tracing.draws`); where a draw
+    decided something (LayerDrop), at the high one too: the longer step, which the plan was made
+    for. At one extreme the step may not train at all (every layer skipped)."""
+    from remat.measuring.measure import measure
+
+    try:
+        low = measure(model, *inputs, draws="low", **kwargs)
+    except RematError as err:
+        low, failure = None, err
+    if low is not None and not low.random_reads:
+        return low
+    try:
+        high = measure(model, *inputs, draws="high", **kwargs)
+    except RematError:
+        if low is None:
+            raise failure from None
+        return low
+    if low is None:
+        return high
+    return max(low, high, key=lambda m: (m.held_bytes, m.peak_bytes))
+
+
+def auto(
+    model: nn.Module,
+    *example_inputs: Any,
+    budget: int | str = DEFAULT_BUDGET,
+    strategy: str = "auto",
+    profile: str = "cpu",
+    optimizer: str | None = None,
+    trace_device: str | None = None,
+    tune: bool = False,
+    **kwargs: Any,
+) -> Plan:
+    """Trace one step of `model(*example_inputs, **kwargs)`, plan under `budget` and apply the
+    plan in place: the one line to add to a training script. Returns the plan.
+
+    `tune=True`: where the cost model and the machine disagree, the machine wins: the best few
+    plans that fit are timed on the model for a few steps and the fastest is applied
+    (`remat.applying.tune`; cached per model, shapes, budget and device, for the process and on disk under
+    `$REMAT_CACHE_DIR`, `~/.cache/remat` by default). The inputs must then be real tensors on the
+    model's device.
+
+    The step is traced on fake tensors (`trace_device=None` or "meta"); when an op cannot run on
+    them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
+    experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
+    tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start.
+    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200).
+    On a model that already has a plan, the new plan replaces it, made as for the bare model."""
+    from remat.planning.planner import plan
+    from remat.tracing.trace import trace
+
+    # Plan the bare model: a plan already installed would be traced as part of the step. Should
+    # tracing or planning fail, the model keeps the plan it had.
+    previous = vars(model).get(_APPLIED)
+    remove(model)
+    _refuse_double_checkpointing(model)  # before a trace that would run their checkpointing
+    try:
+        if trace_device in (None, "meta"):
+            try:
+                graph = trace(model, *example_inputs, device="meta", **kwargs)
+            except TraceError as err:
+                if trace_device is not None or not err.fake_tensor_failure:
+                    raise
+                from remat.tracing.trace import fits_in_memory_for_real_trace
+
+                fits, why = fits_in_memory_for_real_trace(model, example_inputs, kwargs)
+                if not fits:
+                    raise
+                warn(
+                    f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})"
+                )
+                graph = trace(model, *example_inputs, device="cpu", **kwargs)
+        else:
+            graph = trace(model, *example_inputs, device=trace_device, **kwargs)
+        if tune and strategy != "auto":
+            raise RematError(
+                f"tune=True times the plans of every strategy that fit and keeps the fastest: "
+                f"it replaces strategy={strategy!r}; leave strategy at 'auto'"
+            )
+        if tune:
+            from remat.applying.tune import tune as fastest
+            from remat.applying.tune import with_measured_overheads
+            from remat.device.cost import get_profile
+            from remat.planning.planner import Planner
+
+            device = next(iter(model.parameters())).device
+            measured = with_measured_overheads(get_profile(profile), device)
+            planner = Planner(graph, measured, optimizer)
+            tuning = fastest(
+                model,
+                *example_inputs,
+                planner=planner,
+                budget_bytes=planner.budget_bytes(budget),
+                **kwargs,
+            )
+            if tuning.cached and tuning.cache_file is not None:
+                log.info(
+                    "remat: the tuned plan kept in %s (delete it to time the plans again)",
+                    tuning.cache_file,
+                )
+            chosen = tuning.chosen
+        else:
+            chosen = plan(
+                graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer
+            )
+    except BaseException:
+        if previous is not None:
+            apply(model, previous.plan)
+        raise
+    apply(model, chosen)
+    log.info(
+        "remat: installed %s on %s: predicted peak %s%s, %s (remat.verify(model, *inputs) checks "
+        "it)",
+        chosen.strategy,
+        type(model).__name__,
+        format_bytes(chosen.predicted_peak_bytes),
+        f" within {format_bytes(chosen.budget_bytes)}" if chosen.budget_bytes else "",
+        f"recompute +{chosen.recompute_seconds * 1e3:.3g} ms a step on the {chosen.profile} profile"
+        if chosen.recompute_seconds
+        else "no recompute",
+    )
+    return chosen

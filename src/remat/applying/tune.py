@@ -1,0 +1,258 @@
+"""Where the cost model and the machine disagree, the machine wins: time the best few plans that
+fit on the real model for a few steps and keep the fastest, as inductor autotunes its kernels.
+
+The planner ranks plans by predicted recompute time on a cost profile (a roofline plus
+checkpointing's own host cost). On a small model or a busy CPU the ranking can be wrong by more
+than the plans differ: a MILP mix of selective regions predicted cheapest can run slower than
+`chain_dp`'s few whole-block segments, whose per-op policy cost is nil. `tune` takes the
+candidates (every appliable plan that fits the budget, least predicted time first on a profile
+whose checkpointing overheads were measured on this device, distinct regions only, at most
+`candidates`), times them in interleaved rounds (each round one step of
+every candidate, applied just before and removed just after, starting one later each round; a
+warmup step each in the first), and keeps the one of least median step time; a tie goes to the
+earlier, the cost model's pick. Results are cached per model (its class and parameter shapes),
+input shapes, budget, profile, device and versions: for the process, and on disk (a JSON file per
+result under `$REMAT_CACHE_DIR`, by default `~/.cache/remat/applying/tune/`), so that the next run of a
+training script applies the same plan without timing again, as inductor keeps its autotuning.
+Deleting the file (the log names it) times again; `REMAT_CACHE_DIR=off` keeps nothing on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from remat.device.cost import DeviceProfile
+from remat.errors import PlanFormatError, warn
+from remat.planning.planner import Planner
+from remat.planning.plans import Plan
+
+#: A step timer: (model with a plan installed, inputs, kwargs) -> seconds of one training step.
+Timer = Callable[[nn.Module, tuple, dict[str, Any]], float]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What `tune` timed and chose: `chosen` (its reason says so), each candidate's median step
+    seconds by strategy, in the order tried, the rounds, and whether this came from the cache
+    (`cache_file`: where it is kept on disk, None when nothing is)."""
+
+    chosen: Plan
+    seconds: dict[str, float]
+    rounds: int
+    cached: bool = False
+    cache_file: Path | None = None
+
+    def __repr__(self) -> str:
+        timed = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.seconds.items())
+        return (
+            f"Tuning({self.chosen.strategy} fastest of {len(self.seconds)} in {self.rounds} "
+            f"rounds: {timed}{f'; cached in {self.cache_file}' if self.cached else ''})"
+        )
+
+
+_CACHE: dict[tuple[Any, ...], Tuning] = {}
+_OVERHEADS: dict[str, tuple[float, float]] = {}
+
+
+def with_measured_overheads(profile: DeviceProfile, device: torch.device) -> DeviceProfile:
+    """`profile` with checkpointing's own host cost (`region_seconds`, `policy_op_seconds`)
+    measured on `device` where the profile has none (the shipped ones: their rooflines have no
+    launch cost), so that the candidates are ranked with it; measured once per device and
+    process (`remat.measuring.measure.calibrate_profile`, under 3 s on a 2-core CPU)."""
+    if profile.region_seconds or profile.policy_op_seconds:
+        return profile
+    key = str(device)
+    if key not in _OVERHEADS:
+        from remat.measuring.measure import calibrate_profile
+
+        measured = calibrate_profile(key)
+        _OVERHEADS[key] = (measured.region_seconds, measured.policy_op_seconds)
+    region, per_op = _OVERHEADS[key]
+    return replace(profile, region_seconds=region, policy_op_seconds=per_op)
+
+
+def candidate_plans(planner: Planner, budget_bytes: int, candidates: int = 4) -> list[Plan]:
+    """Every appliable plan of every strategy that fits `budget_bytes`, least predicted recompute
+    first, one per distinct set of regions, at most `candidates`."""
+    fitting = [
+        c.plan
+        for c in planner.compare(budget_bytes)
+        if c.plan is not None and c.plan.appliable and c.plan.predicted_peak_bytes <= budget_bytes
+    ]
+    fitting.sort(key=lambda p: (p.recompute_seconds, p.predicted_peak_bytes))
+    out: list[Plan] = []
+    seen: set[tuple] = set()
+    for p in fitting:
+        key = tuple((r.modules, r.keep) for r in p.regions)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out[:candidates]
+
+
+def tune(
+    model: nn.Module,
+    *inputs: Any,
+    planner: Planner,
+    budget_bytes: int,
+    candidates: int = 4,
+    rounds: int = 5,
+    timer: Timer | None = None,
+    **kwargs: Any,
+) -> Tuning:
+    """The fastest of `candidate_plans` on `model` (real tensors), by `rounds` interleaved rounds
+    of one step each (`timer`: seconds of one step of the model as it is installed; default a
+    real training step, `remat.measuring.measure.time_steps`): the cost model's pick (the first) unless
+    another was faster than it in every round (then the one of least median of those), so that
+    a noisy machine does not overrule the model by chance (with 5 rounds, one other candidate of
+    equal speed wins every round 1 time in 32). Raises `InfeasibleBudget` (through the planner)
+    when no plan fits."""
+    key = (
+        type(model).__qualname__,
+        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()),
+        _shapes((inputs, kwargs)),
+        budget_bytes,
+        planner.profile.name,
+        candidates,
+        _device_name(model),
+        torch.__version__,
+    )
+    if key in _CACHE:
+        return replace(_CACHE[key], cached=True)
+    cache_file = _cache_file(key)
+    if cache_file is not None and cache_file.exists():
+        kept = _read(cache_file)  # cached=True already
+        if kept is not None:
+            _CACHE[key] = kept
+            return kept
+    plans = candidate_plans(planner, budget_bytes, candidates)
+    if not plans:
+        planner.plan(budget_bytes, "auto")  # raises InfeasibleBudget, naming the least that fits
+    timer = timer or _time_one_step
+    times: list[list[float]] = [[] for _ in plans]
+    from remat.applying.eager import apply, remove
+
+    for r in range(rounds):
+        for k in range(len(plans)):
+            i = (r + k) % len(plans)
+            apply(model, plans[i])
+            try:
+                if r == 0:
+                    timer(model, inputs, kwargs)  # warmup: allocator, lazy buffers
+                times[i].append(timer(model, inputs, kwargs))
+            finally:
+                remove(model)
+    medians = [statistics.median(t) for t in times]
+    # Noise must not overrule the cost model: another plan replaces its pick (the first) only
+    # when it was faster in every round, each round's steps run back to back.
+    beat = [i for i in range(len(plans)) if i == 0 or all(map(float.__lt__, times[i], times[0]))]
+    best = min(beat, key=lambda i: (medians[i], i))
+    seconds = {p.strategy: m for p, m in zip(plans, medians, strict=True)}
+    others = ", ".join(
+        f"{p.strategy} {m * 1e3:.3g} ms"
+        for i, (p, m) in enumerate(zip(plans, medians, strict=True))
+        if i != best
+    )
+    chosen = replace(
+        plans[best],
+        strategy=f"auto ({plans[best].strategy.removeprefix('auto (').removesuffix(')')}, tuned)",
+        status="feasible",
+        reason=f"fastest measured of {len(plans)} plans that fit, faster than the cost model's "
+        f"pick in every round ({medians[best] * 1e3:.3g} ms a step, median of {rounds} rounds"
+        + (f"; {others}" if others else "")
+        + f"): {plans[best].reason}",
+    )
+    result = Tuning(chosen=chosen, seconds=seconds, rounds=rounds, cache_file=cache_file)
+    _CACHE[key] = result
+    if cache_file is not None:
+        _write(cache_file, key, result)
+    return result
+
+
+def cache_dir() -> Path | None:
+    """Where tuned plans are kept: `$REMAT_CACHE_DIR/tune`, by default under `$XDG_CACHE_HOME`
+    (`~/.cache`) `/remat/tune`; None when `REMAT_CACHE_DIR` is `off`."""
+    root = os.environ.get("REMAT_CACHE_DIR")
+    if root is not None and root.lower() in ("off", "0", "none", ""):
+        return None
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(xdg) / "remat"
+    return Path(root) / "tune"
+
+
+def _cache_file(key: tuple) -> Path | None:
+    where = cache_dir()
+    if where is None:
+        return None
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    return where / f"{key[0]}-{digest}.json"
+
+
+def _write(path: Path, key: tuple, result: Tuning) -> None:
+    """Keep a result on disk; a cache that cannot be written is said (a warning), not an error."""
+    record = {
+        "key": repr(key),
+        "chosen": result.chosen.to_dict(),
+        "seconds": result.seconds,
+        "rounds": result.rounds,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)  # atomic: ranks tuning at once never read half a file
+    except OSError as err:
+        warn(f"remat: could not keep the tuned plan in {path} ({err}); set REMAT_CACHE_DIR")
+
+
+def _read(path: Path) -> Tuning | None:
+    """A result kept on disk, or None (said) when the file is not one this remat wrote."""
+    try:
+        record = json.loads(path.read_text())
+        chosen = Plan.from_json(json.dumps(record["chosen"]))
+        return Tuning(
+            chosen=chosen,
+            seconds={str(k): float(v) for k, v in record["seconds"].items()},
+            rounds=int(record["rounds"]),
+            cached=True,
+            cache_file=path,
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, PlanFormatError) as err:
+        warn(f"remat: ignoring the tuned-plan cache file {path} ({err}); timing again")
+        return None
+
+
+def _device_name(model: nn.Module) -> str:
+    """The device the model runs on, as precisely as torch names it: timings on one GPU or CPU
+    model say nothing about another."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}:{platform.machine()}:{platform.processor()}:{os.cpu_count()}"
+
+
+def _shapes(tree: Any) -> tuple:
+    return tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+        for t in pytree.tree_leaves(tree)
+    )
+
+
+def _time_one_step(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> float:
+    from remat.measuring.measure import time_steps
+
+    return time_steps(model, *inputs, steps=1, **kwargs)[0]

@@ -1,0 +1,336 @@
+"""Roofline time of each op: how long recomputing it would take on a given device.
+
+An op takes as long as the slower of its arithmetic and its memory traffic:
+`max(flops / rate, bytes_moved / bandwidth)`, where the rate is the matrix-unit peak for
+matmul-class ops and the (much lower) vector rate for everything else. This is the model the
+planners price recomputation with; it ignores launch overhead, caches and fusion, which is why it is
+only a ranking device and `measure` stays the ground truth.
+
+Nothing here imports torch, so the planners can price a saved graph on a machine without it: to
+measure the machine at hand instead of trusting `PROFILES`, use `remat.measuring.measure.calibrate_profile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from remat.errors import UnknownProfileError
+from remat.graph import Graph, Op
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the roofline needs to know of a device: FLOP/s of its matrix units for the training
+    dtype (`peak_flops`), FLOP/s of everything else (`vector_flops`), and memory bandwidth in
+    bytes/s; and what eager checkpointing itself costs on the host, which no op's roofline shows:
+
+    - `region_seconds`: per checkpointed region and step, `torch.utils.checkpoint`'s own work (its
+      frame, the pack and unpack hook of every tensor the region saves, setting up the replay);
+    - `policy_op_seconds`: per op that a region with a selective-checkpoint policy runs, in its
+      forward and again in its replay (kept ops included: they hand over their cached output):
+      the policy's dispatch mode and the policy function are Python, called once per op.
+
+    Both are added to a plan's predicted recompute time (`checkpoint_overhead_seconds`), so that
+    between plans of near-equal recompute the planner does not pick the one whose checkpointing
+    costs more than it saves.
+
+    `transcendental_ops`: vector operations one element of a transcendental op (exp, sin, tanh,
+    erf, sigmoid, GELU, SiLU, ...) costs, for the compiled path's price of a pointwise op
+    recomputed inside a fused kernel (`fused_op_seconds_all`).
+
+    `link_bandwidth`: bytes/s a rank sends over the interconnect of its tensor-parallel group,
+    which prices the collectives a tensor-parallel step runs (`collective_seconds`): recomputing
+    a region replays its all-gathers and all-reduces."""
+
+    name: str
+    peak_flops: float
+    vector_flops: float
+    bandwidth: float
+    region_seconds: float = 0.0
+    policy_op_seconds: float = 0.0
+    transcendental_ops: float = 4.0
+    link_bandwidth: float = 450e9
+
+
+#: Checkpointing's own host cost (`DeviceProfile.region_seconds`, `policy_op_seconds`) is left at 0
+#: in the shipped profiles: their op times are rooflines without per-op launch cost, so a small
+#: model's predicted step is microseconds and a fixed host cost would swamp it (the `+10%` budget
+#: would always mean store_all). `remat.measuring.measure.calibrate_profile()` measures both on the machine at
+#: hand; this project's shared 2-core VM measured ~1.0-1.1 ms per region and 22 us per op for
+#: torch's selective-checkpoint mode alone, 39 us with remat's policy and module-scope hooks
+#: (docs/benchmarks.md, issue 11 item 7). A GPU host runs the same Python on a faster core, partly
+#: overlapped with the kernels: about 0.3 ms and 10 us, as an upper bound.
+#: `link_bandwidth` of the GPUs: one direction of their peer links, from the same datasheets: NVLink
+#: 4 (H100/H200 SXM) 450 GB/s, NVLink 3 (A100) 300, NVLink 2 (V100) 150, PCIe Gen5 x16 (H100 PCIe
+#: without a bridge) 64, PCIe Gen4 x16 (L4, RTX 4090) 32, MI300X's seven Infinity Fabric links 448.
+PROFILES: dict[str, DeviceProfile] = {
+    # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run
+    # `remat.measuring.measure.calibrate_profile()` to measure the machine at hand.
+    # transcendental_ops: 10, measured on this project's 2-core VM: calibrate_profile's eager
+    # sin/exp/tanh cost 8.4-9.8 vector operations an element, one more sin/exp/tanh in a chain
+    # inductor fused cost 1.36 ns an element against 0.113 ns a vector operation, i.e. 12
+    # (benchmarks/fused_recompute_cost.py). GPUs keep the default 4: their special-function
+    # units run at a quarter to an eighth of the FP32 rate (calibrate_profile measures it).
+    # link_bandwidth: gloo between processes of one host, through shared memory and sockets.
+    "cpu": DeviceProfile(
+        "cpu",
+        peak_flops=1e11,
+        vector_flops=2e10,
+        bandwidth=2e10,
+        transcendental_ops=10.0,
+        link_bandwidth=2e9,
+    ),
+    # Dense (no sparsity) BF16 tensor-core peak, FP32 CUDA-core rate as the vector rate, and HBM
+    # bandwidth, from NVIDIA's datasheets: "NVIDIA A100 Tensor Core GPU" (A100 80GB SXM),
+    # "NVIDIA H100 Tensor Core GPU" (H100 SXM) and "NVIDIA H200 Tensor Core GPU" (H200 SXM).
+    "a100": DeviceProfile(
+        "a100", peak_flops=312e12, vector_flops=19.5e12, bandwidth=2.039e12, link_bandwidth=300e9
+    ),
+    "h100": DeviceProfile(
+        "h100", peak_flops=989e12, vector_flops=67e12, bandwidth=3.35e12, link_bandwidth=450e9
+    ),
+    "h200": DeviceProfile(
+        "h200", peak_flops=989e12, vector_flops=67e12, bandwidth=4.8e12, link_bandwidth=450e9
+    ),
+    # H100 PCIe, the same datasheet's PCIe column: BF16 tensor 756 TFLOPS dense (1,513 with
+    # sparsity), FP32 51 TFLOPS, HBM2e 2.0 TB/s.
+    "h100-pcie": DeviceProfile(
+        "h100-pcie", peak_flops=756e12, vector_flops=51e12, bandwidth=2.0e12, link_bandwidth=64e9
+    ),
+    # "NVIDIA Tesla V100 GPU Accelerator" datasheet (SXM2): FP16 tensor 125 TFLOPS (Volta has no
+    # BF16), FP32 15.7 TFLOPS, HBM2 900 GB/s.
+    "v100": DeviceProfile(
+        "v100", peak_flops=125e12, vector_flops=15.7e12, bandwidth=900e9, link_bandwidth=150e9
+    ),
+    # A100 40GB SXM: the A100 datasheet's compute, with its 1,555 GB/s of HBM2.
+    "a100-40gb": DeviceProfile(
+        "a100-40gb",
+        peak_flops=312e12,
+        vector_flops=19.5e12,
+        bandwidth=1.555e12,
+        link_bandwidth=300e9,
+    ),
+    # "NVIDIA L4 Tensor Core GPU" datasheet: BF16 tensor 242 TFLOPS with sparsity (121 dense),
+    # FP32 30.3 TFLOPS, GDDR6 300 GB/s.
+    "l4": DeviceProfile(
+        "l4", peak_flops=121e12, vector_flops=30.3e12, bandwidth=300e9, link_bandwidth=32e9
+    ),
+    # GeForce RTX 4090, "NVIDIA Ada GPU Architecture" whitepaper (appendix table): BF16 tensor with
+    # FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP32 82.6 TFLOPS, GDDR6X 1,008 GB/s.
+    "rtx4090": DeviceProfile(
+        "rtx4090",
+        peak_flops=165.2e12,
+        vector_flops=82.6e12,
+        bandwidth=1.008e12,
+        link_bandwidth=32e9,
+    ),
+    # "AMD Instinct MI300X Accelerator" data sheet: BF16 matrix 1,307.4 TFLOPS dense (2,614.9 with
+    # sparsity), FP32 vector 163.4 TFLOPS, HBM3 5.3 TB/s.
+    "mi300x": DeviceProfile(
+        "mi300x",
+        peak_flops=1307.4e12,
+        vector_flops=163.4e12,
+        bandwidth=5.3e12,
+        link_bandwidth=448e9,
+    ),
+}
+
+#: Ops (by short name) whose outputs alias an input's storage: they only build new tensor metadata,
+#: read and write no data, and so cost 0 bytes and 0 seconds.
+VIEW_OPS = frozenset(
+    {
+        "_reshape_alias",
+        "_unsafe_view",
+        "alias",
+        "as_strided",
+        "detach",
+        "diagonal",
+        "expand",
+        "permute",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unfold",
+        "unsqueeze",
+        "view",
+        "view_as_complex",  # complex views of real pairs and back (RoPE as torchtitan applies it)
+        "view_as_real",
+        "real",
+        "imag",
+    }
+)
+
+#: Matmul-class ops (by short name), which run on the matrix units at `peak_flops`.
+MATMUL_OPS = frozenset(
+    {
+        "_convolution",
+        "_grouped_mm",
+        "addbmm",
+        "addmm",
+        "baddbmm",
+        "bmm",
+        "convolution",
+        "convolution_backward",
+        "linear",
+        "matmul",
+        "mm",
+    }
+)
+#: Pointwise ops (by short name) whose elements cost several vector operations each: exponentials,
+#: logarithms, trigonometric and error functions, and the activations built on them.
+TRANSCENDENTAL_OPS = frozenset(
+    {
+        "cos",
+        "elu",
+        "erf",
+        "erfc",
+        "erfinv",
+        "exp",
+        "exp2",
+        "expm1",
+        "gelu",
+        "gelu_backward",
+        "log",
+        "log10",
+        "log1p",
+        "log2",
+        "logit",
+        "mish",
+        "pow",
+        "sigmoid",
+        "silu",
+        "silu_backward",
+        "sin",
+        "softplus",
+        "tan",
+        "tanh",
+    }
+)
+#: Prefixes of the fused attention kernels (SDPA and its flash / memory-efficient backends, forward
+#: and backward), which are matmul-class as well.
+ATTENTION_PREFIXES = (
+    "_scaled_dot_product_",
+    "scaled_dot_product_",
+    "_flash_attention_",
+    "_efficient_attention_",
+)
+
+
+def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
+    """A profile from `PROFILES` by name, or the given profile unchanged. Raises
+    `UnknownProfileError`, listing the known names, for any other name."""
+    if isinstance(name_or_profile, DeviceProfile):
+        return name_or_profile
+    try:
+        return PROFILES[name_or_profile]
+    except (KeyError, TypeError):
+        raise UnknownProfileError(
+            f"unknown device profile {name_or_profile!r}: choose one of "
+            f"{', '.join(sorted(PROFILES))}, or pass a DeviceProfile "
+            "(remat.measuring.measure.calibrate_profile() measures one)"
+        ) from None
+
+
+def checkpoint_overhead_seconds(
+    profile: DeviceProfile | str, regions: int, policy_ops: int
+) -> float:
+    """Host seconds that checkpointing adds to a step beyond recomputing ops: `regions`
+    checkpointed regions, and `policy_ops` ops run under a selective policy (a selective region's
+    forward ops plus the ops its replay reaches)."""
+    p = get_profile(profile)
+    return regions * p.region_seconds + policy_ops * p.policy_op_seconds
+
+
+def is_view(op: Op) -> bool:
+    """A view op, or its in-place form (`t_`, `squeeze_`), which restrides and writes no data."""
+    return op.short.rstrip("_") in VIEW_OPS
+
+
+def is_matmul(op: Op) -> bool:
+    short = op.short
+    return short in MATMUL_OPS or short.startswith(ATTENTION_PREFIXES)
+
+
+#: The functional collectives DTensor runs (`torch.ops._c10d_functional`), by target prefix.
+COLLECTIVE_PREFIX = "_c10d_functional."
+
+
+def collective_seconds(graph: Graph, op: Op, profile: DeviceProfile) -> float:
+    """Seconds of a collective on the interconnect, as a ring runs it: an all-reduce sends about
+    twice its tensor, an all-gather or reduce-scatter about its larger side (the whole tensor),
+    at `profile.link_bandwidth`."""
+    sizes = [graph.tensors[t].nbytes for t in (*op.inputs, *op.outputs)]
+    sent = 2 * max(sizes, default=0) if "all_reduce" in op.short else max(sizes, default=0)
+    return sent / profile.link_bandwidth
+
+
+def op_bytes_moved(graph: Graph, op: Op) -> int:
+    """Bytes the op reads and writes: the `nbytes` of its distinct input and output tensors (an
+    in-place op reads its input and writes its result, so both count). 0 for a view op."""
+    if is_view(op):
+        return 0
+    tensors = graph.tensors
+    return sum(tensors[t].nbytes for t in set(op.inputs) | set(op.outputs))
+
+
+def op_seconds(graph: Graph, op: Op, profile: DeviceProfile | str) -> float:
+    """Roofline seconds of `op` on `profile`: max(compute time, memory time); 0 for a view op;
+    a collective's time on the interconnect."""
+    p = get_profile(profile)
+    if op.target.startswith(COLLECTIVE_PREFIX):
+        return collective_seconds(graph, op, p)
+    rate = p.peak_flops if is_matmul(op) else p.vector_flops
+    return max(op.flops / rate, op_bytes_moved(graph, op) / p.bandwidth)
+
+
+def op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
+    """`op_seconds` of every op, indexed by op index; one pass, with the op kind looked up once per
+    distinct target, for graphs of tens of thousands of ops."""
+    p = get_profile(profile)
+    kinds: dict[str, tuple[bool, bool]] = {}
+    nbytes = {tid: t.nbytes for tid, t in graph.tensors.items()}
+    out = [0.0] * len(graph.ops)
+    for op in graph.ops:
+        kind = kinds.get(op.target)
+        if kind is None:
+            kind = kinds[op.target] = (is_view(op), is_matmul(op))
+        view, matmul = kind
+        if view:
+            continue
+        if op.target.startswith(COLLECTIVE_PREFIX):
+            out[op.index] = collective_seconds(graph, op, p)
+            continue
+        moved = sum(nbytes[t] for t in set(op.inputs) | set(op.outputs))
+        rate = p.peak_flops if matmul else p.vector_flops
+        out[op.index] = max(op.flops / rate, moved / p.bandwidth)
+    return out
+
+
+def fused_op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
+    """Seconds of recomputing each op inside a fused kernel (the compiled path): compute-intensive
+    ops (matmuls, convolutions, attention) at their roofline time, views free, any other op at its
+    arithmetic alone: one vector operation per element it reads or writes (FLOP counters count
+    none for pointwise ops), `profile.transcendental_ops` for an exponential, sine, tanh, erf or an
+    activation built on them. Under a fusing compiler such an op runs inside its consumer's kernel;
+    its memory traffic is what the min-cut prices. Measured under inductor on this project's CPU
+    (benchmarks/fused_recompute_cost.py, docs/compiled.md): one more add or mul in a fused chain
+    costs 0.002 ns an element (nothing: the kernel is memory-bound; eager, 0.26 ns, a round trip
+    to memory), one more sin/exp/tanh 1.36 ns (more than eager's 0.98: not free under fusion),
+    and an inductor matmul (an extern kernel) runs at 97% of the calibrated roofline."""
+    p = get_profile(profile)
+    tensors = graph.tensors
+    out = [0.0] * len(graph.ops)
+    for op in graph.ops:
+        if is_matmul(op) or op.target.startswith(COLLECTIVE_PREFIX):
+            out[op.index] = op_seconds(graph, op, p)
+        elif not is_view(op):
+            elements = max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0)
+            weight = p.transcendental_ops if op.short in TRANSCENDENTAL_OPS else 1.0
+            out[op.index] = max(op.flops, elements * weight) / p.vector_flops
+    return out

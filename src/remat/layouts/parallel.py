@@ -1,0 +1,397 @@
+"""Tensor and sequence parallelism with torch's own engine, for one rank's trace.
+
+A tensor-parallel step is traced as its rank runs it: the model is laid out with
+`torch.distributed.tensor.parallel.parallelize_module` (DTensor parameters, the collectives of
+the parallel styles), and the tracer records what DTensor's dispatch runs on this rank's local
+shards (`remat.tracing.trace._Tracer.run_dtensor_op`): local shapes, local FLOPs, the all-reduces,
+all-gathers and reduce-scatters, and the shards autograd saves. No real ranks are needed: torch's
+fake process group answers every collective, so a rank of a 70B layout is traced on a laptop.
+
+`tensor_parallel` lays out the zoo's transformers as torchtitan and Megatron-LM do (column-parallel
+QKV / gate / up / fc1, row-parallel output / down / fc2; with `sequence_parallel`, the norms,
+dropouts and residual stream sharded along the sequence and gathered before the column-parallel
+linears). A model of one's own is laid out by calling `parallelize_module` with its plan inside
+`fake_ranks`, then traced as any model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import RematError
+
+
+@contextlib.contextmanager
+def fake_ranks(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of `world_size` ranks, this process being `rank`, for the duration:
+    collectives return at once with tensors of the right shapes (torch's `fake` backend). An
+    existing process group (under torchrun) is used as is and left alone."""
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise RematError(f"world_size={world_size}: a layout needs at least one rank")
+    if dist.is_initialized():
+        if dist.get_world_size() < world_size:
+            raise RematError(
+                f"this process's group has {dist.get_world_size()} ranks, the layout needs "
+                f"{world_size}: plan outside the training job, or launch it on {world_size} ranks"
+            )
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel(
+    model: nn.Module, degree: int, *, sequence_parallel: bool = False, mesh: Any = None
+) -> nn.Module:
+    """Lay `model` (a zoo Llama or Megatron-style GPT) out over `degree` tensor-parallel ranks of
+    `mesh` (default: a 1-D CPU mesh over the current process group's first `degree` ranks), in
+    place, and return it. Its inputs stay whole (replicated); with `sequence_parallel`, the
+    Megatron stack (which has no embedding) takes this rank's sequence shard instead."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if degree < 1:
+        raise RematError(f"tensor-parallel degree {degree}: must be at least 1")
+    layers = getattr(model, "layers", None)
+    plan_of = _PLANS.get(type(model).__name__)
+    if plan_of is None or layers is None:
+        raise RematError(
+            f"no tensor-parallel plan for {type(model).__name__}: remat lays out its zoo's "
+            f"{' and '.join(_PLANS)}; lay out your model with torch's parallelize_module inside "
+            "remat.layouts.parallel.fake_ranks(world_size) and trace it as any model"
+        )
+    _check_divisible(model, degree)
+    if degree == 1:
+        return model
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (degree,))
+    top, per_layer = plan_of(sequence_parallel, _tied_embeddings(model))
+    if top:
+        parallelize_module(model, mesh, top)
+    for layer in layers:
+        parallelize_module(layer, mesh, per_layer)
+    return model
+
+
+def _check_divisible(model: nn.Module, degree: int) -> None:
+    """Heads (and K/V heads) and hidden widths must split evenly over the ranks, as in
+    torchtitan; say which does not."""
+    first = model.layers[0]
+    attn = getattr(first, "self_attn", None)
+    heads = {
+        "heads": getattr(attn, "n_heads", None) or getattr(first, "n_heads", None),
+        "key/value heads": getattr(attn, "n_kv_heads", None),
+    }
+    for what, n in heads.items():
+        if n is not None and n % degree:
+            raise RematError(
+                f"{n} {what} do not split over tensor-parallel degree {degree}: choose a degree "
+                "that divides them"
+            )
+
+
+def _tied_embeddings(model: nn.Module) -> bool:
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _llama_plan(sequence_parallel: bool, tied: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """torchtitan's Llama plan (`apply_tp`), with Hugging Face's module names and the logits
+    gathered (loss parallelism is not modelled: each rank holds the whole logits). A head tied to
+    the embedding (Llama 3.2 1B and 3B) stays whole on every rank, as sharding the two along
+    different dimensions would untie them."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if tied:
+        top = {}
+        if sequence_parallel:
+            top = {
+                "embed_tokens": PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1)
+                ),
+                "norm": SequenceParallel(),
+                "lm_head": PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+            }
+    elif not sequence_parallel:
+        top = {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        }
+    else:
+        top = {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    if not sequence_parallel:
+        layer = {
+            **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        return top, layer
+    layer = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return top, layer
+
+
+def _megatron_plan(sequence_parallel: bool, tied: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Megatron-LM's layer (Shoeybi et al. 2019; Korthikanti et al. 2022 for the sequence
+    parallel regions), sequence-first: with sequence parallelism the column-parallel linears
+    gather the sequence-sharded input and the row-parallel ones reduce-scatter their output."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if not sequence_parallel:
+        columns, rows, norms = ColwiseParallel(), RowwiseParallel(), {}
+    else:
+        columns = ColwiseParallel(input_layouts=Shard(0))
+        rows = RowwiseParallel(output_layouts=Shard(0))
+        norms = {n: SequenceParallel(sequence_dim=0) for n in ("ln_1", "ln_2")}
+    layer = {"qkv": columns, "proj": rows, "fc1": columns, "fc2": rows, **norms}
+    return {}, layer
+
+
+_PLANS = {"Llama": _llama_plan, "MegatronGPT": _megatron_plan}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is laid out over ranks besides FSDP2's data-parallel sharding (`shard`
+    elsewhere): `tp` tensor-parallel ranks (with sequence parallelism, as torchtitan lays out
+    tensor parallelism) and `cp` context-parallel ranks, each holding `seq / cp` tokens of every
+    sequence: on a CUDA target, traced under torch's own `context_parallel` (its ring attention's
+    collectives, per-step attention calls and merges); elsewhere as the step at `seq / cp`
+    (`trace`, docs/parallelism.md)."""
+
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = True
+    #: pipeline stages, one per rank (`remat.layouts.pipeline`), the micro-batches of a step (default:
+    #: one per stage) and torch's schedule that runs them
+    pp: int = 1
+    microbatches: int = 0
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        for name, degree in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)):
+            if degree < 1:
+                raise RematError(f"--{name} {degree}: a degree is at least 1")
+        if self.microbatches < 0:
+            raise RematError(f"--microbatches {self.microbatches}: give 1 or more")
+        if not self.microbatches:
+            object.__setattr__(self, "microbatches", self.pp)
+
+    @property
+    def ranks(self) -> int:
+        """Ranks one data-parallel replica spans."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: one per rank, two under interleaved 1F1B (torchtitan's default)."""
+        return self.pp * (2 if self.schedule == "interleaved-1f1b" else 1)
+
+    def local_seq(self, seq: int) -> int:
+        """This rank's tokens of a `seq`-token sequence."""
+        if seq % self.cp:
+            raise RematError(
+                f"sequence {seq} does not split into {self.cp} context-parallel chunks: choose a "
+                f"multiple of {self.cp}"
+            )
+        return seq // self.cp
+
+    def trace(self, build: Any, batch: int, seq: int, **trace_kwargs: Any) -> Any:
+        """One rank's step of the model `build` returns, laid out and traced on fake tensors
+        (`remat.trace`) with a fake process group of `tp` (or `cp`) ranks.
+
+        Context parallelism alone on a CUDA target runs torch's own: the model built at the
+        whole `seq`, its token inputs sharded by `context_parallel` (round-robin chunks for
+        causal load balancing) and attention run by its ring (`_templated_ring_attention`: the
+        K/V all-gather, one attention call per ring step against the other ranks' keys, the
+        fp32 merge of outputs and log-sum-exps), so what the rank saves and computes is torch's
+        (`graph.info["context_parallel"]` says "torch ring attention"). Elsewhere (a CPU target,
+        whose attention kernels torch's ring does not take; tensor parallelism too; a length
+        torch's ring cannot split) the step at `seq / cp` stands for it ("local chunk")."""
+        from remat.device.targets import get_target
+        from remat.tracing.trace import trace
+
+        if self.cp > 1 and self.tp == 1 and get_target(trace_kwargs.get("target")).is_cuda:
+            with contextlib.suppress(_RingUnavailable):
+                return self._trace_ring(build, batch, seq, **trace_kwargs)
+        model, inputs = build(batch, self.local_seq(seq))
+        if self.tp == 1:
+            graph = trace(model, *inputs, **trace_kwargs)
+        else:
+            with fake_ranks(self.tp):
+                tensor_parallel(model, self.tp, sequence_parallel=self.sequence_parallel)
+                graph = trace(model, *inputs, **trace_kwargs)
+        if self.cp > 1:
+            graph.info["context_parallel"] = "local chunk (seq / cp)"
+        return graph
+
+    def _trace_ring(self, build: Any, batch: int, seq: int, **trace_kwargs: Any) -> Any:
+        """The step under torch's `context_parallel` over `cp` fake ranks (see `trace`); raises
+        `_RingUnavailable` where torch's ring cannot run it."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        from remat.errors import TraceError
+        from remat.tracing.trace import trace
+
+        self.local_seq(seq)
+        if seq % (2 * self.cp):  # round-robin load balancing cuts 2 x cp chunks
+            raise _RingUnavailable
+        model, inputs = build(batch, seq)
+        buffers = [t for t in inputs if hasattr(t, "dim") and t.dim() >= 2 and t.shape[1] == seq]
+        with fake_ranks(self.cp):
+            mesh = init_device_mesh("cpu", (self.cp,))
+            try:
+                with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+                    graph = trace(model, *inputs, **trace_kwargs)
+            except (TraceError, NotImplementedError, RuntimeError) as err:
+                raise _RingUnavailable from err
+        graph.info["context_parallel"] = "torch ring attention"
+        return graph
+
+    def describe(self, graph: Any = None) -> str:
+        """The layout in words; with a rank's traced `graph`, how context parallelism was traced
+        in it (`trace`)."""
+        parts = [f"tp {self.tp}" + (" + sp" if self.sequence_parallel else "")] * (self.tp > 1)
+        parts += [f"cp {self.cp}"] * (self.cp > 1)
+        parts += [f"pp {self.pp} ({self.schedule}, {self.microbatches} micro-batches)"] * (
+            self.pp > 1
+        )
+        ring = None if graph is None else graph.info.get("context_parallel")
+        return ", ".join(parts) + (f" ({ring})" if ring else "")
+
+
+class _RingUnavailable(Exception):
+    """torch's ring attention cannot run this step (`Layout._trace_ring`)."""
+
+
+#: No tensor or context parallelism: one rank's step is the step.
+ONE_RANK = Layout()
+
+
+def is_fsdp_sharded(model: nn.Module) -> bool:
+    """Whether `fully_shard` (FSDP2) wrapped `model` or one of its modules."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@contextlib.contextmanager
+def fsdp_sharded_as_bare(model: nn.Module) -> Iterator[None]:
+    """An FSDP2-sharded `model` (`fully_shard`) seen as the bare model it shards, for the length
+    of a fake trace (`remat.trace` does this by itself): each sharded parameter (a DTensor)
+    replaced by a meta tensor of its full shape (tied ones stay tied), and FSDP's forward hooks,
+    which would gather parameters (leaving fake tensors in FSDP's buffers, so that the next real
+    step returns a fake loss) and register the backward's, held off; both are put back as they
+    were. A plan is the bare step's: activations per rank, parameters and gradients whole."""
+    from torch.distributed.tensor import DTensor
+
+    stand_in: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    held: list[tuple[dict, dict]] = []
+    try:
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if isinstance(p, DTensor):
+                    if p.device_mesh.ndim != 1:
+                        raise RematError(
+                            f"parameter {name!r} of {type(module).__name__} is sharded over a "
+                            f"{p.device_mesh.ndim}-D mesh (FSDP with tensor parallelism): plan "
+                            "before sharding (remat.layouts.parallel) and apply the plan before FSDP"
+                        )
+                    if id(p) not in stand_in:
+                        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                        stand_in[id(p)] = nn.Parameter(meta, requires_grad=p.requires_grad)
+                    swapped.append((module, name, p))
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                before = dict(hooks)
+                fsdp = {k for k, h in before.items() if _is_fsdp_hook(h)}
+                if fsdp:
+                    held.append((hooks, before))
+                    for k in fsdp:
+                        del hooks[k]
+        for module, name, p in swapped:
+            module._parameters[name] = stand_in[id(p)]
+        yield
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+        for hooks, before in held:
+            added = {k: h for k, h in hooks.items() if k not in before}
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    return getattr(hook, "__module__", "").startswith("torch.distributed.fsdp.")
+
+
+def regions_across_fsdp_units(
+    plan: Any, root: nn.Module, will_shard: Collection[str] = ()
+) -> list[tuple[str, ...]]:
+    """The regions of `plan` (module paths under `root`) whose modules FSDP gathers as separate
+    units: the region's first module calls the others' forwards itself, outside the hooks that
+    gather their parameters, so FSDP cannot run it (FSDP2: "mixed torch.Tensor and DTensor";
+    FSDP1: "mat2 must be a matrix"). A module's unit is the innermost FSDP1 wrapper or
+    `fully_shard`ed module holding it, or one of the paths in `will_shard` (units a wrapper will
+    make, for a plan made before it does)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    named = dict(root.named_modules())
+    coming = {id(named[p]) for p in will_shard if p in named}
+    unit_of: dict[int, int | None] = {}
+    stack: list[tuple[nn.Module, int | None]] = [(root, None)]
+    while stack:
+        module, unit = stack.pop()
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)) or id(module) in coming:
+            unit = id(module)
+        unit_of[id(module)] = unit
+        stack.extend((child, unit) for child in module.children())
+    return [r.modules for r in plan.regions if len({unit_of[id(named[p])] for p in r.modules}) > 1]

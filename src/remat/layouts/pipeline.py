@@ -1,0 +1,1205 @@
+"""Pipeline parallelism: cut a zoo model into stages, count what torch's schedules keep in flight,
+and predict (and plan) each rank's peak from one traced micro-batch per stage.
+
+A stage of `p` keeps a contiguous run of the model's blocks, the embedding on the first stage and
+the final norm and output head on the last, under the model's own module names, as torchtitan's
+`pipeline_module_split` cuts a model for `torch.distributed.pipelining.PipelineStage`.
+
+What a rank holds at once comes from the schedule, not the model: GPipe runs every micro-batch's
+forward before the first backward, so each stage holds all `n`; 1F1B holds `min(n, p - i)` on
+stage `i`; interleaved 1F1B holds what its per-rank order says. The counts here are read off
+torch's own action orders (`pipeline_order`), never re-derived.
+
+The prediction walks that order for each rank over one traced step per stage (`StageStep`): before
+each action, what the other micro-batches keep (their forward's held bytes until their backward,
+then what the schedule's loop still references through their sends: the output sent on and the
+input's gradient sent back), plus the action's own peak from the trace: the forward's, or the
+backward's, with the parameters' gradients already there from the second backward on. On top sits
+what a rank keeps for the whole step: the stage's parameters, buffers and optimizer state,
+`PipelineStage`'s receive buffers (one per micro-batch for activations on every stage but the
+first, for gradients on every stage but the last) and the rank's slice of the batch. Checked
+against real pipelines by `examples/pipeline.py` (docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from remat.device.allocator import Alloc, AllocatorSettings, Free
+from remat.device.gpus import Gpu
+from remat.device.targets import scratch_bytes
+from remat.errors import InfeasibleBudget, RematError
+from remat.graph import Graph
+from remat.models.gpt import GPT
+from remat.models.llama import Llama
+from remat.planning import strategies
+from remat.planning.planner import Planner
+from remat.planning.plans import Plan
+from remat.prediction.estimate import (
+    OPTIMIZER_MEMORY,
+    Optimizer,
+    param_sizes,
+    resolve_optimizer,
+    trainable_param_bytes,
+    trainable_param_elements,
+)
+from remat.prediction.gpu_memory import (
+    ALLOCATOR_SETTINGS,
+    BLAS_OPS,
+    Event,
+    GpuMemory,
+    blas_workspaces,
+    memory_of_events,
+    optimizer_events,
+)
+from remat.prediction.schedule import (
+    Region,
+    Simulation,
+    analyse_regions,
+    build_schedule,
+    storage_lives,
+)
+from remat.tracing.trace import trace
+from remat.units import format_bytes, parse_bytes
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "PipelineReport",
+    "Stage",
+    "StagePrediction",
+    "Sharding",
+    "StageStep",
+    "TracedPipeline",
+    "UNSHARDED",
+    "in_flight",
+    "largest_microbatch",
+    "pipeline_order",
+    "plan",
+    "predict",
+    "rank_events",
+    "split",
+]
+
+
+# -- 1. stages ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layout:
+    """Where a model family keeps its parts, and how a stage runs them in the model's order."""
+
+    embed: tuple[str, ...]  # kept by the first stage
+    layers: str  # the ModuleList of blocks, cut into runs
+    head: tuple[str, ...]  # kept by the last stage
+    buffers: tuple[str, ...]  # needed by every stage
+    run_embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    run_layer: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
+    run_head: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _gpt_embed(stage: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return stage.drop(stage.wte(ids) + stage.wpe(pos))
+
+
+_LAYOUTS: dict[type[nn.Module], _Layout] = {
+    Llama: _Layout(
+        embed=("embed_tokens",),
+        layers="layers",
+        head=("norm", "lm_head"),
+        buffers=("freqs_cis",),
+        run_embed=lambda stage, ids: stage.embed_tokens(ids),
+        # the whole table: the attention cuts it to its sequence (x may be a sequence shard)
+        run_layer=lambda stage, layer, x: layer(x, stage.freqs_cis),
+        run_head=lambda stage, x: stage.lm_head(stage.norm(x)),
+        loss=lambda logits, labels: F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1)
+        ),
+    ),
+    GPT: _Layout(
+        embed=("wte", "wpe", "drop"),
+        layers="h",
+        head=("ln_f", "lm_head"),
+        buffers=(),
+        run_embed=_gpt_embed,
+        run_layer=lambda stage, block, x: block(x),
+        run_head=lambda stage, x: stage.lm_head(stage.ln_f(x)),
+        loss=lambda logits, labels: F.cross_entropy(
+            logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-1
+        ),
+    ),
+}
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a zoo model: its blocks `layers` (a ModuleDict keyed by the blocks'
+    indices in the model, so that parameter names and plans read as in the whole model), with the
+    embedding on the first stage and the final norm and head on the last.
+
+    `forward(x)` takes token ids on the first stage and hidden states on the others, and returns
+    hidden states, or the logits on the last stage; `loss_fn(logits, labels)` is the model's
+    training loss, the `loss_fn` a torch pipeline schedule takes. The stage shares its modules with
+    the model it was cut from: drop the model to free the other stages' parameters."""
+
+    def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range) -> None:
+        super().__init__()
+        self.layout = _layout(model)
+        self.index, self.num_stages, self.layer_indices = index, num_stages, layers
+        if self.is_first:
+            for name in self.layout.embed:
+                setattr(self, name, getattr(model, name))
+        blocks = getattr(model, self.layout.layers)
+        setattr(self, self.layout.layers, nn.ModuleDict({str(i): blocks[i] for i in layers}))
+        if self.is_last:
+            for name in self.layout.head:
+                setattr(self, name, getattr(model, name))
+        for name in self.layout.buffers:
+            self.register_buffer(name, getattr(model, name), persistent=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.layout.run_embed(self, x)
+        for layer in getattr(self, self.layout.layers).values():
+            x = self.layout.run_layer(self, layer, x)
+        if self.is_last:
+            x = self.layout.run_head(self, x)
+        return x
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.layout.loss(logits, labels)
+
+    def extra_repr(self) -> str:
+        first, last = self.layer_indices.start, self.layer_indices.stop - 1
+        return f"stage {self.index} of {self.num_stages}, blocks {first}..{last}"
+
+
+def _layout(model: nn.Module) -> _Layout:
+    layout = _LAYOUTS.get(type(model))
+    if layout is None:
+        known = ", ".join(cls.__name__ for cls in _LAYOUTS)
+        raise RematError(f"cannot cut a {type(model).__name__} into pipeline stages: only {known}")
+    if getattr(model, "loss_chunks", 0):
+        raise RematError("a chunked loss (loss_chunks > 0) is not supported on a pipeline stage")
+    return layout
+
+
+def split(model: nn.Module, stages: int) -> list[Stage]:
+    """`model`'s blocks cut into `stages` contiguous runs, evenly; when they do not divide, the
+    first stages get one block more (as `numpy.array_split`; torchtitan's default also weighs the
+    embedding and the head as blocks, which this does not)."""
+    blocks = len(getattr(model, _layout(model).layers))
+    if not 1 <= stages <= blocks:
+        raise RematError(f"cannot cut {blocks} blocks into {stages} stages: need 1..{blocks}")
+    base, extra = divmod(blocks, stages)
+    out, start = [], 0
+    for i in range(stages):
+        stop = start + base + (i < extra)
+        out.append(Stage(model, i, stages, range(start, stop)))
+        start = stop
+    return out
+
+
+# -- 2. schedules: torch's own per-rank orders -------------------------------------------------
+#: Schedule names and torch's classes; a class with several stages per rank is interleaved.
+SCHEDULES: dict[str, type] = {
+    "gpipe": torch_schedules.ScheduleGPipe,
+    "1f1b": torch_schedules.Schedule1F1B,
+    "interleaved-1f1b": torch_schedules.ScheduleInterleaved1F1B,
+}
+_FORWARD = torch_schedules._ComputationType.FORWARD
+_BACKWARD = torch_schedules._ComputationType.FULL_BACKWARD
+
+
+@dataclass(frozen=True)
+class Action:
+    """One computation of torch's schedule: a forward ("F") or backward ("B") of micro-batch
+    `microbatch` on stage `stage`."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+
+def _schedule_class(schedule: str) -> type:
+    if schedule not in SCHEDULES:
+        raise RematError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[schedule]
+
+
+def pipeline_order(
+    schedule: str, stages: int, microbatches: int, ranks: int | None = None
+) -> dict[int, list[Action]]:
+    """Each rank's forwards and backwards in the order torch's schedule class runs them: its
+    `pipeline_order`, built without a process group (the classes only read the stages' count and
+    placement). `ranks` defaults to `stages`; interleaved schedules place stage `s` on rank
+    `s % ranks`, as torch's loop-style mapping does."""
+    cls = _schedule_class(schedule)
+    ranks = stages if ranks is None else ranks
+    interleaved = issubclass(cls, torch_schedules.PipelineScheduleMulti)
+    if stages % ranks or (stages != ranks and not interleaved):
+        raise RematError(
+            f"schedule {schedule!r} runs {'a whole number of' if interleaved else 'one'} stage(s) "
+            f"per rank: {stages} stages on {ranks} ranks do not fit"
+        )
+    if interleaved:
+        placed: Any = [
+            types.SimpleNamespace(num_stages=stages, group_size=ranks, group_rank=0, stage_index=s)
+            for s in range(0, stages, ranks)
+        ]
+    else:
+        placed = types.SimpleNamespace(num_stages=stages)
+    try:
+        order = cls(placed, microbatches).pipeline_order
+    except ValueError as e:  # torch's own checks: 1F1B needs n >= p, interleaving whole rounds
+        raise RematError(f"schedule {schedule!r} with {microbatches} micro-batches: {e}") from None
+    return {
+        rank: [
+            Action(
+                a.stage_index, "F" if a.computation_type == _FORWARD else "B", a.microbatch_index
+            )
+            for a in actions
+            if a is not None and a.computation_type in (_FORWARD, _BACKWARD)
+        ]
+        for rank, actions in order.items()
+    }
+
+
+def in_flight(
+    schedule: str, stages: int, microbatches: int, ranks: int | None = None
+) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose forward has run and whose backward has not, over
+    torch's order: GPipe `n` on every stage, 1F1B `min(n, p - i)` on stage `i`. (Counted, not
+    matched by index: torch's 1F1B order numbers the last rank's micro-batches from 1.)"""
+    most = [0] * stages
+    for actions in pipeline_order(schedule, stages, microbatches, ranks).values():
+        now = [0] * stages
+        for a in actions:
+            now[a.stage] += 1 if a.kind == "F" else -1
+            most[a.stage] = max(most[a.stage], now[a.stage])
+    return tuple(most)
+
+
+# -- 3. one micro-batch per stage, traced --------------------------------------------------------
+class _GradientFromOutput(torch.autograd.Function):
+    """The scalar a non-last stage is traced with: its backward hands the stage output a dense
+    gradient of the output's own shape, as the next stage's gradient arrives in `PipelineStage`'s
+    preallocated receive buffer. The buffer is counted in the rank's fixed bytes; here the gradient
+    aliases the output (held through the backward anyway), so it adds nothing to the step, where
+    `output.sum()` would hand a broadcast one that kernels copy to dense memory."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor) -> torch.Tensor:
+        ctx.output = output.detach()
+        return output.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return ctx.output
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One micro-batch's step on a stage, simulated with a plan's regions (none: store-all); bytes
+    above what exists before the step.
+
+    `held_bytes`: allocated by the forward and kept for the backward (saved activations, the
+    stage output, the loss). `forward_peak_bytes`, `backward_peak_bytes`: the most live during
+    each; `later_backward_peak_bytes`: the backward's with the parameters' gradients already
+    there (every backward but the first accumulates into them). `input_grad_bytes`: the
+    gradient of the stage input (hidden states), sent back. `grad_bytes`: the parameters'
+    gradients. `output_bytes`: the stage output sent on (0 on the last stage)."""
+
+    held_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    later_backward_peak_bytes: int
+    input_grad_bytes: int
+    grad_bytes: int
+    output_bytes: int
+
+    @classmethod
+    def of(cls, graph: Graph, sim: Simulation, base_bytes: int, output_bytes: int) -> StageStep:
+        """From `sim`, a simulation of `graph` over `base_bytes` that exist before the step."""
+        ops = graph.ops
+        grads = [s for s in graph.storages.values() if s.kind == "grad"]
+        grad_bytes = trainable_param_bytes(graph)
+        # the input's gradient is the one grad storage beyond the parameters' (non-first stages)
+        input_grad = sum(s.nbytes for s in grads) - grad_bytes
+        forward, backward = [], []
+        allocated = 0  # gradients allocated before the position
+        grad_at: dict[int, int] = {}
+        for s in grads:
+            grad_at[s.allocated_at] = grad_at.get(s.allocated_at, 0) + s.nbytes
+        for (what, i), live in zip(sim.schedule, sim.timeline, strict=True):
+            above = live - base_bytes
+            if ops[i].phase == "forward" and what == "op":
+                forward.append(above)
+                continue
+            backward.append((above, above + max(grad_bytes - allocated, 0)))
+            if what == "op":
+                allocated += grad_at.get(i, 0)
+        return cls(
+            held_bytes=sim.held_bytes,
+            forward_peak_bytes=max(forward),
+            backward_peak_bytes=max(b for b, _ in backward),
+            later_backward_peak_bytes=max(b for _, b in backward),
+            input_grad_bytes=input_grad,
+            grad_bytes=grad_bytes,
+            output_bytes=output_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class _TracedStage:
+    """A stage's one-micro-batch step and the byte counts of what flows between stages."""
+
+    stage: Stage
+    rank: int
+    graph: Graph
+    input_bytes: int  # its traced inputs (token ids or received hidden states) and labels
+    output_bytes: int  # hidden states sent on (0 on the last stage)
+
+
+def _trace_stages(
+    stages: Sequence[Stage],
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    ranks: int,
+    trace_options: dict[str, Any],
+    reuse_alike: bool = False,
+) -> list[_TracedStage]:
+    """Trace each stage's step for one micro-batch of `ids` (shape-only when they are meta
+    tensors): the first stage from the token ids, each later one from hidden states shaped as
+    the stage before returns them, requiring grad as `PipelineStage` receives them.
+    `reuse_alike`: a middle stage with as many blocks as one traced before takes that one's
+    graph (the same ops on other blocks: every byte and FLOP alike, module names not), which
+    answers sizes and peaks at a fraction of the time but makes no plan to apply."""
+    out, x = [], ids
+    target = torch.zeros(labels.shape, dtype=labels.dtype)  # token ids: small, real
+
+    def last_loss(logits: torch.Tensor, stage: Stage) -> torch.Tensor:
+        """The loss on the labels, made a fake tensor of the trace's own mode up front: one the
+        mode converts itself would come out of the loss's first view as a new storage."""
+        mode = getattr(logits, "fake_mode", None)
+        return stage.loss_fn(logits, target if mode is None else mode.from_tensor(target))
+
+    alike: dict[int, Graph] = {}
+    for stage in stages:
+        middle = not (stage.is_first or stage.is_last)
+        if reuse_alike and middle and len(stage.layer_indices) in alike:
+            graph = alike[len(stage.layer_indices)]
+            out.append(replace(out[-1], stage=stage, rank=stage.index % ranks, graph=graph))
+            continue
+        if stage.is_last:
+            loss_fn = lambda logits, stage=stage: last_loss(logits, stage)  # noqa: E731
+        else:
+            loss_fn = _GradientFromOutput.apply
+        arg = x if stage.is_first else x.detach().requires_grad_()
+        graph = trace(stage, arg, loss_fn=loss_fn, **trace_options)
+        if middle:
+            alike[len(stage.layer_indices)] = graph
+        with torch.no_grad():
+            x = stage(x)
+        out.append(
+            _TracedStage(
+                stage=stage,
+                rank=stage.index % ranks,
+                graph=graph,
+                input_bytes=graph.input_bytes,
+                output_bytes=0 if stage.is_last else x.numel() * x.element_size(),
+            )
+        )
+    return out
+
+
+# -- 4. per rank: the walk over torch's order ----------------------------------------------------
+@dataclass(frozen=True)
+class StagePrediction:
+    """One stage of a pipeline step: where it runs, what it holds per micro-batch in flight, and
+    the peak of its rank (shared by the stages of one rank under an interleaved schedule).
+
+    `fixed_bytes`: what the stage keeps on its rank for the whole step (parameters, buffers,
+    optimizer state, `PipelineStage`'s receive buffers, its micro-batches of token ids or labels).
+    `held_bytes_per_microbatch`: what one micro-batch keeps between its forward and backward.
+    `plan`: the plan the step was predicted with (None: store-all)."""
+
+    stage: int
+    rank: int
+    layers: range
+    in_flight: int
+    held_bytes_per_microbatch: int
+    fixed_bytes: int
+    peak_bytes: int
+    step: StageStep
+    plan: Plan | None = None
+
+    def __repr__(self) -> str:
+        plan = f", plan {self.plan.strategy}" if self.plan is not None else ""
+        first, last = self.layers.start, self.layers.stop - 1
+        return (
+            f"StagePrediction(stage {self.stage} on rank {self.rank}, blocks {first}..{last}: "
+            f"peak {format_bytes(self.peak_bytes)}, {self.in_flight} in flight x "
+            f"{format_bytes(self.held_bytes_per_microbatch)} held, fixed "
+            f"{format_bytes(self.fixed_bytes)}{plan})"
+        )
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """Per stage and per rank predictions of one pipeline step of `microbatches` micro-batches of
+    `microbatch_size` under `schedule`; `tightest_rank` is the rank of the highest peak."""
+
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    stages: tuple[StagePrediction, ...]
+    rank_peak_bytes: tuple[int, ...]
+
+    @property
+    def tightest_rank(self) -> int:
+        return max(range(len(self.rank_peak_bytes)), key=self.rank_peak_bytes.__getitem__)
+
+    @property
+    def tightest_stages(self) -> tuple[int, ...]:
+        """The stages on the tightest rank (one, but for interleaved schedules)."""
+        return tuple(s.stage for s in self.stages if s.rank == self.tightest_rank)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.rank_peak_bytes)
+
+    def __repr__(self) -> str:
+        head = (
+            f"PipelineReport({self.schedule}, {len(self.stages)} stages on "
+            f"{len(self.rank_peak_bytes)} ranks, {self.microbatches} micro-batches of "
+            f"{self.microbatch_size}: peak {format_bytes(self.peak_bytes)} on rank "
+            f"{self.tightest_rank} (stage {', '.join(map(str, self.tightest_stages))})"
+        )
+        return "\n  ".join([head, *map(repr, self.stages)]) + ")"
+
+
+def _optimizer_bytes(graph: Graph, optimizer: Optimizer) -> tuple[int, int]:
+    """(state, step transient) of `optimizer` over the stage's trainable parameters."""
+    if optimizer is None:
+        return 0, 0
+    memory = OPTIMIZER_MEMORY[resolve_optimizer(optimizer, graph)]
+    trainable, elements = trainable_param_bytes(graph), trainable_param_elements(graph)
+    return (
+        memory.state_bytes(trainable, elements),
+        memory.step_temp_bytes(trainable, elements, param_sizes(graph)),
+    )
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """FSDP2 over `ranks` data-parallel ranks under a pipeline, as torchtitan runs it: the
+    stage's parameters stay gathered through the whole step (`reshard_after_forward=False` with
+    pipelining), so the trace's parameters and its gradients (accumulated over the micro-batches)
+    are held as traced; what is divided over the ranks are the sharded parameters (a fp32 master
+    copy, `master_scale` bytes per traced byte, under FSDP2's bf16 mixed precision) and the
+    optimizer's state."""
+
+    ranks: int = 1
+    master_scale: int = 1
+
+
+UNSHARDED = Sharding()
+
+
+def _fixed_bytes(
+    traced: _TracedStage, microbatches: int, optimizer: Optimizer, sharding: Sharding = UNSHARDED
+) -> int:
+    """What `traced`'s stage keeps on its rank through the step: the trace's own persistent
+    storages (parameters, buffers, one micro-batch of inputs and labels), the other micro-batches'
+    inputs (token ids, or `PipelineStage`'s activation receive buffers) and labels, one gradient
+    receive buffer per micro-batch on all but the last stage, and the optimizer's state; under
+    FSDP (`sharding`), the sharded parameters too, and the state divided over the ranks."""
+    persistent = sum(s.nbytes for s in traced.graph.storages.values() if s.allocated_at is None)
+    state, _ = _optimizer_bytes(traced.graph, optimizer)
+    shards = 0
+    if sharding.ranks > 1:
+        scale = sharding.master_scale
+        shards = -(-trainable_param_bytes(traced.graph) * scale // sharding.ranks)
+        state = -(-state * scale // sharding.ranks)
+    return (
+        persistent
+        + (microbatches - 1) * traced.input_bytes
+        + microbatches * traced.output_bytes
+        + state
+        + shards
+    )
+
+
+def _sent_counts(schedule: str, done: int, in_flight: int, steady: bool) -> tuple[int, int]:
+    """(outputs, input gradients) of micro-batches already backwarded that the schedule's own
+    loop still references through the works and ops of their sends (a sent tensor lives as long
+    as its send does).
+
+    GPipe and the interleaved runtime keep every send's work until the step ends, with the
+    output sent forward and the input's gradient sent back. 1F1B fuses each gradient send with
+    the next receive, and so keeps the last backward's input gradient; and its warmup keeps the
+    last output it sent (`send_work`, with 2 or more warmup forwards) through the steady phase."""
+    if schedule != "1f1b":
+        return done, done
+    return int(bool(done and in_flight >= 2 and steady)), min(done, 1)
+
+
+def _sent_bytes(step: StageStep, schedule: str, done: int, in_flight: int, steady: bool) -> int:
+    """The bytes of `_sent_counts`."""
+    outputs, grads = _sent_counts(schedule, done, in_flight, steady)
+    return outputs * step.output_bytes + grads * step.input_grad_bytes
+
+
+def _walk(
+    actions: Sequence[Action], steps: dict[int, StageStep], schedule: str, counts: Sequence[int]
+) -> int:
+    """The most bytes live above the fixed ones over a rank's `actions`: before each, what the
+    other micro-batches keep (held bytes between their forward and backward, what their sends
+    keep after it, and the parameters' gradients from the first backward on), plus the action's
+    own peak from the traced step."""
+    in_flight = dict.fromkeys(steps, 0)
+    done = dict.fromkeys(steps, 0)
+    previous = dict.fromkeys(steps, "F")
+    peak = 0
+    for a in actions:
+        if a.kind == "B":
+            in_flight[a.stage] -= 1
+        # 1F1B's steady phase: a forward, or a backward right after one
+        steady = {t: previous[t] == "F" or (t == a.stage and a.kind == "F") for t in steps}
+        kept = sum(
+            in_flight[t] * s.held_bytes
+            + _sent_bytes(s, schedule, done[t], counts[t], steady[t])
+            + (s.grad_bytes if done[t] and t != a.stage else 0)  # the action's own: in its peak
+            for t, s in steps.items()
+        )
+        s = steps[a.stage]
+        if a.kind == "F":
+            own = s.forward_peak_bytes + (s.grad_bytes if done[a.stage] else 0)
+            in_flight[a.stage] += 1
+        else:
+            own = s.later_backward_peak_bytes if done[a.stage] else s.backward_peak_bytes
+            done[a.stage] += 1
+        previous[a.stage] = a.kind
+        peak = max(peak, kept + own)
+    return peak
+
+
+def _rank_peak(
+    traced: Sequence[_TracedStage],
+    steps: dict[int, StageStep],
+    actions: Sequence[Action],
+    schedule: str,
+    counts: Sequence[int],
+    microbatches: int,
+    optimizer: Optimizer,
+    sharding: Sharding = UNSHARDED,
+) -> int:
+    """A rank's peak: its fixed bytes plus the walk, or its optimizer step after the schedule's
+    step has returned (the gradients and the optimizer's transient)."""
+    fixed = sum(_fixed_bytes(t, microbatches, optimizer, sharding) for t in traced)
+    after = sum(
+        steps[t.stage.index].grad_bytes + _optimizer_bytes(t.graph, optimizer)[1] for t in traced
+    )
+    return fixed + max(
+        _walk(actions, steps, schedule, counts), after if optimizer is not None else 0
+    )
+
+
+# -- 5. as the GPU reports it: the caching allocator over a rank's walk -------------------------
+#: One event of a stage's action, for any micro-batch: ("A" or "F", life index or a scratch's
+#: ("scratch", position), bytes)
+_Template = tuple[str, Any, int]
+
+
+@dataclass(frozen=True)
+class _Action:
+    """A stage's forward, first backward or later backward as events for any micro-batch:
+    `events`, the index in them of its first matmul (None: none), and by role the lives that
+    outlast it ("param_grad", "input_grad", "output")."""
+
+    events: tuple[_Template, ...]
+    blas_at: int | None
+    kept: dict[str, tuple[int, ...]]
+
+    def of(
+        self, step: int, stage: int, microbatch: int, workspaces: Sequence[Event] = ()
+    ) -> tuple[list[Event], dict[str, list[Any]]]:
+        """The events of `microbatch` (`workspaces` made at the first matmul) and the keys of
+        the lives that outlast them."""
+        tag = (step, stage, microbatch)
+        events: list[Event] = [
+            Alloc((tag, k), n) if kind == "A" else Free((tag, k)) for kind, k, n in self.events
+        ]
+        if workspaces and self.blas_at is not None:
+            events[self.blas_at : self.blas_at] = workspaces
+        return events, {role: [(tag, k) for k in ks] for role, ks in self.kept.items()}
+
+
+@dataclass(frozen=True)
+class _StageLives:
+    """A stage's one-micro-batch step as lives on its schedule (`remat.prediction.schedule.storage_lives`,
+    the lives its simulation and every plan are judged on), cut where the backward begins into
+    its actions, each life told by what it is to the pipeline: a parameter's gradient (kept
+    from the first backward, a temporary added into it in later ones), the input's gradient and
+    the output (sent: kept as long as their sends, `_sent_counts`), or the step's own (freed
+    where it ends, or as the backward does)."""
+
+    forward: _Action
+    first_backward: _Action
+    later_backward: _Action
+
+    @classmethod
+    def of(cls, traced: _TracedStage, regions: Sequence[Region]) -> _StageLives:
+        graph = traced.graph
+        analysis = analyse_regions(graph, regions)
+        schedule = build_schedule(graph, analysis)
+        _, lives, owners = storage_lives(graph, analysis, schedule)
+        input_grads = set(graph.info.get("input_grad_storages", ()))
+        outputs = set(graph.info.get("output_storages", ())) if traced.output_bytes else set()
+
+        def role(sid: int | None) -> str:
+            if sid in input_grads:
+                return "input_grad"
+            if sid is not None and graph.storages[sid].kind == "grad":
+                return "param_grad"
+            return "output" if sid in outputs else "step"
+
+        ops, order = graph.ops, schedule.order
+        backward_from = next(
+            (p for p, (what, i) in enumerate(order) if what != "op" or ops[i].phase != "forward"),
+            len(order),
+        )
+        roles = [role(sid) for sid in owners]
+
+        def action(lo: int, hi: int, first_backward: bool) -> _Action:
+            total, forward = len(order), lo == 0
+            before: dict[int, list[_Template]] = defaultdict(list)
+            after: dict[int, list[_Template]] = defaultdict(list)
+            kept: dict[str, list[int]] = defaultdict(list)
+            for k, ((first, last, nbytes), what) in enumerate(zip(lives, roles, strict=True)):
+                if not nbytes:
+                    continue
+                if lo <= first < hi:
+                    before[first].append(("A", k, nbytes))
+                    if what == "param_grad" and not first_backward:  # added into the kept one
+                        after[first].append(("F", k, nbytes))
+                        continue
+                if last < total and lo <= last < hi:
+                    after[last].append(("F", k, nbytes))
+                elif last >= total and not forward:
+                    if what == "step":
+                        after[total - 1].append(("F", k, nbytes))
+                    elif what != "param_grad" or first_backward:
+                        kept[what].append(k)
+            events: list[_Template] = []
+            blas_at = None
+            for position in range(lo, hi):
+                op = ops[order[position][1]]
+                if blas_at is None and op.short in BLAS_OPS:
+                    blas_at = len(events)
+                events += before[position]
+                scratch = scratch_bytes(graph, op)
+                if scratch:
+                    events += [("A", ("scratch", position), scratch)]
+                    events += [("F", ("scratch", position), scratch)]
+                events += after[position]
+            return _Action(tuple(events), blas_at, {r: tuple(ks) for r, ks in kept.items()})
+
+        total = len(order)
+        return cls(
+            forward=action(0, backward_from, False),
+            first_backward=action(backward_from, total, True),
+            later_backward=action(backward_from, total, False),
+        )
+
+
+def _tagged(events: Sequence[Event], tag: Any) -> list[Event]:
+    """`events` with `tag` put before each key: events of several stages on one rank apart."""
+    return [
+        Alloc((tag, *e.key), e.nbytes) if isinstance(e, Alloc) else Free((tag, *e.key))
+        for e in events
+    ]
+
+
+def _shard_sizes(graph: Graph, sharding: Sharding) -> dict[int, int]:
+    """Parameter storage -> the bytes its optimizer state is kept over: the parameter, or its
+    FSDP shard of the fp32 master copy."""
+    params = {s.id: s.nbytes for s in graph.storages_of(("param",))}
+    if sharding.ranks == 1:
+        return params
+    return {sid: -(-n * sharding.master_scale // sharding.ranks) for sid, n in params.items()}
+
+
+def _optimizer_step(
+    stages: Sequence[tuple[int, Graph]], optimizer: Optimizer, step: int, sharding: Sharding
+) -> list[Event]:
+    """One optimizer over the parameters of a rank's `stages`: each stage's state made on the
+    first step, then their temporaries as one foreach step makes them (all, then all freed), then
+    any per-parameter ones (`remat.prediction.gpu_memory.optimizer_events`)."""
+    per_stage = [
+        _tagged(optimizer_events(g, optimizer, step, _shard_sizes(g, sharding), step == 0), i)
+        for i, g in stages
+    ]
+    events = [e for es in per_stage for e in es]
+    state = [e for e in events if e.key[1] == "state"]
+    foreach = [e for e in events if e.key[1] == "tmp" and isinstance(e, Alloc)]
+    foreach += [e for e in events if e.key[1] == "tmp" and isinstance(e, Free)]
+    rest = [e for e in events if e.key[1] not in ("state", "tmp")]
+    return state + foreach + rest
+
+
+def rank_events(
+    pipeline: TracedPipeline,
+    rank: int,
+    plans: dict[int, Plan | None],
+    optimizer: Optimizer = None,
+    sharding: Sharding = UNSHARDED,
+    blas_workspaces: Sequence[int] = (),
+    steps: int = 2,
+) -> list[Event]:
+    """The allocation events of `steps` pipeline steps on `rank` (its stages under `plans`), for
+    `remat.prediction.gpu_memory`'s caching allocator: what the walk counts (`_rank_peak`), as the blocks a
+    rank allocates and frees in torch's order.
+
+    Before the first step: each stage's parameters and buffers, its micro-batches' inputs
+    (`PipelineStage`'s receive buffers), its gradient receive buffers and, under FSDP, its
+    parameters' shards. Each step: every action's lives (`_StageLives.action`), the sends the
+    schedule keeps freed as `_sent_counts` lets them go; after the schedule, the optimizer (its
+    state on the first step, then its temporaries, all stages' at once as one optimizer over the
+    rank's stages), then the gradients are dropped."""
+    mine = [t for t in pipeline.traced if t.rank == rank]
+    lives = {
+        t.stage.index: _StageLives.of(t, () if plans.get(t.stage.index) is None
+                                      else plans[t.stage.index].regions)
+        for t in mine
+    }  # fmt: skip
+    traced = {t.stage.index: t for t in mine}
+    events: list[Event] = []
+    for i, t in traced.items():
+        graph = t.graph
+        before = sorted(
+            (s for s in graph.storages.values() if s.allocated_at is None and s.nbytes),
+            key=lambda s: s.id,
+        )
+        events += [Alloc(("persistent", i, s.id), s.nbytes) for s in before]
+        inputs = [s for s in before if s.kind in ("input", "constant")]  # as `input_bytes`
+        events += [
+            Alloc(("input", i, m, s.id), s.nbytes)
+            for m in range(1, pipeline.microbatches)
+            for s in inputs
+        ]
+        if t.output_bytes:
+            events += [
+                Alloc(("grad_recv", i, m), t.output_bytes) for m in range(pipeline.microbatches)
+            ]
+        if sharding.ranks > 1:
+            events += [
+                Alloc(("shard", i, sid), n) for sid, n in _shard_sizes(graph, sharding).items() if n
+            ]
+    workspaces_made = not blas_workspaces
+    for step in range(steps):
+        in_flight = dict.fromkeys(traced, 0)
+        done = dict.fromkeys(traced, 0)
+        previous = dict.fromkeys(traced, "F")
+        sent: dict[int, dict[str, list[Any]]] = {
+            i: {"output": [], "input_grad": []} for i in traced
+        }
+        grads: list[Any] = []
+        for a in pipeline.order[rank]:
+            if a.kind == "B":
+                in_flight[a.stage] -= 1
+            for i in traced:  # the sends the schedule no longer keeps, oldest first
+                steady = previous[i] == "F" or (i == a.stage and a.kind == "F")
+                keep = dict(zip(("output", "input_grad"),
+                                _sent_counts(pipeline.schedule, done[i], pipeline.counts[i], steady),
+                                strict=True))  # fmt: skip
+                for role, queue in sent[i].items():
+                    while len(queue) > keep[role]:
+                        events.append(Free(queue.pop(0)))
+            made: list[Event] = []
+            if not workspaces_made and a.kind == "F":
+                made = [Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces)]
+                workspaces_made = True
+            # the n-th backward of a stage is its n-th forward's (torch's 1F1B numbers the last
+            # rank's forwards from 1, its backwards from 0)
+            microbatch = in_flight[a.stage] + done[a.stage] if a.kind == "F" else done[a.stage]
+            sl = lives[a.stage]
+            chosen = (
+                sl.forward
+                if a.kind == "F"
+                else sl.later_backward
+                if done[a.stage]
+                else sl.first_backward
+            )
+            action, kept = chosen.of(step, a.stage, microbatch, made)
+            events += action
+            if a.kind == "F":
+                in_flight[a.stage] += 1
+            else:
+                done[a.stage] += 1
+                grads += kept.get("param_grad", [])
+                for role in ("output", "input_grad"):
+                    sent[a.stage][role] += kept.get(role, [])
+            previous[a.stage] = a.kind
+        events += [Free(key) for queues in sent.values() for q in queues.values() for key in q]
+        events += _optimizer_step(
+            [(i, t.graph) for i, t in traced.items()], optimizer, step, sharding
+        )
+        events += [Free(key) for key in grads]  # zero_grad(set_to_none=True)
+    return events
+
+
+#: The most combinations of its stages' candidate plans `TracedPipeline.plan` walks for a rank.
+_MAX_COMBINATIONS = 20_000
+
+
+@dataclass
+class TracedPipeline:
+    """A pipeline step traced once (one micro-batch per stage) and torch's order for its schedule:
+    `report` evaluates it under any plans, sharding and optimizer without tracing again, and
+    `with_microbatches` under another number of micro-batches (the order is recomputed, the
+    traces kept)."""
+
+    traced: list[_TracedStage]
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    ranks: int
+    order: dict[int, list[Action]]
+    counts: tuple[int, ...]
+    #: planners by (graph, profile, optimizer), shared with `with_microbatches`' copies
+    planners: dict[tuple[int, Any, Any], Planner] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
+        batch: int,
+        seq: int,
+        *,
+        stages: int,
+        microbatches: int,
+        schedule: str = "1f1b",
+        ranks: int | None = None,
+        reuse_alike: bool = False,
+        **trace_options: Any,
+    ) -> TracedPipeline:
+        """The model `build(batch / microbatches, seq)` returns, cut and traced stage by stage
+        (`remat.trace` with `trace_options`: a target, an autocast dtype); `reuse_alike`: middle
+        stages of as many blocks traced once (for figures, not for plans to apply)."""
+        if batch % microbatches:
+            raise RematError(
+                f"batch {batch} does not split into {microbatches} equal micro-batches"
+            )
+        ranks = stages if ranks is None else ranks
+        size = batch // microbatches
+        order = pipeline_order(schedule, stages, microbatches, ranks)
+        counts = in_flight(schedule, stages, microbatches, ranks)
+        model, (ids, labels) = build(size, seq)
+        model.train()
+        traced = _trace_stages(split(model, stages), ids, labels, ranks, trace_options, reuse_alike)
+        return cls(traced, schedule, microbatches, size, ranks, order, counts)
+
+    def with_microbatches(self, microbatches: int, schedule: str | None = None) -> TracedPipeline:
+        """The same traces under `microbatches` micro-batches (and another one-stage-per-rank
+        `schedule`, if given): torch's order again, nothing traced."""
+        stages, schedule = len(self.traced), schedule or self.schedule
+        return TracedPipeline(
+            self.traced,
+            schedule,
+            microbatches,
+            self.microbatch_size,
+            self.ranks,
+            pipeline_order(schedule, stages, microbatches, self.ranks),
+            in_flight(schedule, stages, microbatches, self.ranks),
+            self.planners,
+        )
+
+    def planner(self, stage: int, profile: Any = "cpu", optimizer: Optimizer = None) -> Planner:
+        """The stage's planner, one per graph (stages traced alike share it)."""
+        graph = self.traced[stage].graph
+        key = (id(graph), profile, optimizer)
+        if key not in self.planners:
+            self.planners[key] = Planner(graph, profile, optimizer)
+        return self.planners[key]
+
+    def step(self, stage: int, plan: Plan | None, optimizer: Optimizer = None) -> StageStep:
+        """The stage's one-micro-batch step simulated with `plan`'s regions (None: store-all)."""
+        t = self.traced[stage]
+        planner = self.planner(stage, optimizer=optimizer)
+        regions = () if plan is None else plan.regions
+        return StageStep.of(t.graph, planner.simulate(regions), planner.base_bytes, t.output_bytes)
+
+    def rank_peak(
+        self,
+        rank: int,
+        steps: dict[int, StageStep],
+        optimizer: Optimizer = None,
+        sharding: Sharding = UNSHARDED,
+    ) -> int:
+        """`rank`'s peak with its stages' `steps` (by stage index)."""
+        mine = [t for t in self.traced if t.rank == rank]
+        return _rank_peak(
+            mine,
+            {t.stage.index: steps[t.stage.index] for t in mine},
+            self.order[rank],
+            self.schedule,
+            self.counts,
+            self.microbatches,
+            optimizer,
+            sharding,
+        )
+
+    def gpu_memories(
+        self,
+        rank: int,
+        gpu: Gpu | str,
+        plans: dict[int, Plan | None] | None = None,
+        optimizer: Optimizer = None,
+        sharding: Sharding = UNSHARDED,
+        settings: Sequence[AllocatorSettings] = ALLOCATOR_SETTINGS,
+        ranks: int | None = None,
+    ) -> list[GpuMemory]:
+        """`rank`'s step with `plans` (by stage; missing or None: store-all) as `gpu` reports it,
+        under each of the allocator `settings` (`rank_events` through `remat.prediction.gpu_memory`);
+        `ranks`: of the whole job, for NCCL's buffers (default: the pipeline's times the
+        sharding's)."""
+        ranks = self.ranks * sharding.ranks if ranks is None else ranks
+        events = rank_events(self, rank, plans or {}, optimizer, sharding, blas_workspaces(gpu))
+        return [memory_of_events(events, gpu, ranks, s) for s in settings]
+
+    def report(
+        self,
+        plans: dict[int, Plan | None] | None = None,
+        optimizer: Optimizer = None,
+        sharding: Sharding = UNSHARDED,
+    ) -> PipelineReport:
+        """Every stage's and rank's prediction with `plans` (by stage index; missing or None:
+        store-all)."""
+        plans = {t.stage.index: (plans or {}).get(t.stage.index) for t in self.traced}
+        steps = {i: self.step(i, p, optimizer) for i, p in plans.items()}
+        rank_peaks = tuple(
+            self.rank_peak(rank, steps, optimizer, sharding) for rank in sorted(self.order)
+        )
+        predictions = tuple(
+            StagePrediction(
+                stage=t.stage.index,
+                rank=t.rank,
+                layers=t.stage.layer_indices,
+                in_flight=self.counts[t.stage.index],
+                held_bytes_per_microbatch=steps[t.stage.index].held_bytes,
+                fixed_bytes=_fixed_bytes(t, self.microbatches, optimizer, sharding),
+                peak_bytes=rank_peaks[t.rank],
+                step=steps[t.stage.index],
+                plan=plans[t.stage.index],
+            )
+            for t in self.traced
+        )
+        return PipelineReport(
+            self.schedule, self.microbatches, self.microbatch_size, predictions, rank_peaks
+        )
+
+    def plan(
+        self,
+        budget: int | str | Sequence[int],
+        optimizer: Optimizer = None,
+        profile: str | Any = "cpu",
+        sharding: Sharding = UNSHARDED,
+    ) -> PipelineReport:
+        """Each stage planned so that its rank's peak fits `budget` (or `budget[rank]`, one per
+        rank): see `plan`."""
+        if isinstance(budget, (int, str)):
+            budgets = [parse_bytes(budget)] * len(self.order)
+        elif len(budget) == len(self.order):
+            budgets = [parse_bytes(b) for b in budget]
+        else:
+            raise RematError(
+                f"{len(budget)} budgets for {len(self.order)} ranks: give one per rank"
+            )
+        plans: dict[int, Plan | None] = {}
+        frontiers: dict[int, list[Any]] = {}  # by graph: stages traced alike share theirs
+        for rank in sorted(self.order):
+            mine = [t for t in self.traced if t.rank == rank]
+            plans.update(
+                self._plan_rank(rank, mine, budgets[rank], optimizer, profile, sharding, frontiers)
+            )
+        return self.report(plans, optimizer, sharding)
+
+    def _plan_rank(
+        self,
+        rank: int,
+        mine: list[_TracedStage],
+        budget_bytes: int,
+        optimizer: Optimizer,
+        profile: str | Any,
+        sharding: Sharding,
+        frontiers: dict[int, list[Any]],
+    ) -> dict[int, Plan]:
+        """The plans of `rank`'s stages of least summed recompute (the rank runs them one after
+        another) whose rank peak fits: store-all if it does; else the combinations of each
+        stage's candidates (its frontier and the fixed strategies, `Planner.pareto`) in order of
+        their summed recompute, the first that fits (one stage per rank: its candidates in
+        order)."""
+        planners = {t.stage.index: self.planner(t.stage.index, profile, optimizer) for t in mine}
+        store_all = {
+            i: p.solve(strategies.get("store_all"), p.estimate.peak_bytes)
+            for i, p in planners.items()
+        }
+        steps = {i: self.step(i, None, optimizer) for i in planners}
+        if self.rank_peak(rank, steps, optimizer, sharding) <= budget_bytes:
+            return store_all  # no plan recomputes less (and no frontier is needed)
+        candidates = []
+        for t in mine:
+            if id(t.graph) not in frontiers:
+                frontier = planners[t.stage.index].pareto()
+                frontiers[id(t.graph)] = sorted(
+                    (*frontier.points, *frontier.named), key=lambda p: p.recompute_seconds
+                )
+            candidates.append(frontiers[id(t.graph)])
+        # several stages a rank: the cheapest of each stage's candidates, at most ~20,000 pairs
+        per_stage = max(2, int(_MAX_COMBINATIONS ** (1 / len(candidates))))
+        candidates = [c[:per_stage] for c in candidates]
+        stage_steps: dict[tuple[int, int], StageStep] = {}
+
+        def step_of(t: _TracedStage, k: int, p: Plan) -> StageStep:
+            if (t.stage.index, k) not in stage_steps:
+                planner = planners[t.stage.index]
+                stage_steps[t.stage.index, k] = StageStep.of(
+                    t.graph, planner.simulate(p.regions), planner.base_bytes, t.output_bytes
+                )
+            return stage_steps[t.stage.index, k]
+
+        combos = sorted(
+            itertools.product(*(range(len(c)) for c in candidates)),
+            key=lambda ks: sum(c[k].recompute_seconds for c, k in zip(candidates, ks, strict=True)),
+        )
+        best = None
+        for ks in combos:
+            steps = {
+                t.stage.index: step_of(t, k, c[k])
+                for t, c, k in zip(mine, candidates, ks, strict=True)
+            }
+            peak = self.rank_peak(rank, steps, optimizer, sharding)
+            if peak <= budget_bytes:
+                return {t.stage.index: c[k] for t, c, k in zip(mine, candidates, ks, strict=True)}
+            best = peak if best is None else min(best, peak)
+        stages = ", ".join(
+            f"{t.stage.index} ({self.counts[t.stage.index]} in flight)" for t in mine
+        )
+        raise InfeasibleBudget(
+            f"rank {rank} (stage {stages}) peaks at {format_bytes(best)} at least, over the "
+            f"budget of {format_bytes(budget_bytes)}",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=best,
+        )
+
+
+def predict(
+    build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
+    batch: int,
+    seq: int,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    ranks: int | None = None,
+    optimizer: Optimizer = None,
+) -> PipelineReport:
+    """Each rank's and stage's peak for one pipeline step of a `batch` x `seq` batch, cut into
+    `microbatches`, of the model `build(microbatch_size, seq)` returns with its `(input_ids,
+    labels)` (on the meta device: nothing of the model's size is allocated), cut into `stages`
+    by `split` and run by torch's `schedule` (`SCHEDULES`) on `ranks` ranks (default: one stage
+    per rank). Store-all: `plan` predicts with recomputation."""
+    traced = TracedPipeline.of(
+        build, batch, seq, stages=stages, microbatches=microbatches, schedule=schedule, ranks=ranks
+    )
+    return traced.report(optimizer=optimizer)
+
+
+def plan(
+    build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
+    batch: int,
+    seq: int,
+    budget: int | str,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    ranks: int | None = None,
+    optimizer: Optimizer = None,
+    profile: str = "cpu",
+) -> PipelineReport:
+    """`predict`, with each stage planned so that its rank's peak fits `budget` bytes ("40GiB"):
+    of the plans on the stage's frontier and the fixed strategies (`Planner.pareto`: store-all,
+    full, selective; the frontier alone is judged by one micro-batch's peak, where what a plan
+    holds per micro-batch in flight counts as much), the one of least recompute time whose rank
+    peak, with the schedule's micro-batches in flight, fits. A stage that holds more
+    micro-batches (the first, under 1F1B) gets less room per micro-batch, and so may recompute
+    more. A rank of several stages (interleaved schedules) gets the combination of its stages'
+    plans of least summed recompute that fits. Raises `InfeasibleBudget` naming the rank, its
+    stages and the smallest budget its plans reach."""
+    traced = TracedPipeline.of(
+        build, batch, seq, stages=stages, microbatches=microbatches, schedule=schedule, ranks=ranks
+    )
+    return traced.plan(budget, optimizer, profile)
+
+
+def largest_microbatch(
+    build: Callable[[int, int], tuple[nn.Module, tuple[Any, ...]]],
+    seq: int,
+    budget: int | str,
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    ranks: int | None = None,
+    optimizer: Optimizer = None,
+    limit: int = 1 << 16,
+) -> PipelineReport | None:
+    """The prediction (`predict`, store-all) of the largest micro-batch size, at most `limit`,
+    whose every rank fits `budget` with `microbatches` of them (None: not even 1 fits): doubled,
+    then bisected, as a rank's peak grows with the micro-batch."""
+    budget_bytes = parse_bytes(budget)
+
+    def at(size: int) -> PipelineReport:
+        return predict(
+            build,
+            size * microbatches,
+            seq,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            ranks=ranks,
+            optimizer=optimizer,
+        )
+
+    best, low, high = None, 0, 1  # low fits (0: none known), high is the next size to try
+    while high <= limit and (report := at(high)).peak_bytes <= budget_bytes:
+        best, low, high = report, high, 2 * high
+    high = min(high, limit + 1)  # the smallest size known not to fit (or past the limit)
+    while high - low > 1:
+        mid = (low + high) // 2
+        report = at(mid)
+        if report.peak_bytes <= budget_bytes:
+            best, low = report, mid
+        else:
+            high = mid
+    return best

@@ -1,0 +1,567 @@
+"""`remat.Planner`: what to keep and what to recompute under a budget, by a named strategy.
+
+The strategies (`remat.planning.strategies`, one file each) are pure functions of a `Planner`; the solvers
+they call (`remat.planning.solvers`) work on small models of the step (a chain of blocks, per-block options,
+the joint graph). The planner turns a traced `Graph` into those models, turns their answers back
+into checkpoint regions, and judges every answer by the same exact simulation
+(`remat.prediction.schedule.simulate`), so that a plan's predicted peak is what `remat.apply` will run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+from remat.device.cost import (
+    DeviceProfile,
+    checkpoint_overhead_seconds,
+    get_profile,
+    op_seconds_all,
+)
+from remat.errors import InfeasibleBudget, NoBlocksError, RematError
+from remat.graph import Graph, ModuleCall
+from remat.planning import strategies
+from remat.planning.plans import (
+    DEFAULT_BUDGET,
+    Plan,
+    PlanStatus,
+    build_plan,
+    overhead_share,
+    resolve_budget,
+)
+from remat.planning.solvers import chain as chain_model
+from remat.planning.solvers.selective import POLICIES, without_mutated
+from remat.planning.strategies import Strategy
+from remat.prediction.estimate import MemoryEstimate, Optimizer, estimate, optimizer_step_bytes
+from remat.prediction.schedule import Region, Simulation, analyse_regions, make_region, simulate
+from remat.units import format_bytes
+
+#: What a block can be in the per-block models: stored, checkpointed, or selectively checkpointed.
+BLOCK_OPTIONS = ("store", "full", *(f"selective:{p}" for p in POLICIES))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One answer of a model-based solver, for `Planner.fit` to judge: the regions, why, how sure
+    the solver is, and solver-specific figures for the plan's `details`."""
+
+    regions: tuple[Region, ...]
+    reason: str
+    status: PlanStatus = "optimal"
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BlockMetrics:
+    """One block option applied to every block, measured by one exact simulation: the bytes each
+    block keeps through the forward (`kept`), the bytes live during its backward above what
+    earlier blocks keep (`backward`), its recompute seconds, and two plan-wide terms: `pre`, the
+    most live above all kept bytes before the first block's backward (the forward, the head's
+    backward), and `post`, the most live after the blocks' backward (gradient accumulation of
+    embeddings), when no activation is left."""
+
+    kept: tuple[int, ...]
+    backward: tuple[int, ...]
+    seconds: tuple[float, ...]
+    pre: int
+    post: int
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One row of `Planner.compare`: the strategy's plan at the budget, or None and why not."""
+
+    strategy: str
+    plan: Plan | None
+    note: str
+
+    def __repr__(self) -> str:
+        if self.plan is None:
+            return f"Comparison({self.strategy}: {self.note})"
+        p = self.plan
+        return (
+            f"Comparison({self.strategy}: peak {format_bytes(p.predicted_peak_bytes)}, "
+            f"+{p.recompute_seconds * 1e3:.3g} ms recompute, {self.note})"
+        )
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Plans along the budget axis: `points` are the non-dominated (peak, recompute seconds) of
+    `auto` over budgets; `named` is where each fixed strategy falls."""
+
+    points: tuple[Plan, ...]
+    named: tuple[Plan, ...]
+
+    def __repr__(self) -> str:
+        if not self.points:
+            return "Frontier(no points)"
+        low, high = self.points[0], self.points[-1]
+        return (
+            f"Frontier({len(self.points)} points from {format_bytes(low.predicted_peak_bytes)} "
+            f"at +{low.recompute_seconds * 1e3:.3g} ms to {format_bytes(high.predicted_peak_bytes)} "
+            f"at +{high.recompute_seconds * 1e3:.3g} ms; named: "
+            f"{', '.join(p.strategy for p in self.named)})"
+        )
+
+
+class Planner:
+    """A traced step prepared for planning: costs on `profile`, fixed memory, blocks, and the
+    per-block models, computed once and shared by every plan asked of it.
+
+    Users call `plan`, `compare`, `pareto` and `lowest_peak`. Strategy authors also use
+    `make_plan`, `every_block`, `block_regions`, `fit`, `chain` and `block_problem`."""
+
+    def __init__(
+        self, graph: Graph, profile: str | DeviceProfile = "cpu", optimizer: Optimizer = None
+    ) -> None:
+        self.graph = graph
+        self.profile = get_profile(profile)
+        self.optimizer = optimizer
+        self.estimate: MemoryEstimate = estimate(graph, optimizer=optimizer)
+        self.op_seconds = op_seconds_all(graph, self.profile)
+        persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+        #: Live before the step: parameters, buffers, inputs, optimizer state.
+        self.base_bytes = persistent + self.estimate.optimizer_state_bytes
+        self.blocks: list[ModuleCall] = graph.blocks
+        self._frontiers: dict[int, Frontier] = {}
+        self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
+
+    # -- the user's API ------------------------------------------------------------------------
+    @property
+    def step_seconds(self) -> float:
+        """The predicted time of the step's ops without recomputation, on the profile."""
+        return sum(self.op_seconds)
+
+    def budget_bytes(self, budget: int | str) -> int:
+        """Bytes from `40GiB`, `123`, `50%` (the fixed memory plus that share of the rest of
+        store-all's peak) or `+10%` (the lowest peak on the frontier whose predicted recompute is
+        at most 10% of the step's time: `within_overhead`)."""
+        share = overhead_share(budget)
+        if share is not None:
+            return self.within_overhead(share).predicted_peak_bytes
+        return resolve_budget(budget, self.estimate.fixed_bytes, self.estimate.peak_bytes)
+
+    def within_overhead(self, share: float) -> Plan:
+        """The plan of lowest peak on the frontier whose predicted recompute time is at most
+        `share` of the step's (store-all qualifies at any share)."""
+        limit = share * self.step_seconds * (1 + 1e-9)
+        fits = [p for p in self.pareto().points if p.recompute_seconds <= limit]
+        return min(fits, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+
+    def plan(self, budget: int | str = DEFAULT_BUDGET, strategy: str = "auto") -> Plan:
+        """The plan of `strategy` under `budget`. Raises `InfeasibleBudget` naming the smallest
+        budget that fits when the plan's predicted peak exceeds the budget."""
+        chosen = strategies.get(strategy, "eager")
+        budget_bytes = self.budget_bytes(budget)
+        p = self.solve(chosen, budget_bytes)
+        if p.predicted_peak_bytes > budget_bytes:
+            raise InfeasibleBudget(
+                f"strategy {strategy} predicts a peak of {format_bytes(p.predicted_peak_bytes)}, "
+                f"over the budget of {format_bytes(budget_bytes)}: the smallest budget it fits is "
+                f"{format_bytes(p.predicted_peak_bytes)} (strategy auto picks among all)",
+                budget_bytes=budget_bytes,
+                min_feasible_bytes=p.predicted_peak_bytes,
+            )
+        return p
+
+    def compare(self, budget: int | str = DEFAULT_BUDGET) -> list[Comparison]:
+        """Every eager strategy but auto at this budget, fitting or not, for a side-by-side table."""
+        budget_bytes = self.budget_bytes(budget)
+        rows = []
+        for s in strategies.available("eager"):
+            if s.name == "auto":
+                continue
+            try:
+                p = self.solve(s, budget_bytes)
+            except InfeasibleBudget as e:
+                rows.append(Comparison(s.name, None, str(e).split(";")[0]))
+                continue
+            except NoBlocksError:
+                rows.append(Comparison(s.name, None, "needs repeated blocks; the model has none"))
+                continue
+            note = "fits" if p.predicted_peak_bytes <= budget_bytes else "over budget"
+            if not p.appliable:
+                note += " (reference only: not appliable)"
+            rows.append(Comparison(s.name, p, note))
+        return rows
+
+    def lowest_peak(self) -> Plan:
+        """The plan with the lowest simulated peak that remat can apply: the best of the fixed
+        strategies and of the budgeted ones' lowest-peak plans. Its peak is the smallest budget
+        `auto` accepts."""
+        plans = []
+        for s in strategies.available("eager"):
+            if not s.appliable or (s.needs_blocks and not self.blocks):
+                continue
+            try:
+                if s.lowest_peak is not None:
+                    plans.append(self._runs_with_skipped_blocks(s.lowest_peak(self)))
+                elif not s.budgeted:
+                    plans.append(self.solve(s, 0))
+            except InfeasibleBudget:
+                continue
+        return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+
+    def pareto(self, steps: int = 16) -> Frontier:
+        """The frontier of (predicted peak, recompute seconds) over `steps` budgets from the lowest
+        feasible peak to store-all's, planned by `auto`, and the fixed strategies for comparison.
+        Computed once per `steps` for this planner."""
+        if steps in self._frontiers:
+            return self._frontiers[steps]
+        low = self.lowest_peak().predicted_peak_bytes
+        high = self.estimate.peak_bytes
+        auto = strategies.get("auto")
+        plans = []
+        for k in range(steps):
+            try:
+                plans.append(self.solve(auto, int(low + (high - low) * k / max(steps - 1, 1))))
+            except InfeasibleBudget:
+                continue
+        named = [
+            self.solve(s, high)
+            for s in strategies.available("eager")
+            if not s.budgeted and s.appliable and (self.blocks or not s.needs_blocks)
+        ]
+        frontier, best = [], None
+        for p in sorted(
+            [*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds)
+        ):
+            if best is None or p.recompute_seconds < best - 1e-15:
+                frontier.append(p)
+                best = p.recompute_seconds
+        self._frontiers[steps] = Frontier(points=tuple(frontier), named=tuple(named))
+        return self._frontiers[steps]
+
+    def solve(self, strategy: Strategy, budget_bytes: int) -> Plan:
+        """`strategy`'s eager plan at `budget_bytes`, which may not fit (`plan` checks). Solved
+        once per strategy and budget: `compare` then `plan`, or `auto` inside `pareto`, reuse it."""
+        key = (strategy, budget_bytes)
+        if key not in self._solved:
+            try:
+                self._solved[key] = self._solve(strategy, budget_bytes)
+            except InfeasibleBudget as e:
+                self._solved[key] = e
+        found = self._solved[key]
+        if isinstance(found, InfeasibleBudget):
+            raise found
+        return found
+
+    def _solve(self, strategy: Strategy, budget_bytes: int) -> Plan:
+        if strategy.solve is None:
+            raise RematError(
+                f"strategy {strategy.name!r} decides only inside torch.compile: use remat.compile"
+            )
+        if strategy.needs_blocks and not self.blocks:
+            raise NoBlocksError(
+                f"strategy {strategy.name!r} checkpoints repeated blocks, and this model has none "
+                "(no numbered submodules such as layers.0, layers.1): use strategy mincut or "
+                "store_all",
+                strategy=strategy.name,
+            )
+        return self._runs_with_skipped_blocks(strategy.solve(self, budget_bytes))
+
+    def _runs_with_skipped_blocks(self, plan: Plan) -> Plan:
+        """`plan`, or InfeasibleBudget where the step skips blocks at random (LayerDrop: the
+        trace's `random_control`) and a region spans several blocks: the region's first block
+        runs them all, so a skipped first block would skip them all, a skipped later one run."""
+        if "random_control" not in self.graph.info:
+            return plan
+        runs = [r.modules for r in plan.regions if len(r.modules) > 1]
+        if not runs:
+            return plan
+        raise InfeasibleBudget(
+            f"strategy {plan.strategy!r} checkpoints runs of several blocks ({', '.join(runs[0])}), "
+            "and this step skips blocks at random (LayerDrop): a run cannot skip one of its "
+            "blocks. Use a strategy whose regions hold one block (full, selective, milp, auto)",
+            budget_bytes=plan.budget_bytes or 0,
+            min_feasible_bytes=None,
+        )
+
+    # -- the strategy author's API -------------------------------------------------------------
+    @cached_property
+    def optimizer_step_peak(self) -> int:
+        """The optimizer step runs after every activation is gone: the same for every plan, and
+        the peak of a plan whose activations peak lower (before 0.5 it was counted only where it
+        was store-all's peak, so a checkpointed plan could be predicted under its step's bytes)."""
+        if self.optimizer is None:
+            return 0
+        return optimizer_step_bytes(self.graph, self.simulate(()), self.optimizer)
+
+    def simulate(self, regions: tuple[Region, ...]) -> Simulation:
+        return simulate(self.graph, regions, base_bytes=self.base_bytes)
+
+    def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
+        """What checkpointing itself costs per region on the profile (beyond the ops it
+        recomputes): `region_seconds` each, plus `policy_op_seconds` for every op a selective
+        region runs under its policy, in the forward and in the replay up to its early stop."""
+        if not regions or not (self.profile.region_seconds or self.profile.policy_op_seconds):
+            return [0.0] * len(regions)
+        out = []
+        for replay in analyse_regions(self.graph, regions).replays:
+            r = replay.region
+            policy_ops = 0
+            if r.keep_keys:
+                policy_ops = r.last_op - r.first_op + 1
+                if replay.trigger is not None and replay.stop_at is not None:
+                    policy_ops += replay.stop_at - r.first_op + 1
+            out.append(checkpoint_overhead_seconds(self.profile, 1, policy_ops))
+        return out
+
+    def make_plan(
+        self,
+        regions: tuple[Region, ...],
+        strategy: str,
+        budget_bytes: int | None,
+        reason: str,
+        *,
+        status: PlanStatus = "fixed",
+        appliable: bool = True,
+        **details: Any,
+    ) -> Plan:
+        """The plan of `regions`, judged by the exact simulation; its recompute time includes
+        what checkpointing itself costs on the profile (`region_overheads`)."""
+        p = build_plan(
+            self.graph,
+            regions,
+            strategy=strategy,
+            budget_bytes=budget_bytes,
+            op_seconds=self.op_seconds,
+            base_bytes=self.base_bytes,
+            profile=self.profile.name,
+            reason=reason,
+            status=status,
+            appliable=appliable,
+            details=details,
+            overhead_seconds=sum(self.region_overheads(regions)),
+        )
+        if self.optimizer_step_peak > p.predicted_peak_bytes:
+            p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
+        return p
+
+    @cached_property
+    def chained(self) -> list[bool]:
+        """Whether block b+1 continues block b so that one region can run both: no op between
+        them, b's only output is b+1's first input, and their other tensor inputs are the same
+        (an encoder's last layer and a decoder's first are not chained)."""
+        return [
+            a.last_op + 1 == b.first_op
+            and len(a.outputs) == 1
+            and b.inputs[:1] == a.outputs
+            and b.inputs[1:] == a.inputs[1:]
+            for a, b in zip(self.blocks, self.blocks[1:], strict=False)
+        ]
+
+    def every_block(self, option: str = "full") -> tuple[Region, ...]:
+        """One region per block, checkpointed with `option` (`full` or `selective:<policy>`)."""
+        return self.block_regions([[b] for b in range(len(self.blocks))], option)
+
+    def block_regions(self, groups: list[list[int]], option: str = "full") -> tuple[Region, ...]:
+        """One region per group of consecutive block indices, checkpointed with `option`; a group
+        that spans blocks that are not chained is split where the chain breaks."""
+        split = []
+        for group in groups:
+            split.append([group[0]])
+            for b in group[1:]:
+                if self.chained[b - 1]:
+                    split[-1].append(b)
+                else:
+                    split.append([b])
+        out = []
+        for group in split:
+            first, last = self.blocks[group[0]], self.blocks[group[-1]]
+            keep: set[str] = set()
+            if option.startswith("selective:"):
+                ops = self.graph.ops[first.first_op : last.last_op + 1]
+                policy = POLICIES[option.split(":", 1)[1]]
+                keep = without_mutated(self.graph, ops, policy(self.graph, ops))
+            modules = tuple(self.blocks[i].path for i in group)
+            out.append(make_region(self.graph, modules, first.first_op, last.last_op, keep))
+        return tuple(out)
+
+    def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:
+        """Run a model-based solver and judge its answer by the exact simulation: while the
+        simulated peak exceeds the budget, shrink the target the solver sees by the overshoot. The
+        solver's own peak model is a relaxation; only the simulation's peak is reported."""
+        if self.floor_bytes > budget_bytes:
+            raise InfeasibleBudget(
+                f"{strategy}: {format_bytes(budget_bytes)} is below what the end of the step needs "
+                f"once every activation is gone ({format_bytes(self.floor_bytes)}: parameters, "
+                "their gradients, the embedding-gradient accumulation); no recomputation can go "
+                "lower",
+                budget_bytes=budget_bytes,
+                min_feasible_bytes=self.floor_bytes,
+            )
+        if (
+            self.estimate.peak_bytes <= budget_bytes
+            and self.simulate(()).peak_bytes <= budget_bytes
+        ):
+            return self.make_plan(
+                (),
+                strategy,
+                budget_bytes,
+                "store-all fits the budget: nothing to recompute",
+                status="optimal",
+            )
+        target, closest = budget_bytes, None
+        for tries in range(8):
+            try:
+                found = attempt(target)
+            except InfeasibleBudget:
+                break
+            status = found.status if tries == 0 else "feasible"
+            p = self.make_plan(
+                found.regions, strategy, budget_bytes, found.reason, status=status, **found.details
+            )
+            if p.predicted_peak_bytes <= budget_bytes:
+                return p
+            closest = min(closest or p.predicted_peak_bytes, p.predicted_peak_bytes)
+            target -= p.predicted_peak_bytes - budget_bytes
+        raise InfeasibleBudget(
+            f"{strategy}: no plan found whose simulated peak fits {format_bytes(budget_bytes)}"
+            + (f"; the closest predicts {format_bytes(closest)}" if closest else ""),
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=closest,
+        )
+
+    # -- per-block models for the chain and MILP solvers ---------------------------------------
+    @cached_property
+    def block_metrics(self) -> dict[str, BlockMetrics]:
+        """`BlockMetrics` of each of `BLOCK_OPTIONS`."""
+        n = len(self.blocks)
+        block_of_op = {}
+        for b, call in enumerate(self.blocks):
+            for i in range(call.first_op, call.last_op + 1):
+                block_of_op[i] = b
+        last_forward = len(self.graph.forward_ops) - 1
+        out: dict[str, BlockMetrics] = {}
+        for option in BLOCK_OPTIONS:
+            regions = () if option == "store" else self.every_block(option)
+            sim = self.simulate(regions)
+            end_of_forward = sim.schedule.index(("op", last_forward))
+            kept = [0] * n
+            for sid, death in sim.deaths.items():
+                at = self.graph.storages[sid].allocated_at
+                if at in block_of_op and death > end_of_forward:
+                    kept[block_of_op[at]] += self.graph.storages[sid].nbytes
+            first_pos: list[int | None] = [None] * n
+            last_pos: list[int | None] = [None] * n
+            for pos, (kind, i) in enumerate(sim.schedule):
+                if kind == "replay":
+                    b = block_of_op[i]
+                elif pos > end_of_forward and self.graph.ops[i].node is not None:
+                    b = block_of_op.get(self.graph.nodes[self.graph.ops[i].node].forward_op)
+                else:
+                    continue
+                if b is not None:
+                    first_pos[b] = pos if first_pos[b] is None else first_pos[b]
+                    last_pos[b] = pos
+            # Backward visits blocks n-1 .. 0: block b owns the positions from its first one to
+            # just before block b-1's first one; block 0 owns up to its last one.
+            starts = [p if p is not None else len(sim.schedule) for p in first_pos]
+            stops = [
+                starts[b - 1] if b else (last_pos[0] if last_pos[0] is not None else starts[0]) + 1
+                for b in range(n)
+            ]
+            live = [t - self.base_bytes for t in sim.timeline]
+            prefix = [0] * (n + 1)
+            for b in range(n):
+                prefix[b + 1] = prefix[b] + kept[b]
+            seconds = [0.0] * n
+            for i in sim.recompute_ops:
+                seconds[block_of_op[i]] += self.op_seconds[i]
+            for region, overhead in zip(regions, self.region_overheads(regions), strict=True):
+                seconds[block_of_op[region.first_op]] += overhead
+            out[option] = BlockMetrics(
+                kept=tuple(kept),
+                backward=tuple(
+                    max(live[starts[b] : stops[b]], default=0) - prefix[b] for b in range(n)
+                ),
+                seconds=tuple(seconds),
+                pre=max(live[: min(starts)], default=0) - prefix[n],
+                post=max(live[stops[0] :], default=0),
+            )
+        return out
+
+    @cached_property
+    def floor_bytes(self) -> int:
+        """The least any block plan can reach: the step's end, once every activation is gone."""
+        return self.base_bytes + max(m.post for m in self.block_metrics.values())
+
+    def block_problem(self):
+        """The per-block options model of `remat.planning.solvers.milp` (scipy.optimize is imported only
+        when a MILP is solved)."""
+        from remat.planning.solvers import milp
+
+        m = self.block_metrics
+        options = tuple(
+            tuple(
+                milp.BlockOption(
+                    name=o,
+                    kept_bytes=m[o].kept[b],
+                    backward_bytes=max(m[o].backward[b], m[o].kept[b]),
+                    recompute_seconds=m[o].seconds[b],
+                )
+                for o in BLOCK_OPTIONS
+            )
+            for b in range(len(self.blocks))
+        )
+        tail = milp.BlockOption(
+            name="store",
+            kept_bytes=0,
+            backward_bytes=self.floor_bytes - self.base_bytes,
+            recompute_seconds=0.0,
+        )
+        return milp.BlockProblem(
+            options=((tail,), *options),
+            fixed_bytes=self.base_bytes,
+            forward_extra_bytes=max(max(m[o].pre for o in BLOCK_OPTIONS), 0),
+        )
+
+    def chain(self) -> chain_model.Chain:
+        """The chain-of-blocks model of `remat.planning.solvers.chain`."""
+        m = self.block_metrics
+        n = len(self.blocks)
+        blocks = tuple(
+            chain_model.ChainBlock(
+                name=self.blocks[b].path,
+                forward_seconds=m["full"].seconds[b],
+                input_bytes=m["full"].kept[b - 1] if b else 0,
+                kept_bytes=m["store"].kept[b],
+            )
+            for b in range(n)
+        )
+        transient = max(m["store"].backward[b] - m["store"].kept[b] for b in range(n))
+        return chain_model.Chain(
+            blocks=blocks,
+            fixed_bytes=self.base_bytes,
+            forward_transient_bytes=max(max(m[o].pre for o in BLOCK_OPTIONS), 0),
+            backward_transient_bytes=max(transient, 0),
+        )
+
+
+def plan(
+    graph: Graph,
+    budget: int | str = DEFAULT_BUDGET,
+    strategy: str = "auto",
+    profile: str | DeviceProfile = "cpu",
+    optimizer: Optimizer = None,
+) -> Plan:
+    """The plan of `strategy` for `graph` under `budget` (bytes, "40GiB", "50%": the fixed memory
+    plus that share of the rest of store-all's peak, or "+10%": the lowest peak within 10% more
+    predicted step time, the default), with recompute costs on `profile`. Raises
+    `InfeasibleBudget` naming the smallest budget that fits. For several plans of one graph, make a
+    `Planner` once and ask it."""
+    return Planner(graph, profile, optimizer).plan(budget, strategy)
+
+
+def pareto(
+    graph: Graph,
+    profile: str | DeviceProfile = "cpu",
+    optimizer: Optimizer = None,
+    steps: int = 16,
+) -> Frontier:
+    """`Planner(graph, profile, optimizer).pareto(steps)`."""
+    return Planner(graph, profile, optimizer).pareto(steps)

@@ -1,0 +1,477 @@
+"""Which checkpointing option each block takes, as a mixed-integer linear program solved by HiGHS.
+
+Why a MILP: once a block may be stored, fully checkpointed or selectively checkpointed under one of
+several policies, the choice per block is a multiple-choice knapsack with one capacity constraint
+per block's backward (the kept bytes of the blocks before it plus its own backward bytes). That is
+a small integer program that HiGHS (through `scipy.optimize.milp`) solves to proven optimality in
+under a second for a hundred-odd blocks, and it stays the same program whatever options a block
+offers, where a dynamic program over byte counts would grow with the bytes.
+
+The model (`block_peak_bytes` is its single definition; everything here is checked against it):
+blocks run forward 0..n-1 and backward n-1..0; block b's option keeps `kept_bytes` from the end of
+its forward until its backward, and `backward_bytes` are live during its own backward on top of
+the kept bytes of the blocks before it (the blocks after it have been freed). So
+
+    forward peak     = fixed + sum_b kept(b) + forward_extra
+    backward peak(b) = fixed + sum_{b' < b} kept(b') + backward(b)
+    peak             = max(forward peak, max_b backward peak(b))
+
+This is a model of the step, not its judge (each block reduced to two byte counts per option, the
+rest of the step to `fixed` and `forward_extra`). The planner (`remat.planning.planner`, its fit loop) turns
+every answer into checkpoint regions and re-simulates the step with `remat.prediction.schedule.simulate`;
+that simulated peak decides whether the plan fits, and when it does not, the planner shrinks the
+budget it gives this module by the overshoot and solves again.
+
+Formulation. Binary y[b, k] = block b takes option k, with sum_k y[b, k] = 1 per block. The
+cheapest plan minimises sum recompute_seconds * y subject to one row per peak expression: the
+forward row sum_{b, k} kept * y <= budget - fixed - forward_extra, and for every block b the row
+sum_{b' < b, k} kept * y + sum_k backward(b, k) * y[b, k] <= budget - fixed. The lowest peak
+(`min_peak`, and the tie-break below) adds a continuous Q >= 0 with "row - Q <= -constant" for
+every row and minimises Q, so Q is the largest peak expression, i.e. the peak minus `fixed`.
+
+Scaling and exactness. Byte rows are divided by S, the largest value any row can take, so every
+coefficient lies in [0, 1] whatever the model size; seconds are divided by the largest option's
+seconds and multiplied by 1e6, as is Q's cost. That factor matters: HiGHS calls a plan optimal
+when its objective is within 1e-6 (absolute) of the proven bound, and scipy exposes no option for
+that gap (it passes `mip_abs_gap` on only with a warning), so with costs near 1 plans whose recompute differs by less than a microsecond's worth
+per second of the costliest option would count as ties; at 1e6 the tolerance is 1e-12 of it.
+HiGHS also accepts rows violated by about 1e-6 of S and binaries within 1e-6 of 0 or 1, so on
+gigabyte models a returned plan can exceed the budget by kilobytes. Every plan is therefore
+re-checked with the exact integer `block_peak_bytes`; one that does not fit is excluded with a
+no-good cut (sum over its chosen y <= n - 1, which removes exactly that plan and nothing else, so
+optimality is kept) and the program is solved again. `min_peak` shares the limitation the other
+way: it is exact whenever the peaks of different plans differ by more than ~1e-7 of S, which
+always holds below ~10 MB of activations; beyond, it may be off by up to ~1e-7 of S (about a
+kilobyte for 10 GB). The peak reported for a plan is always exact.
+
+Ties. Among plans with equal recompute (as `math.fsum` adds it), the lower peak is better. A tiny
+secondary cost term cannot express that without either being lost in HiGHS's gap or outweighing
+real recompute differences, so a second program minimises Q among plans whose recompute is at
+most the first plan's; its answer replaces the first only if it is exactly verified to fit and to
+be strictly better by (recompute, peak). That pass gets what is left of the time limit and is
+best-effort: `status` and `mip_gap` describe the recompute, the primary objective.
+
+Time limit. `time_limit_s` bounds all HiGHS runs of one `milp` call together. When it expires
+with a plan, `status` is "time_limit" and `mip_gap` is HiGHS's relative gap. When it expires
+before HiGHS has any plan (or HiGHS reports none), the lowest-peak plan is computed without a time
+limit (one continuous objective: HiGHS solves it at the root in every instance we tried): if it
+does not fit the budget, no plan does and `InfeasibleBudget` is raised with its peak as
+`min_feasible_bytes`; if it fits, it is returned with status "time_limit" and an infinite gap.
+
+Measured on 2 cores, both passes together: 128 blocks x 4 options (random, or 128 identical
+transformer-like blocks) solve to proven optimality in 0.1-0.8 s. The prefix rows hold O(n^2)
+nonzeros, so 256 blocks take 2-4 s and 512 take 8-12 s. Not every instance is easy: blocks that
+are identical up to measurement noise in bytes and seconds make a subset-sum in disguise, on
+which HiGHS finds a plan within a second but leaves a gap of under 1% (less than one option's
+step of one block) open for 20 s and more.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+from scipy.sparse import csr_matrix, hstack
+
+from remat.errors import InfeasibleBudget, RematError
+from remat.units import format_bytes
+
+__all__ = [
+    "BlockOption",
+    "BlockProblem",
+    "MilpResult",
+    "block_peak_bytes",
+    "block_recompute_seconds",
+    "milp",
+    "min_peak",
+]
+
+#: What the largest cost becomes (see the module docstring: HiGHS's absolute gap of 1e-6).
+_COST_SCALE = 1e6
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One thing `torch.utils.checkpoint` (+ a selective policy) can do to a block.
+
+    `kept_bytes` are held from the end of the block's forward until its backward.
+    `backward_bytes` are live for the block during its own backward beyond the kept bytes of
+    earlier blocks: its kept bytes, what recomputation re-materialises and the gradients of its
+    activations, so never less than `kept_bytes`. `recompute_seconds` is the extra forward time.
+    """
+
+    name: str
+    kept_bytes: int
+    backward_bytes: int
+    recompute_seconds: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kept_bytes <= self.backward_bytes:
+            raise RematError(
+                f"option {self.name!r}: need 0 <= kept_bytes <= backward_bytes (the backward holds "
+                f"the kept bytes too), got {self.kept_bytes} and {self.backward_bytes}"
+            )
+        if not (math.isfinite(self.recompute_seconds) and self.recompute_seconds >= 0):
+            raise RematError(
+                f"option {self.name!r}: recompute_seconds must be finite and >= 0, "
+                f"got {self.recompute_seconds!r}"
+            )
+
+
+@dataclass(frozen=True)
+class BlockProblem:
+    """The blocks in forward order, each with its options, plus the bytes no option changes.
+
+    `fixed_bytes` (parameters, gradients, optimizer state, inputs) are live all the time;
+    `forward_extra_bytes` is the worst transient above the kept bytes during the forward.
+    """
+
+    options: tuple[tuple[BlockOption, ...], ...]
+    fixed_bytes: int = 0
+    forward_extra_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.options:
+            raise RematError("a problem needs at least one block")
+        empty = [b for b, block in enumerate(self.options) if not block]
+        if empty:
+            raise RematError(f"every block needs at least one option; blocks {empty} have none")
+        if min(self.fixed_bytes, self.forward_extra_bytes) < 0:
+            raise RematError("fixed_bytes and forward_extra_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """A plan: the option index and name per block, its exact peak and recompute, how sure the
+    solver is (`status` "optimal" or "time_limit"; `mip_gap` the relative gap on recompute HiGHS
+    reported, 0.0 when optimal), and a sentence saying why."""
+
+    choice: tuple[int, ...]
+    option_names: tuple[str, ...]
+    peak_bytes: int
+    recompute_seconds: float
+    status: str
+    mip_gap: float
+    reason: str
+
+
+def block_peak_bytes(problem: BlockProblem, choice: Sequence[int]) -> int:
+    """The peak live bytes of a training step where block b takes option `choice[b]`.
+
+    The one definition every solver here is checked against: the larger of the forward peak
+    (fixed + all kept bytes + forward extra) and, for every block, its backward peak (fixed + the
+    kept bytes of the blocks before it + its backward bytes). Exact integer arithmetic over the
+    model; a model of the step nonetheless, which the planner's judge,
+    `remat.prediction.schedule.simulate`, checks on the real step's graph before a plan is accepted.
+    """
+    chosen = _chosen(problem, choice)
+    kept_before = 0
+    peak = 0
+    for option in chosen:
+        peak = max(peak, kept_before + option.backward_bytes)
+        kept_before += option.kept_bytes
+    return problem.fixed_bytes + max(peak, kept_before + problem.forward_extra_bytes)
+
+
+def block_recompute_seconds(problem: BlockProblem, choice: Sequence[int]) -> float:
+    """The extra forward seconds of a choice. `math.fsum` rounds the exact sum once, so choices
+    that recompute the same amount report the same float whatever the block order."""
+    return math.fsum(option.recompute_seconds for option in _chosen(problem, choice))
+
+
+def _chosen(problem: BlockProblem, choice: Sequence[int]) -> list[BlockOption]:
+    if len(choice) != len(problem.options):
+        raise RematError(
+            f"a choice needs one option index per block: got {len(choice)} for "
+            f"{len(problem.options)} blocks"
+        )
+    bad = [b for b, k in enumerate(choice) if not 0 <= k < len(problem.options[b])]
+    if bad:
+        raise RematError(f"option index out of range for blocks {bad} in choice {tuple(choice)}")
+    return [block[k] for block, k in zip(problem.options, choice, strict=True)]
+
+
+# -- the program --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Model:
+    """The scaled program of one problem. Columns: y[b, k] at `offsets[b] + k`, then Q (last).
+
+    `rows` holds the peak expressions (row 0 the forward, row 1 + b block b's backward) over the y
+    columns divided by `scale`; `constant` is what each row adds beyond `fixed` (the forward extra
+    for row 0), in bytes. `cost` is the scaled recompute per column (0 for Q).
+    """
+
+    offsets: np.ndarray
+    rows: csr_matrix
+    constant: np.ndarray
+    scale: float
+    cost: np.ndarray
+    one_hot: optimize.LinearConstraint
+
+    @property
+    def columns(self) -> int:
+        return int(self.offsets[-1]) + 1
+
+
+def _model(problem: BlockProblem) -> _Model:
+    counts = [len(block) for block in problem.options]
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    n, columns = len(counts), int(offsets[-1]) + 1
+    options = [option for block in problem.options for option in block]
+    kept = np.array([option.kept_bytes for option in options], dtype=np.float64)
+    backward = np.array([option.backward_bytes for option in options], dtype=np.float64)
+    seconds = np.array([option.recompute_seconds for option in options])
+
+    max_kept = np.array([max(o.kept_bytes for o in block) for block in problem.options])
+    max_backward = np.array([max(o.backward_bytes for o in block) for block in problem.options])
+    kept_before = np.concatenate(([0], np.cumsum(max_kept)[:-1]))
+    scale = float(max(1, int(max_kept.sum()), int((kept_before + max_backward).max())))
+
+    # the forward row (row 0) holds every kept byte
+    row_of, col_of, value_of = (
+        [np.zeros(columns - 1, dtype=np.int64)],
+        [np.arange(columns - 1)],
+        [kept],
+    )
+    for b in range(n):  # block b's backward: kept bytes before it, its own backward bytes
+        start, stop = int(offsets[b]), int(offsets[b + 1])
+        row_of.append(np.full(stop, b + 1))
+        col_of.append(np.arange(stop))
+        value_of.append(np.concatenate((kept[:start], backward[start:stop])))
+    rows = csr_matrix(
+        (np.concatenate(value_of) / scale, (np.concatenate(row_of), np.concatenate(col_of))),
+        shape=(n + 1, columns),
+    )
+    block_of = np.repeat(np.arange(n), counts)
+    one_hot = optimize.LinearConstraint(
+        csr_matrix((np.ones(columns - 1), (block_of, np.arange(columns - 1))), shape=(n, columns)),
+        1,
+        1,
+    )
+    largest = seconds.max()
+    cost = np.zeros(columns)
+    if largest > 0:
+        cost[:-1] = seconds / largest * _COST_SCALE
+    constant = np.zeros(n + 1)
+    constant[0] = problem.forward_extra_bytes
+    return _Model(offsets, rows, constant, scale, cost, one_hot)
+
+
+def _no_good(model: _Model, choices: list[tuple[int, ...]]) -> list[optimize.LinearConstraint]:
+    """Rows that exclude exactly these choices: at most n - 1 of a choice's y may be 1."""
+    if not choices:
+        return []
+    n = len(model.offsets) - 1
+    columns = np.array([model.offsets[:-1] + np.array(choice) for choice in choices])
+    matrix = csr_matrix(
+        (np.ones(columns.size), (np.repeat(np.arange(len(choices)), n), columns.ravel())),
+        shape=(len(choices), model.columns),
+    )
+    return [optimize.LinearConstraint(matrix, -np.inf, n - 1)]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A plan HiGHS returned: the choice, whether proven optimal, and the relative gap HiGHS
+    reported (0.0 when optimal)."""
+
+    choice: tuple[int, ...]
+    optimal: bool
+    gap: float
+
+
+def _highs(
+    model: _Model,
+    cost: np.ndarray,
+    constraints: list[optimize.LinearConstraint],
+    q_upper: float,
+    time_limit_s: float,
+) -> _Run | None:
+    """Solve over the y columns and Q; None when HiGHS has no plan (infeasible or out of time)."""
+    integrality = np.ones(model.columns)
+    integrality[-1] = 0
+    upper = np.ones(model.columns)
+    upper[-1] = q_upper
+    res = optimize.milp(
+        cost,
+        integrality=integrality,
+        bounds=optimize.Bounds(0, upper),
+        constraints=[model.one_hot, *constraints],
+        options={"time_limit": time_limit_s, "mip_rel_gap": 0.0},
+    )
+    if res.x is None:
+        return None
+    choice = tuple(
+        int(np.argmax(res.x[start:stop])) for start, stop in itertools.pairwise(model.offsets)
+    )
+    optimal = res.status == 0
+    return _Run(choice, optimal, 0.0 if optimal else float(res.mip_gap))
+
+
+def _cheapest(
+    problem: BlockProblem, model: _Model, budget_bytes: int, deadline: float
+) -> tuple[_Run | None, list[tuple[int, ...]]]:
+    """Least recompute within the budget, exactly verified; None if HiGHS found no plan that fits
+    in time. Also returns the no-good cuts added on the way (plans HiGHS's tolerances let over)."""
+    room = (budget_bytes - problem.fixed_bytes - model.constant) / model.scale
+    fits = optimize.LinearConstraint(model.rows, -np.inf, room)
+    cuts: list[tuple[int, ...]] = []
+    while True:
+        run = _highs(
+            model,
+            model.cost,
+            [fits, *_no_good(model, cuts)],
+            q_upper=0.0,
+            time_limit_s=max(deadline - time.monotonic(), 0.0),
+        )
+        if run is None:
+            return None, cuts
+        if block_peak_bytes(problem, run.choice) <= budget_bytes:
+            return run, cuts
+        cuts.append(run.choice)
+
+
+def _lowest_peak(
+    model: _Model,
+    *,
+    time_limit_s: float = math.inf,
+    q_upper: float = math.inf,
+    extra: list[optimize.LinearConstraint] | None = None,
+) -> _Run | None:
+    """Minimise Q, the largest peak expression, optionally capped and with extra rows."""
+    q_column = csr_matrix(np.full((model.rows.shape[0], 1), -1.0))
+    below_q = optimize.LinearConstraint(
+        hstack([model.rows[:, :-1], q_column], format="csr"), -np.inf, -model.constant / model.scale
+    )
+    cost = np.zeros(model.columns)
+    cost[-1] = _COST_SCALE
+    return _highs(model, cost, [below_q, *(extra or [])], q_upper, time_limit_s)
+
+
+def _tie_break(
+    problem: BlockProblem,
+    model: _Model,
+    budget_bytes: int,
+    best: tuple[int, ...],
+    cuts: list[tuple[int, ...]],
+    deadline: float,
+) -> tuple[int, ...]:
+    """The lowest-peak plan among those recomputing no more than `best`, if one verifiably beats
+    `best` on (recompute, peak) within the budget; else `best`."""
+    no_costlier = optimize.LinearConstraint(
+        model.cost[None, :], -np.inf, float(model.cost[model.offsets[:-1] + np.array(best)].sum())
+    )
+    run = _lowest_peak(
+        model,
+        time_limit_s=max(deadline - time.monotonic(), 0.0),
+        q_upper=(budget_bytes - problem.fixed_bytes) / model.scale,
+        extra=[no_costlier, *_no_good(model, cuts)],
+    )
+    if run is None:
+        return best
+    peak = block_peak_bytes(problem, run.choice)
+    key = (block_recompute_seconds(problem, run.choice), peak)
+    if peak <= budget_bytes and key < (
+        block_recompute_seconds(problem, best),
+        block_peak_bytes(problem, best),
+    ):
+        return run.choice
+    return best
+
+
+# -- the public solvers -------------------------------------------------------------------------
+def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -> MilpResult:
+    """The plan with the least recompute whose peak fits `budget_bytes`, lowest peak among ties.
+
+    `time_limit_s` bounds the search (see the module docstring for what is returned when it runs
+    out). The returned `peak_bytes` is always exact and within the budget. Raises
+    `InfeasibleBudget`, with the smallest achievable peak as `min_feasible_bytes`, when no choice
+    fits.
+    """
+    deadline = time.monotonic() + time_limit_s
+    model = _model(problem)
+    run, cuts = _cheapest(problem, model, budget_bytes, deadline)
+    if run is None:
+        lowest = _lowest_peak_choice(model)
+        peak = block_peak_bytes(problem, lowest)
+        if peak > budget_bytes:
+            raise InfeasibleBudget(
+                f"no choice of options fits the budget of {format_bytes(budget_bytes)} "
+                f"({budget_bytes} bytes): the smallest achievable peak is {format_bytes(peak)} "
+                f"({peak} bytes)",
+                budget_bytes=budget_bytes,
+                min_feasible_bytes=peak,
+            )
+        return _result(
+            problem,
+            lowest,
+            "time_limit",
+            math.inf,
+            f"HiGHS found no plan within {time_limit_s:g} s; this lowest-peak plan fits but does "
+            "not minimise recompute (raise the time limit)",
+        )
+    choice = run.choice
+    if time.monotonic() < deadline:
+        choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
+    seconds = block_recompute_seconds(problem, choice)
+    if run.optimal:
+        why = (
+            f"the least recompute that fits, proved optimal by the MILP solver (HiGHS): "
+            f"{_time(seconds)} a step within"
+        )
+    else:
+        why = (
+            f"the MILP solver (HiGHS) stopped at its {time_limit_s:g} s time limit with "
+            f"{_time(seconds)} of recompute a step, at most {run.gap:.2%} above the least that fits"
+        )
+    return _result(
+        problem,
+        choice,
+        "optimal" if run.optimal else "time_limit",
+        run.gap,
+        f"{why} {format_bytes(budget_bytes)}",
+    )
+
+
+def _time(seconds: float) -> str:
+    """Seconds as a reader's figure: 0.000395 -> "0.395 ms"."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def min_peak(problem: BlockProblem) -> int:
+    """The smallest peak any choice achieves, in bytes (exact up to the tolerance in the module
+    docstring). Solved without a time limit: it is the easy program, one continuous objective."""
+    return block_peak_bytes(problem, _lowest_peak_choice(_model(problem)))
+
+
+def _lowest_peak_choice(model: _Model) -> tuple[int, ...]:
+    run = _lowest_peak(model)
+    assert run is not None, "without a time limit and with Q unbounded, HiGHS always has a plan"
+    return run.choice
+
+
+def _result(
+    problem: BlockProblem, choice: tuple[int, ...], status: str, gap: float, why: str
+) -> MilpResult:
+    names = tuple(block[k].name for block, k in zip(problem.options, choice, strict=True))
+    peak = block_peak_bytes(problem, choice)
+    counts = ", ".join(f"{count} {name}" for name, count in Counter(names).items())
+    return MilpResult(
+        choice=choice,
+        option_names=names,
+        peak_bytes=peak,
+        recompute_seconds=block_recompute_seconds(problem, choice),
+        status=status,
+        mip_gap=gap,
+        reason=f"{why}: {counts}",
+    )

@@ -1,0 +1,115 @@
+"""Selective-checkpointing policies: inside each checkpointed block, which ops' outputs to keep.
+
+A policy is a plain function `(graph, block_ops) -> set of op names to keep`, in the spirit of JAX's
+`dots_saveable`; everything not kept is recomputed in backward. Policies only ever keep outputs
+that autograd would save anyway, except the matmul-saving ones, which keep what their namesakes
+keep (torchtitan marks every mm output MUST_SAVE, needed or not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from remat.device.cost import is_matmul
+from remat.graph import Graph, Op
+
+Policy = Callable[[Graph, list[Op]], set[str]]
+
+_SOFTMAX = frozenset({"_softmax", "softmax", "_safe_softmax", "_log_softmax"})
+_MM = frozenset({"mm", "addmm"})
+
+
+def _saved_outputs(graph: Graph, ops: list[Op]) -> set[str]:
+    """Ops of the block whose output storage autograd saves (the only ones worth keeping)."""
+    saved = set(graph.saved_storages)
+    return {
+        op.name
+        for op in ops
+        if any(
+            graph.tensors[t].storage in saved
+            and graph.storages[graph.tensors[t].storage].allocated_at == op.index
+            for t in op.outputs
+        )
+    }
+
+
+def attention_core(graph: Graph, ops: list[Op]) -> set[str]:
+    """The attention core of a block (QK^T, scaling, masking, softmax, its dropout, the product with
+    V), found from each softmax back to the matmul that made the scores and forward to the matmul
+    that consumes the probabilities; a fused SDPA op is a core by itself."""
+    in_block = {op.index for op in ops}
+    producer = {t: graph.tensors[t].producer for op in ops for t in op.inputs}
+    consumers: dict[int, list[Op]] = {}
+    for op in ops:
+        for t in op.inputs:
+            consumers.setdefault(t, []).append(op)
+    core: set[str] = {op.name for op in ops if op.short.startswith("_scaled_dot_product")}
+    for op in ops:
+        if op.short not in _SOFTMAX:
+            continue
+        core.add(op.name)
+        stack = list(op.inputs)
+        while stack:  # back to the score matmul
+            p = producer.get(stack.pop())
+            if p is None or p not in in_block or graph.ops[p].name in core:
+                continue
+            core.add(graph.ops[p].name)
+            if not is_matmul(graph.ops[p]):
+                stack.extend(graph.ops[p].inputs)
+        frontier = list(op.outputs)
+        while frontier:  # forward to the product with V
+            for c in consumers.get(frontier.pop(), []):
+                if c.name in core:
+                    continue
+                core.add(c.name)
+                if not is_matmul(c):
+                    frontier.extend(c.outputs)
+    return core
+
+
+def megatron(graph: Graph, ops: list[Op]) -> set[str]:
+    """Korthikanti et al.: recompute the attention core, keep everything else autograd saves."""
+    return _saved_outputs(graph, ops) - attention_core(graph, ops)
+
+
+def save_matmuls(graph: Graph, ops: list[Op]) -> set[str]:
+    """Keep the outputs of matmul-class ops (mm, bmm, conv, SDPA); recompute the cheap rest."""
+    return {op.name for op in ops if is_matmul(op)}
+
+
+def torchtitan(graph: Graph, ops: list[Op]) -> set[str]:
+    """torchtitan's op-level policy: keep mm and SDPA outputs, but recompute every second mm."""
+    keep, mm_count = set(), 0
+    for op in ops:
+        if op.short in _MM:
+            mm_count += 1
+            if mm_count % 2 == 1:
+                keep.add(op.name)
+        elif op.short.startswith("_scaled_dot_product"):
+            keep.add(op.name)
+    return keep
+
+
+POLICIES: dict[str, Policy] = {
+    "megatron": megatron,
+    "save-matmuls": save_matmuls,
+    "torchtitan": torchtitan,
+}
+
+
+def without_mutated(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
+    """Selective checkpointing caches a kept op's output tensor and refuses it when the region
+    modifies it in place (a ResNet's `relu_` or `+=`), in-place outputs included: storages written
+    in place inside the region are recomputed, never kept."""
+    written = {
+        graph.tensors[t].storage
+        for op in ops
+        if op.short.endswith("_")
+        for t in op.outputs
+        if graph.tensors[t].storage in {graph.tensors[i].storage for i in op.inputs}
+    }
+    return {
+        op.name
+        for op in ops
+        if op.name in keep and not any(graph.tensors[t].storage in written for t in op.outputs)
+    }

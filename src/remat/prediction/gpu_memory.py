@@ -1,0 +1,412 @@
+"""What a GPU reports for a training step: requested, allocated and reserved bytes, and the rest.
+
+`remat.estimate` predicts live tensor bytes. A GPU user reads other numbers: torch's
+`max_memory_allocated` (live blocks after the caching allocator's rounding), `max_memory_reserved`
+(the segments it took from cudaMalloc, which torchtitan logs and which is what runs out), and
+nvidia-smi (reserved plus what sits outside the allocator: the CUDA context, NCCL's buffers). This
+module turns a step's lives into the allocation events a real loop makes, runs them through the
+caching allocator model (`remat.device.allocator`), and puts the fixed lines of `remat.device.gpus` beside them.
+
+The events of steady-state training, two steps of them (the first creates the optimizer state,
+which then sits where the first step's free blocks were, as on the GPU):
+
+- before the first step: parameters and buffers, one allocation each in the model's order;
+- each step: the inputs; every life of the step's simulation (`remat.prediction.schedule.storage_lives`, the
+  same lives `estimate` and every plan are judged on), allocated where it begins and freed after
+  it ends, with each op's kernel scratch (`remat.device.targets.scratch_bytes`) allocated and freed
+  around the op; at the first matmul, the BLAS workspaces (cuBLAS and cuBLASLt keep theirs in
+  the caching allocator for the life of the process);
+- the optimizer step after the backward (first step: its state, per parameter in order, as
+  `_init_group` creates it), its temporaries as its implementation allocates them
+  (`remat.prediction.estimate.OPTIMIZER_MEMORY`); then the gradients, outputs and inputs are freed
+  (`zero_grad(set_to_none=True)` and the loop dropping the batch).
+
+Pure Python on the graph: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from remat.device.allocator import Alloc, AllocatorSettings, Free, simulate
+from remat.device.gpus import (
+    BLAS_HANDLES,
+    Gpu,
+    allocator_limit_bytes,
+    blas_workspace_bytes,
+    fixed_memory,
+    get_gpu,
+)
+from remat.device.targets import scratch_bytes
+from remat.errors import RematError
+from remat.graph import Graph
+from remat.prediction.estimate import (
+    OPTIMIZER_MEMORY,
+    Optimizer,
+    dtype_bytes,
+    grad_blocks,
+    param_blocks,
+    param_dtypes,
+    resolve_optimizer,
+)
+from remat.prediction.schedule import Region, analyse_regions, build_schedule, storage_lives
+
+Event = Alloc | Free
+
+#: ops whose first call creates the BLAS handles' workspaces
+BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+
+
+#: The streams allocations are made on: the caching allocator never hands a block freed on one
+#: stream to a request on another, so FSDP's side streams keep segments of their own.
+COMPUTE_STREAM, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    """FSDP2 over `shard` ranks, `fully_shard` on each of `graph.blocks` and then on the model;
+    `master_scale` as `remat.prediction.estimate.shard_step` takes it (2: bf16 traced parameters over fp32
+    shards, reduce-scatter in fp32)."""
+
+    shard: int
+    master_scale: int = 1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def optimizer_events(
+    graph: Graph, optimizer: Optimizer, step: int, sizes: dict[int, int], create_state: bool
+) -> list[Event]:
+    """The optimizer step's allocations on the (sharded) parameters of `sizes` (storage id ->
+    bytes as the optimizer holds them): its state when `create_state` (kept: never freed), then
+    its temporaries, as its implementation makes them."""
+    name = resolve_optimizer(optimizer, graph)
+    if name is None:
+        return []
+    memory = OPTIMIZER_MEMORY[name]
+    dtypes = param_dtypes(graph)
+    params = sorted(sizes)
+    events: list[Event] = []
+    if create_state:
+        for sid in params:
+            traced = graph.storages[sid]
+            elements = (
+                traced.nbytes // dtype_bytes(dtypes[sid]) * sizes[sid] // max(traced.nbytes, 1)
+            )
+            state = [sizes[sid]] * memory.state_per_param_byte + [
+                elements
+            ] * memory.state_per_element
+            events += [Alloc(("state", sid, k), n) for k, n in enumerate(state) if n]
+    if memory.step_temp_per_param_byte:  # foreach: the whole list at once, then freed
+        events += [Alloc(("tmp", step, sid), sizes[sid]) for sid in params]
+        events += [Free(("tmp", step, sid)) for sid in params]
+    if memory.per_parameter:  # for-loop: sqrt, quotient; the previous denom freed on rebinding
+        previous = None
+        for sid in params:
+            events += [
+                Alloc(("sqrt", step, sid), sizes[sid]),
+                Alloc(("denom", step, sid), sizes[sid]),
+            ]
+            events.append(Free(("sqrt", step, sid)))
+            if previous is not None:
+                events.append(Free(("denom", step, previous)))
+            previous = sid
+        if previous is not None:
+            events.append(Free(("denom", step, previous)))
+    return events
+
+
+class _Positions:
+    """Per schedule position, the events to make before and after the op there."""
+
+    def __init__(self, total: int) -> None:
+        self.before: list[list[Event]] = [[] for _ in range(total + 1)]
+        self.after: list[list[Event]] = [[] for _ in range(total + 1)]
+
+
+def _fsdp_events(
+    graph: Graph, schedule: Any, fsdp: Fsdp, step: int, at: _Positions, grad_lives: dict[int, int]
+) -> tuple[list[Event], list[Event], dict[int, int]]:
+    """FSDP2's allocations around the step, per torch's `_fully_shard` (2.13): each unit's
+    all-gather output on the all-gather stream (freed after the next unit's copy-out in forward,
+    right after its own in backward), its unsharded parameters on the compute stream from its
+    pre-forward to its post-forward and again from its pre-backward (the next unit's all-gather
+    prefetched) to its post-backward; there its gradients are copied into the fp32 reduce-scatter
+    input (compute stream, kept until the next unit's reduce-scatter) and freed, and the
+    reduce-scatter output, the gradient shard, is allocated on the reduce-scatter stream and
+    kept until `zero_grad`. The root unit (parameters outside every block) is gathered from the
+    start of the forward to the end of the backward. Returns the events before the step, after
+    the backward, and each trainable parameter's shard bytes. Mutates `at` and ends the block
+    gradients' lives (`grad_lives`: life index -> storage) at their unit's post-backward."""
+    n, m = fsdp.shard, fsdp.master_scale
+    owner = param_blocks(graph)
+    units: dict[str, list[int]] = defaultdict(list)
+    for sid in sorted(owner):
+        units[owner[sid]].append(sid)
+    blocks = [b for b in graph.blocks if b.path in units]
+    unit_bytes = {u: sum(graph.storages[sid].nbytes for sid in sids) for u, sids in units.items()}
+    shard_bytes = {sid: _ceil_div(graph.storages[sid].nbytes * m, n) for sid in owner}
+    grad_owner = grad_blocks(graph)
+
+    def gather(unit: str, phase: str) -> list[Event]:
+        return [Alloc(("ag", step, phase, unit), unit_bytes[unit], ALL_GATHER_STREAM)]
+
+    def unsharded(unit: str, phase: str) -> list[Event]:
+        return [
+            Alloc(("unsharded", step, phase, sid), graph.storages[sid].nbytes)
+            for sid in units[unit]
+        ]
+
+    def reshard(unit: str, phase: str) -> list[Event]:
+        return [Free(("unsharded", step, phase, sid)) for sid in units[unit]]
+
+    # forward: unit k's copy-out frees unit k-1's all-gather output
+    before_step = gather("", "fwd") + unsharded("", "fwd")
+    previous = ""
+    for b in blocks:
+        first, last = schedule.position_of_op[b.first_op], schedule.position_of_op[b.last_op]
+        at.before[first] += gather(b.path, "fwd") + [Free(("ag", step, "fwd", previous))]
+        at.before[first] += unsharded(b.path, "fwd")
+        at.after[last] += reshard(b.path, "fwd")
+        previous = b.path
+    # backward: the span of each block's replays and backward ops
+    span: dict[str, list[int]] = {}
+    paths = [b.path for b in blocks]
+    for position, (kind, i) in enumerate(schedule.order):
+        op = graph.ops[i]
+        if kind == "op" and op.phase == "forward":
+            continue
+        unit = next((p for p in paths if op.module == p or op.module.startswith(p + ".")), None)
+        if unit is not None:
+            span.setdefault(unit, [position, position])[1] = position
+    backward_first = min((first for first, _ in span.values()), default=len(schedule.order) - 1)
+    at.before[backward_first].insert(0, Free(("ag", step, "fwd", previous)))
+    ordered = sorted(span, key=lambda u: span[u][0])
+    grad_frees: dict[str, list[Event]] = defaultdict(list)
+    for k, sid in grad_lives.items():  # gradients die in their unit's reduce-scatter copy-in
+        unit = grad_owner.get(sid, "")
+        grad_frees[unit if unit in span else ""].append(Free(("life", step, k)))
+    rs_held: list[str] = []
+
+    def reduce_scatter(unit: str) -> list[Event]:
+        """A unit's post-backward: the previous reduce-scatter input freed (one kept in flight),
+        the fp32 input on the compute stream, the gradients copied in and freed, the gradient
+        shard on the reduce-scatter stream."""
+        grads = sum(graph.storages[sid].nbytes for sid, u in grad_owner.items() if u == unit) * m
+        if not grads:
+            return grad_frees[unit]
+        events: list[Event] = [Free(("rs_in", step, u)) for u in rs_held]
+        rs_held[:] = [unit]
+        events.append(Alloc(("rs_in", step, unit), grads))
+        events += grad_frees[unit]
+        events.append(Alloc(("grad_shard", step, unit), _ceil_div(grads, n), REDUCE_SCATTER_STREAM))
+        return events
+
+    for k, unit in enumerate(ordered):
+        first, last = span[unit]
+        events = [] if k else gather(unit, "bwd")  # later units were prefetched
+        events += unsharded(unit, "bwd") + [Free(("ag", step, "bwd", unit))]
+        if k + 1 < len(ordered):
+            events += gather(ordered[k + 1], "bwd")
+        at.before[first] += events
+        at.after[last] += reduce_scatter(unit) + reshard(unit, "bwd")
+    after_backward = reduce_scatter("") + reshard("", "fwd")
+    after_backward += [Free(("rs_in", step, u)) for u in rs_held]
+    return before_step, after_backward, shard_bytes
+
+
+def step_events(
+    graph: Graph,
+    regions: Sequence[Region] = (),
+    optimizer: Optimizer = None,
+    blas_workspaces: Sequence[int] = (),
+    steps: int = 2,
+    fsdp: Fsdp | None = None,
+    keep_grads: bool = False,
+) -> list[Event]:
+    """The allocation events of `steps` training steps of `graph` with `regions` checkpointed,
+    on one rank of `fsdp` if given (see the module's docstring for what is allocated when).
+
+    `keep_grads`: the gradients outlive the step, as under gradient accumulation or
+    `zero_grad(set_to_none=False)` (torch < 2.0's default, and Hugging Face's Trainer then): the
+    first step's stay allocated, and a later step's backward makes each gradient as a temporary
+    that `AccumulateGrad` adds into the kept one and frees."""
+    analysis = analyse_regions(graph, regions)
+    schedule = build_schedule(graph, analysis)
+    _, lives, owners = storage_lives(graph, analysis, schedule)
+    total = len(schedule.order)
+    before = sorted(
+        (s for s in graph.storages.values() if s.allocated_at is None), key=lambda s: s.id
+    )
+    params = {s.id: s.nbytes for s in before if s.kind == "param"}
+    events: list[Event] = []
+    grad_lives = {
+        k: sid
+        for k, sid in enumerate(owners)
+        if sid is not None and graph.storages[sid].kind == "grad" and fsdp is not None
+    }
+    if keep_grads and fsdp is not None:
+        raise RematError("keep_grads with fsdp: FSDP's gradient accumulation is not modelled")
+    kept_grads = {
+        k
+        for k, sid in enumerate(owners)
+        if keep_grads and sid is not None and graph.storages[sid].kind == "grad"
+    }
+    workspaces_made = False
+    for step in range(steps):
+        at = _Positions(total)
+        ended_early: set[int] = set()
+        before_step: list[Event] = []
+        after_backward: list[Event] = []
+        sizes = params
+        if fsdp is not None:
+            before_step, after_backward, sizes = _fsdp_events(
+                graph, schedule, fsdp, step, at, grad_lives
+            )
+            ended_early = set(grad_lives)
+        if step == 0:  # the model as built: parameters (or their shards) and buffers
+            events += [Alloc(("persistent", sid), n) for sid, n in sizes.items() if n]
+            events += [
+                Alloc(("persistent", s.id), s.nbytes)
+                for s in before
+                if s.kind not in ("param", "input") and s.nbytes
+            ]
+        inputs = [s for s in before if s.kind == "input" and s.nbytes]
+        events += [Alloc(("input", step, s.id), s.nbytes) for s in inputs]
+        events += before_step
+        for k, (first, last, nbytes) in enumerate(lives):
+            if not nbytes:
+                continue
+            at.before[first].append(Alloc(("life", step, k), nbytes))
+            if k in kept_grads:  # the first step's gradient stays; later ones are added into it
+                if step > 0:
+                    at.after[first].append(Free(("life", step, k)))
+            elif k not in ended_early:
+                at.after[min(last, total)].append(Free(("life", step, k)))
+        for position, (_, i) in enumerate(schedule.order):
+            op = graph.ops[i]
+            if not workspaces_made and op.short in BLAS_OPS:
+                events += [Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces)]
+                workspaces_made = True
+            events += at.before[position]
+            scratch = scratch_bytes(graph, op)
+            if scratch:
+                events += [
+                    Alloc(("scratch", step, position), scratch),
+                    Free(("scratch", step, position)),
+                ]
+            events += at.after[position]
+        events += after_backward
+        events += optimizer_events(graph, optimizer, step, sizes, create_state=step == 0)
+        events += at.after[total]  # zero_grad(set_to_none), the outputs and loss dropped
+        if fsdp is not None:
+            events += [Free(("grad_shard", step, u)) for u in {"", *(b.path for b in graph.blocks)}]
+        events += [Free(("input", step, s.id)) for s in inputs]
+    return events
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """A step's memory as the GPU reports it, per rank, under one allocator setting.
+
+    `requested_bytes`: the peak of what live tensors asked for (`remat.estimate`'s peak plus the
+    BLAS workspaces); `allocated_bytes`: the peak of the blocks handed out, after rounding
+    (`torch.cuda.max_memory_allocated`); `reserved_bytes`: the peak of the segments taken from
+    cudaMalloc (`max_memory_reserved`). Outside the allocator: the CUDA context and NCCL's buffers;
+    `nvidia_smi_bytes` adds them to the reserved bytes. `out_of_memory`: the allocator could not
+    serve a request within `limit_bytes` even after freeing its cache."""
+
+    settings: str
+    requested_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    blas_workspace_bytes: int
+    context_bytes: int
+    nccl_bytes: int
+    limit_bytes: int
+    out_of_memory: bool
+    alloc_retries: int
+
+    @property
+    def nvidia_smi_bytes(self) -> int:
+        return self.reserved_bytes + self.context_bytes + self.nccl_bytes
+
+    @property
+    def live_bytes_that_fit(self) -> int:
+        """The live bytes a step may reach and still fit, by this judgement at one size: the
+        limit less the BLAS workspaces and the overhead (reserved less requested) shown here."""
+        overhead = max(self.reserved_bytes - self.requested_bytes, 0)
+        return self.limit_bytes - self.blas_workspace_bytes - overhead
+
+    @property
+    def fits(self) -> bool:
+        return not self.out_of_memory and self.reserved_bytes <= self.limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "nvidia_smi_bytes": self.nvidia_smi_bytes, "fits": self.fits}
+
+
+#: The allocator settings `gpu_memory` reports by default: torch's, and expandable segments.
+ALLOCATOR_SETTINGS = (AllocatorSettings(), AllocatorSettings(expandable_segments=True))
+
+
+def gpu_memory(
+    graph: Graph,
+    gpu: Gpu | str,
+    regions: Sequence[Region] = (),
+    optimizer: Optimizer = None,
+    fsdp: Fsdp | None = None,
+    settings: AllocatorSettings | None = None,
+    keep_grads: bool = False,
+) -> GpuMemory:
+    """The step of `graph` (with `regions` checkpointed, `optimizer`, and sharded by `fsdp` if
+    given) on one rank of `gpu`, as
+    the GPU reports it under the allocator `settings` (a `capacity` in them is replaced by the
+    GPU's allocator limit: its total memory less the context and NCCL's buffers; None: torch's
+    default settings). `keep_grads`: see `step_events`."""
+    ranks = 1 if fsdp is None else fsdp.shard
+    workspaces = blas_workspaces(gpu)
+    events = step_events(graph, regions, optimizer, workspaces, fsdp=fsdp, keep_grads=keep_grads)
+    return memory_of_events(events, gpu, ranks, settings)
+
+
+def blas_workspaces(gpu: Gpu | str) -> list[int]:
+    """The BLAS workspaces a process's first matmul makes on `gpu`, one per handle."""
+    return [blas_workspace_bytes(gpu)] * BLAS_HANDLES
+
+
+def memory_of_events(
+    events: Sequence[Event],
+    gpu: Gpu | str,
+    ranks: int = 1,
+    settings: AllocatorSettings | None = None,
+) -> GpuMemory:
+    """`events` (those of `blas_workspaces` among them) run through the caching allocator under
+    `settings` (None: torch's defaults) up to `gpu`'s allocator limit in a job of `ranks` ranks,
+    with the memory outside the allocator beside them."""
+    settings = ALLOCATOR_SETTINGS[0] if settings is None else settings
+    g = get_gpu(gpu)
+    fixed = fixed_memory(g, ranks)
+    limit = allocator_limit_bytes(g, ranks)
+    peaks = simulate(events, _with_capacity(settings, limit))
+    return GpuMemory(
+        settings=settings.describe(),
+        requested_bytes=peaks.requested_bytes,
+        allocated_bytes=peaks.allocated_bytes,
+        reserved_bytes=peaks.reserved_bytes,
+        blas_workspace_bytes=sum(blas_workspaces(g)),
+        context_bytes=fixed.context_bytes,
+        nccl_bytes=fixed.nccl_bytes,
+        limit_bytes=limit,
+        out_of_memory=peaks.out_of_memory,
+        alloc_retries=peaks.alloc_retries,
+    )
+
+
+def _with_capacity(settings: AllocatorSettings, limit: int) -> AllocatorSettings:
+    return replace(settings, capacity=limit)

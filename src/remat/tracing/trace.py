@@ -1,0 +1,1193 @@
+"""Run one training step under a recorder and turn it into a `Graph`.
+
+How the ground truth is taken, and why:
+- Every aten op is seen by a `TorchDispatchMode` stacked above `FakeTensorMode` (or real tensors when
+  `device="cpu"`), so forward *and* backward ops are recorded as autograd actually runs them.
+- Storage identity is the address of the C++ `StorageImpl` (`StorageWeakRef.cdata`): it works on
+  fake/meta tensors, where `data_ptr()` is 0. We keep a weak reference to every storage seen, so an
+  address cannot be reused by another storage during the trace, and `expired()` tells exactly when
+  the program dropped its last reference.
+- What autograd saves comes from `saved_tensors_hooks`: the pack hook keeps only a description of the
+  saved tensor (plus a copy of its data when tracing on real tensors), so the storage's recorded
+  lifetime is the program's own; the unpack hook rebuilds a stand-in that maps back to the original
+  storage, and `torch._C._current_autograd_node()` names the backward node that consumed it.
+- Backward ops are attributed to their autograd node, and a node to the forward op whose output
+  first carried it as `grad_fn`; that gives every backward op a module path and a stable name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.weak import WeakIdKeyDictionary
+
+from remat.device import emulate, kernel_scratch
+from remat.device.targets import CPU, Target, get_target
+from remat.errors import TraceError, warn
+from remat.graph import (
+    Graph,
+    ModuleCall,
+    Node,
+    Op,
+    Phase,
+    Saved,
+    Storage,
+    StorageKind,
+    Tensor,
+)
+from remat.tracing import hfcompat
+from remat.tracing.caches import CachesOff
+from remat.tracing.draws import Draws, ForcedDraws
+
+
+def _heads_as_query(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
+    """K/V shape with the query's head count: grouped-query attention costs as many FLOPs."""
+    return (kv.shape[0], q.shape[1], kv.shape[2], kv.shape[3])
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    """A grouped matmul (the experts of a mixture of experts) costs the matmuls of its groups,
+    2 x (rows of `a`, all groups) x K x N. Only 3d x 2d pairs each row with one group's N columns,
+    not all groups' (torch.utils.flop_counter has no formula)."""
+    groups_of_a = a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1
+    return 2 * a.numel() * b.shape[-1] // groups_of_a
+
+
+#: torch.utils.flop_counter has no formula for the CPU flash-attention kernels (counted with its own
+#: SDPA formulas, as it counts the CUDA flash kernels) nor for grouped matmuls.
+_EXTRA_FLOPS: dict[str, Callable[..., int]] = {
+    "_scaled_dot_product_flash_attention_for_cpu": lambda q, k, v, *a, **kw: sdpa_flop_count(
+        q.shape, _heads_as_query(q, k), _heads_as_query(q, v)
+    ),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": lambda g, q, k, v, *a, **kw: (
+        sdpa_backward_flop_count(g.shape, q.shape, _heads_as_query(q, k), _heads_as_query(q, v))
+    ),
+    "_grouped_mm": _grouped_mm_flops,
+}
+
+
+def _fake_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The output of `_grouped_mm` in each of its four layouts (2d x 2d splits K into groups)."""
+    if a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 2:
+        shape = (a.shape[0], b.shape[-1])
+    elif b.dim() == 2:
+        shape = (a.shape[1], b.shape[-1])
+    else:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    return a.new_empty(shape, dtype=out_dtype or a.dtype)
+
+
+#: Fake kernels for ops whose meta kernel keeps one CUDA kernel's restrictions that the CPU kernel
+#: (and CUDA's fallback) does not have, used outside the dtype torch's meta kernel accepts: meta
+#: `_grouped_mm` takes bf16 only (with 16-byte aligned rows); the CPU kernel fp32 too, and Hugging
+#: Face's experts call it in the parameters' dtype.
+_FAKE_KERNELS: dict[str, tuple[torch.dtype, Callable[..., torch.Tensor]]] = {
+    "_grouped_mm": (torch.bfloat16, _fake_grouped_mm),
+}
+
+
+_WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
+
+LOSS_SCOPE = "<loss>"
+BACKWARD_SCOPE = "<backward>"
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage (shared by its views), for real and fake tensors."""
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+_Frozen = TypeVar("_Frozen")
+
+
+def _freeze(record: Any, cls: type[_Frozen]) -> _Frozen:
+    """`cls` built from the fields of `record` it has: a record may also carry trace-only state."""
+    return cls(**{f.name: getattr(record, f.name) for f in fields(cls)})
+
+
+@dataclass(slots=True)
+class _OpRecord:
+    """An `Op` being traced: `node` is set once autograd attaches the op's grad_fn."""
+
+    index: int
+    name: str
+    target: str
+    module: str
+    phase: Phase
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    flops: int
+    node: int | None
+
+    def freeze(self) -> Op:
+        return _freeze(self, Op)
+
+
+@dataclass(slots=True)
+class _StorageRecord:
+    """A `Storage` being traced: `released_after` is set when the program drops it."""
+
+    id: int
+    nbytes: int
+    kind: StorageKind
+    allocated_at: int | None
+    released_after: int | None = None
+
+    def freeze(self) -> Storage:
+        return _freeze(self, Storage)
+
+
+@dataclass(slots=True)
+class _NodeRecord:
+    """A `Node` being traced, plus the parameter it accumulates the gradient of (AccumulateGrad)."""
+
+    id: int
+    name: str
+    forward_op: int | None
+    param: str | None
+    released_after: int | None = None
+
+    def freeze(self) -> Node:
+        return _freeze(self, Node)
+
+
+@dataclass(slots=True)
+class _CallRecord:
+    """A `ModuleCall` being traced: `open` until the module returns."""
+
+    path: str
+    type: str
+    first_op: int
+    last_op: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...] = ()
+    escaped: tuple[int, ...] = ()
+    open: bool = True
+
+    def freeze(self) -> ModuleCall:
+        return _freeze(self, ModuleCall)
+
+
+@dataclass
+class _SavedRecord:
+    """What the pack hook keeps instead of the tensor: enough to rebuild it in backward."""
+
+    storage: int
+    tensor: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    storage_numel: int
+    payload: torch.UntypedStorage | None
+    node: int | None = None
+
+    def freeze(self) -> Saved:
+        return _freeze(self, Saved)
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, *, real: bool, target: Target = CPU):
+        super().__init__()
+        self.real = real
+        self.target = target
+        self.paused = False
+        self.phase: Phase = "forward"
+        self.scopes: list[str] = [""]
+        self.ops: list[_OpRecord] = []
+        self.name_counts: dict[tuple[str, str], int] = defaultdict(int)
+        # storages: id -> mutable record; address -> id; weak refs keep addresses unique
+        self.storages: dict[int, _StorageRecord] = {}
+        self.storage_by_cdata: dict[int, int] = {}
+        self.weakrefs: dict[int, StorageWeakRef] = {}
+        self.live: dict[int, int] = {}  # storage id -> its weak reference's cdata
+        self.stand_in_refs: list[StorageWeakRef] = []
+        self.tensors: dict[int, Tensor] = {}
+        self.tensor_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.ids = itertools.count()
+        # autograd nodes
+        self.nodes: dict[int, _NodeRecord] = {}
+        self.node_objs: list[Any] = []
+        self.pending_grad_fn: list[tuple[int, torch.Tensor, Any]] = []
+        #: After an op writes a view in place, autograd replays the view to give it its new
+        #: grad_fn, through this mode on fake tensors (not on real ones): view ops on the written
+        #: view's base (or on their own replayed views) from the same Python call are that
+        #: replay, not the program's, and are not recorded. (base and replayed ids, call site)
+        self.view_replay: tuple[set[int], tuple[int, int]] | None = None
+        self.current_node: int | None = None
+        self.saved: dict[int, _SavedRecord] = {}
+        self.unpacked_by: dict[int, list[int]] = defaultdict(list)
+        self.modules: list[_CallRecord] = []
+        self.param_names: dict[int, str] = {}
+        #: op index -> its kernel's scratch, measured on this machine (`remat.device.kernel_scratch`)
+        self.kernel_scratch: dict[int, int] = {}
+        #: the innermost module whose call an exception left (its forward hook still runs)
+        self.failed_in: str | None = None
+        #: Collectives run on gloo (a CPU process group), which allocates beyond their outputs.
+        self.gloo = _process_group_backend() == "gloo" and not target.is_cuda
+        #: An op on DTensors is seen twice: first to run it again with this mode on the stack, then
+        #: (this flag set) to decline it to DTensor's own dispatch (`run_wrapper_op`).
+        self.declining_wrapper_op = False
+
+    # -- storages and tensors --------------------------------------------------------------------
+    def storage_id(
+        self, t: torch.Tensor, kind: StorageKind, allocated_at: int | None = None
+    ) -> int:
+        """The storage of `t` (of its local shard, for a DTensor), registered with `kind` if it
+        has not been seen."""
+        t = _shard(t)
+        cdata = storage_key(t)
+        sid = self.storage_by_cdata.get(cdata)
+        if sid is not None:
+            return sid
+        sid = next(self.ids)
+        self.storage_by_cdata[cdata] = sid
+        self.weakrefs[sid] = StorageWeakRef(t.untyped_storage())
+        self.storages[sid] = _StorageRecord(sid, storage_nbytes(t), kind, allocated_at)
+        if allocated_at is not None:
+            self.live[sid] = self.weakrefs[sid].cdata
+        return sid
+
+    def tensor_id(
+        self, t: torch.Tensor, kind: StorageKind = "constant", producer: int | None = None
+    ) -> int:
+        """The id of tensor object `t`; a new tensor record when `producer` is given (an op's output,
+        in-place results included) or when `t` was never seen (a pre-existing constant)."""
+        if producer is None and t in self.tensor_ids:
+            return self.tensor_ids[t]
+        sid = self.storage_id(t, kind, producer)
+        tid = next(self.ids)
+        self.tensors[tid] = Tensor(
+            id=tid,
+            storage=sid,
+            shape=tuple(int(d) for d in t.shape),
+            dtype=dtype_name(t.dtype),
+            nbytes=int(t.numel() * t.element_size()),
+            producer=producer,
+            stride=tuple(int(st) for st in t.stride()),
+        )
+        self.tensor_ids[t] = tid
+        return tid
+
+    # -- events ----------------------------------------------------------------------------------
+    def before_event(self) -> None:
+        """Runs before every op and hook: attribute the last op's grad_fn, notice a finished
+        backward node, and record the storages the program dropped since the last op."""
+        last = len(self.ops) - 1
+        self.resolve_grad_fns()
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            nid = None if node is None else self.node_id(node)
+            if nid != self.current_node:
+                self.finish_node()
+                self.current_node = nid
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its frame: hot
+        for sid in [s for s, cdata in self.live.items() if expired(cdata)]:
+            self.storages[sid].released_after = last
+            del self.live[sid]
+
+    def resolve_grad_fns(self) -> None:
+        """Attribute the last forward op's outputs' `grad_fn`. Autograd attaches it only after the
+        op returns (and after FakeTensor's own metadata queries), and an in-place op's output still
+        carries the previous op's node until then: outputs stay pending until their grad_fn differs
+        from the one seen inside the op, or until the next recorded op replaces them."""
+        unresolved = []
+        for index, t, before in self.pending_grad_fn:
+            grad_fn = self.read_grad_fn(t)
+            if grad_fn is None or grad_fn is before:
+                unresolved.append((index, t, before))
+            elif self.ops[index].node is None:
+                self.ops[index].node = self.node_id(grad_fn, forward_op=index)
+        self.pending_grad_fn = unresolved
+
+    def read_grad_fn(self, t: torch.Tensor) -> Any:
+        """`t.grad_fn`, with recording paused. Reading it on a view whose base was written in
+        place makes autograd replay the view (on fake tensors, through this mode) under the
+        view's lock; recording that replay would read the view's `grad_fn` again, a deadlock."""
+        paused, self.paused = self.paused, True
+        try:
+            return t.grad_fn
+        finally:
+            self.paused = paused
+
+    def node_id(self, node: Any, forward_op: int | None = None) -> int:
+        meta = node.metadata
+        if "remat.node" not in meta:
+            nid = next(self.ids)
+            meta["remat.node"] = nid
+            self.node_objs.append(node)
+            variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
+            self.nodes[nid] = _NodeRecord(
+                id=nid,
+                name=node.name(),
+                forward_op=forward_op,
+                param=None if variable is None else self.param_names.get(id(variable)),
+            )
+        return meta["remat.node"]
+
+    def finish_node(self) -> None:
+        """The current backward node is done: autograd releases what it saved."""
+        if self.current_node is None:
+            return
+        self.nodes[self.current_node].released_after = len(self.ops) - 1
+        for handle in self.unpacked_by.pop(self.current_node, []):
+            self.saved[handle].payload = None
+
+    def scope(self) -> tuple[str, str]:
+        """(module path, name prefix) of the op about to be recorded."""
+        if self.phase == "forward":
+            path = self.scopes[-1]
+            return path, path
+        node = self.nodes.get(self.current_node) if self.current_node is not None else None
+        if node is not None and node.param is not None:
+            param = node.param
+            return param.rpartition(".")[0], f"{param}:grad"
+        if node is None or node.forward_op is None:
+            return BACKWARD_SCOPE, BACKWARD_SCOPE
+        fwd = self.ops[node.forward_op]
+        return fwd.module, fwd.name + ":bwd"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if _is_wrapper_op(args, kwargs):
+            return self.run_wrapper_op(func, args, kwargs)
+        if func is _WAIT_TENSOR and not self.real:
+            # Waiting on a collective returns its result itself (the schema aliases it; the fake
+            # kernel would make a second tensor). Not recorded: a real run waits lazily, at the
+            # result's first use, so a plan must not name the wait.
+            return args[0]
+        call = sys._getframe().f_back  # None on autograd's device threads (no Python below)
+        call_site = None if call is None else (id(call), call.f_lasti)
+        if self.view_replay is not None:
+            bases, site = self.view_replay
+            if func.is_view and args and id(args[0]) in bases and call_site == site:
+                out = func(*args, **kwargs)
+                bases.add(id(out))
+                return out
+        self.before_event()
+        try:
+            out = self.run_op(func, args, kwargs)
+        except TraceError:
+            raise
+        except Exception as e:
+            if self.real:
+                raise  # the op failed on the real tensors: the user's own error, unchanged
+            module = self.scope()[0] or "<root>"
+            first_line = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+            if isinstance(e, _DATA_DEPENDENT):
+                why = (
+                    "has an output whose shape or value depends on tensor data, which fake tensors "
+                    "do not have"
+                )
+            elif isinstance(e, (UnsupportedOperatorException, NotImplementedError)):
+                why = "has no fake/meta implementation"
+            else:
+                why = "fails on fake/meta tensors: its meta kernel rejects these inputs"
+            error = TraceError(
+                f"op {func} in module '{module}' {why} ({type(e).__name__}: {first_line}). "
+                "Trace on real tensors at a size that fits in memory instead: "
+                "remat.trace(..., device='cpu') or remat.auto(..., trace_device='cpu') "
+                "(CLI: --trace-device cpu, with a smaller --batch/--seq).",
+                op=str(func),
+                module=module,
+                fake_tensor_failure=True,
+            )
+            raise error from e
+        self.record(func, args, kwargs, out, call_site)
+        return out
+
+    def run_wrapper_op(self, func, args: tuple, kwargs: dict) -> Any:
+        """An op on DTensors (tensor, sequence parallelism) is no rank's op: DTensor's dispatch
+        turns it into this rank's ops on its local shards, and the collectives a redistribution
+        needs (whose pending results are wrappers too). It is run again with this mode on the
+        stack, which declines it the second time (NotImplemented hands it to the subclass's
+        dispatch): what is recorded are the inner ops, at this rank's shapes and FLOPs.
+        Autograd's node for the op lands on the wrapper outputs; it is attributed to the op that
+        made their inner tensors."""
+        if self.declining_wrapper_op:
+            self.declining_wrapper_op = False
+            return NotImplemented
+        self.declining_wrapper_op = True
+        try:
+            with self:
+                out = func(*args, **kwargs)
+        finally:
+            self.declining_wrapper_op = False
+        if self.phase == "forward":
+            for t in pytree.tree_leaves(out):
+                tid = self.tensor_ids.get(_shard(t)) if isinstance(t, torch.Tensor) else None
+                producer = None if tid is None else self.tensors[tid].producer
+                if producer is not None and t is not _shard(t):
+                    self.pending_grad_fn.append((producer, t, self.read_grad_fn(t)))
+        return out
+
+    def run_op(self, func, args: tuple, kwargs: dict) -> Any:
+        packet = func._overloadpacket.__name__
+        target_kernel = None if self.real else emulate.fake_kernel(self.target, packet)
+        if target_kernel is not None:
+            return target_kernel(func, args, kwargs)
+        meta_dtype, fake_kernel = _FAKE_KERNELS.get(packet, (None, None))
+        if (
+            self.real
+            or fake_kernel is None
+            or all(
+                t.dtype == meta_dtype
+                for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            )
+        ):
+            return func(*args, **kwargs)
+        return fake_kernel(*args, **kwargs)
+
+    def record(self, func, args, kwargs, out, call_site: tuple[int, int] | None = None) -> None:
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        self.view_replay = None
+        index = len(self.ops)
+        arg_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = [self.tensor_id(t) for t in arg_tensors]
+        outputs = [self.tensor_id(t, "activation", producer=index) for t in outs]
+        module, prefix = self.scope()
+        short = func._overloadpacket.__name__
+        count = self.name_counts[(prefix, short)]
+        self.name_counts[(prefix, short)] += 1
+        sep = "." if prefix else ""
+        flop_fn = flop_registry.get(func._overloadpacket)
+        extra = _EXTRA_FLOPS.get(short)
+        if not self.target.is_cuda and short in kernel_scratch.MEASURED_ON_CPU:
+            measured = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, outs)
+            if measured is not None:
+                self.kernel_scratch[index] = measured
+        if self.gloo and func.namespace == "_c10d_functional":
+            scratch = kernel_scratch.gloo_collective_scratch_bytes(short, args, outs)
+            if scratch:
+                self.kernel_scratch[index] = scratch
+        self.ops.append(
+            _OpRecord(
+                index=index,
+                name=f"{prefix}{sep}{short}_{count}",
+                target=str(func),
+                module=module,
+                phase=self.phase,
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                flops=int(flop_fn(*args, **kwargs, out_val=out))
+                if flop_fn
+                else int(extra(*args, **kwargs))
+                if extra
+                else 0,
+                node=self.current_node if self.phase == "backward" else None,
+            )
+        )
+        if self.phase == "forward":
+            # A view written in place gets its grad_fn from autograd's replay of the view after
+            # the op returns: attribute the op through the base's (its CopySlices, the node that
+            # runs in backward), and do not record the replay.
+            arg_ids = {id(t) for t in arg_tensors}
+            written = {id(t) for t in outs if t._is_view() and id(t) in arg_ids}
+            if written and call_site is not None:
+                self.view_replay = ({id(t._base) for t in outs if id(t) in written}, call_site)
+            holders = [t._base if id(t) in written else t for t in outs]
+            self.pending_grad_fn = [(index, h, self.read_grad_fn(h)) for h in holders]
+
+    # -- saved tensor hooks ----------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        self.before_event()
+        self.paused = True
+        try:
+            # A DTensor (tensor parallelism) is described by its local shard, this rank's bytes,
+            # and rebuilt around the shard's stand-in in unpack, autograd wanting a DTensor back.
+            inner = _shard(t)
+            tid = self.tensor_id(inner)
+            sid = self.tensors[tid].storage
+            handle = next(self.ids)
+            persistent = self.storages[sid].kind not in ("activation", "grad")
+            self.saved[handle] = _SavedRecord(
+                storage=sid,
+                tensor=tid,
+                shape=tuple(inner.shape),
+                stride=tuple(inner.stride()),
+                offset=int(inner.storage_offset()),
+                dtype=inner.dtype,
+                device=inner.device,
+                storage_numel=storage_nbytes(inner) // inner.element_size(),
+                payload=inner.untyped_storage().clone() if self.real and not persistent else None,
+            )
+            return (handle, t, None) if persistent else (handle, None, _rewrapper(t))
+        finally:
+            self.paused = False
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        handle, direct, rewrap = packed
+        self.before_event()
+        self.paused = True
+        try:
+            rec = self.saved[handle]
+            if rec.node is None:
+                rec.node = self.current_node
+            if self.current_node is not None:
+                self.unpacked_by[self.current_node].append(handle)
+            if direct is not None:
+                return direct
+            base = torch.empty(rec.storage_numel, dtype=rec.dtype, device=rec.device)
+            if rec.payload is not None:
+                base.untyped_storage().copy_(rec.payload)
+            stand_in = base.as_strided(rec.shape, rec.stride, rec.offset)
+            cdata = storage_key(stand_in)
+            self.storage_by_cdata[cdata] = rec.storage
+            self.stand_in_refs.append(StorageWeakRef(stand_in.untyped_storage()))
+            self.tensor_ids[stand_in] = rec.tensor
+            return stand_in if rewrap is None else rewrap(stand_in)
+        finally:
+            self.paused = False
+
+    # -- modules ---------------------------------------------------------------------------------
+    def install_module_hooks(self, model: nn.Module) -> list[Any]:
+        handles = []
+        for path, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(self._enter(path), with_kwargs=True))
+            handles.append(
+                module.register_forward_hook(self._exit(path), with_kwargs=True, always_call=True)
+            )
+        return handles
+
+    def _tensor_ids(self, obj: Any) -> tuple[int, ...]:
+        self.paused = True
+        try:
+            return tuple(
+                self.tensor_id(t) for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)
+            )
+        finally:
+            self.paused = False
+
+    def _enter(self, path: str) -> Callable:
+        def hook(module, args, kwargs):
+            self.before_event()
+            self.scopes.append(path)
+            self.modules.append(
+                _CallRecord(
+                    path=path,
+                    type=type(module).__name__,
+                    first_op=len(self.ops),
+                    last_op=len(self.ops) - 1,
+                    inputs=self._tensor_ids((args, kwargs)),
+                )
+            )
+
+        return hook
+
+    def _exit(self, path: str) -> Callable:
+        def hook(module, args, kwargs, output):
+            if self.failed_in is None and sys.exc_info()[1] is not None:
+                self.failed_in = path
+            self.before_event()
+            call = next(m for m in reversed(self.modules) if m.path == path and m.open)
+            call.outputs = self._tensor_ids(output)
+            call.last_op = len(self.ops) - 1
+            call.open = False
+            call.escaped = self.escaped(call.first_op, call.last_op, call.outputs)
+            if self.scopes[-1] == path:
+                self.scopes.pop()
+
+        return hook
+
+    def escaped(self, first_op: int, last_op: int, outputs: tuple[int, ...]) -> tuple[int, ...]:
+        """The ops of a module call that just returned whose storages are still alive although no
+        output reaches them: something outside the call (a cache, an attribute) holds them. Saves
+        are not holders here: the pack hook keeps a description, not the tensor. Nor is autocast's
+        cache of its low-precision copies of the parameters (a `_to_copy` of a parameter), which
+        lives until the autocast region ends and which a recomputation makes afresh."""
+        reached = {self.tensors[t].storage for t in outputs}
+        reached |= {self.storage_by_cdata.get(storage_key(t)) for _, t, _ in self.pending_grad_fn}
+        return tuple(
+            sorted(
+                {
+                    self.storages[sid].allocated_at
+                    for sid in self.live
+                    if first_op <= self.storages[sid].allocated_at <= last_op
+                    and sid not in reached
+                    and not self.autocast_weight_copy(self.storages[sid].allocated_at)
+                }
+            )
+        )
+
+    def autocast_weight_copy(self, op_index: int) -> bool:
+        op = self.ops[op_index]
+        return op.target == "aten._to_copy.default" and all(
+            self.storages[self.tensors[t].storage].kind == "param" for t in op.inputs
+        )
+
+    # -- result ----------------------------------------------------------------------------------
+    def graph(self, info: dict[str, Any]) -> Graph:
+        return Graph(
+            ops=[op.freeze() for op in self.ops],
+            tensors=self.tensors,
+            storages={sid: s.freeze() for sid, s in self.storages.items()},
+            saved=[r.freeze() for r in self.saved.values()],
+            nodes={nid: n.freeze() for nid, n in self.nodes.items()},
+            modules=[m.freeze() for m in self.modules],
+            info=info,
+        )
+
+
+@contextlib.contextmanager
+def _unrecorded_sharding_propagation(tracer: _Tracer) -> Iterator[None]:
+    """DTensor infers an op's output shapes by running it on fake tensors at global shapes, once
+    per op and shapes (cached): no rank runs those, so the tracer pauses through them."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # torch built without distributed: no DTensor to trace
+        yield
+        return
+    infer = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def paused(self: Any, op_schema: Any) -> Any:
+        was, tracer.paused = tracer.paused, True
+        try:
+            return infer(self, op_schema)
+        finally:
+            tracer.paused = was
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = paused
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = infer
+
+
+@contextlib.contextmanager
+def _no_op_module_casts() -> Iterator[None]:
+    """Within a fake trace, `module.to(...)` to the dtype and device its tensors already have
+    returns the module, as on real tensors. Some routers cast themselves in every forward
+    (`self.classifier = self.classifier.to(self.dtype)`); on fake tensors torch swaps each
+    parameter for its "converted" self, which fails while the trace holds it."""
+    original = nn.Module.to
+
+    def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        same_device = device is None or all(
+            t.device.type == torch.device(device).type for t in tensors
+        )
+        same_dtype = dtype is None or all(
+            t.dtype == dtype for t in tensors if t.is_floating_point() or t.is_complex()
+        )
+        if same_device and same_dtype and memory_format is None:
+            return module
+        return original(module, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _fake_step_failure(tracer: _Tracer, error: Exception) -> TraceError:
+    """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
+    Python check on a tensor): a TraceError naming the module, the last op traced before it and
+    the line of the model's code that raised, so that `auto` can trace on real tensors."""
+    module = tracer.failed_in if tracer.failed_in is not None else tracer.scopes[-1]
+    module = module or "<root>"
+    last_op = tracer.ops[-1].target if tracer.ops else None
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if not _is_library_file(f.filename)]
+    where = ""
+    if own:
+        frame = own[-1]
+        where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+    first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+    after = f"after op {last_op}" if last_op else "before its first op"
+    return TraceError(
+        f"the step fails on fake tensors in module '{module}'{where}, {after} "
+        f"({type(error).__name__}: {first_line}). Trace on real tensors at a size that fits in "
+        "memory instead: remat.trace(..., device='cpu') or remat.auto(..., trace_device='cpu') "
+        "(CLI: --trace-device cpu, with a smaller --batch/--seq).",
+        op=last_op,
+        module=module,
+        fake_tensor_failure=True,
+    )
+
+
+def _is_library_file(filename: str) -> bool:
+    """torch's and remat's own files: not where a model's failing line is."""
+    return filename.startswith(_LIBRARY_DIRS)
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The model's own loss when it returns one (a 0-dim float tensor that requires grad, as the
+    presets given labels and Hugging Face models given `labels` do: the step then is the trainer's
+    step, cross-entropy and all); otherwise the sum of every floating-point output that requires
+    grad: a loss whose gradient reaches every output, so the backward is the model's whole backward."""
+    if is_own_loss(output):
+        return output
+    leaves = [
+        t
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not leaves:
+        raise TraceError(
+            "no output of the model requires grad, so there is no backward to trace: the model has "
+            "no trainable parameter reaching its outputs (check requires_grad, or that forward does "
+            "not run under torch.no_grad()), and no input requires grad."
+        )
+    total = leaves[0].sum()
+    for t in leaves[1:]:
+        total = total + t.sum()
+    return total
+
+
+def is_own_loss(output: Any) -> bool:
+    """Whether the model returned its loss: one 0-dim floating-point tensor that requires grad."""
+    return (
+        isinstance(output, torch.Tensor)
+        and output.dim() == 0
+        and output.is_floating_point()
+        and output.requires_grad
+    )
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank holds: the one tensor inside a wrapper subclass that
+    holds one (a DTensor's local shard, a pending collective's result), else `t` itself."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = [getattr(t, a) for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
+        if len(inner) == 1:
+            return _shard(inner[0])
+    return t
+
+
+#: Tensor types that wrap nothing: the common case, decided without a lookup (every op asks).
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
+
+
+def _is_wrapper(t: Any) -> bool:
+    return type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor) and _shard(t) is not t
+
+
+def _is_wrapper_op(args: tuple, kwargs: dict) -> bool:
+    """Whether an op takes a wrapper tensor (a DTensor): an aten op's tensors are its arguments
+    or the items of a list argument."""
+    for a in (*args, *kwargs.values()):
+        if any(_is_wrapper(t) for t in a) if type(a) in (list, tuple) else _is_wrapper(a):
+            return True
+    return False
+
+
+def _process_group_backend() -> str | None:
+    """The default process group's backend ("gloo", "nccl", "fake"), None without one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return str(dist.get_backend())
+
+
+def _rewrapper(t: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a wrapper subclass around one tensor (`_shard`), a function that rebuilds `t`'s wrapper
+    around another inner tensor, holding none of `t`'s tensors; None for a plain tensor."""
+    if _shard(t) is t:
+        return None
+    attrs, context = t.__tensor_flatten__()
+    (name,) = [a for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
+    others = {a: getattr(t, a) for a in attrs if a != name}
+    inner = _rewrapper(getattr(t, name))
+    cls, size, stride = type(t), t.size(), t.stride()
+
+    def rewrap(stand_in: torch.Tensor) -> torch.Tensor:
+        held = stand_in if inner is None else inner(stand_in)
+        return cls.__tensor_unflatten__({**others, name: held}, context, size, stride)
+
+    return rewrap
+
+
+def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A fake tensor of `t`'s layout; meta tensors become fake CPU tensors so that factory calls in
+    forward (which default to CPU) and traced tensors live on one device. A DTensor (tensor or
+    sequence parallelism, `parallelize_module`) stays a DTensor on its mesh, over a fake local
+    shard: the trace then records this rank's local ops and its collectives."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = _fake_like(t.to_local(), False)
+        shard = DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+        return shard.requires_grad_(requires_grad)
+    device = "cpu" if t.device.type == "meta" else t.device
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    return out.requires_grad_(requires_grad)
+
+
+def trace(
+    fn: nn.Module | Callable[..., Any],
+    *args: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: str = "meta",
+    autocast: torch.dtype | None = None,
+    target: Target | str | None = None,
+    **kwargs: Any,
+) -> Graph:
+    """Trace one training step of `fn(*args, **kwargs)`: forward, `loss_fn(output)` (default: the sum
+    of the outputs), backward. `device="meta"` (default) runs on fake tensors and allocates nothing
+    of the model's size; `device="cpu"` (or "cuda") runs on the real tensors, which must be there.
+
+    `autocast=torch.bfloat16` runs the forward and the loss under `torch.autocast` (mixed
+    precision: fp32 parameters, bf16 compute, as `bf16-mixed` training does).
+
+    `target`: the device the step is predicted for (`remat.device.targets`): "cpu" (default: the CPU's
+    kernels and autocast lists, exact on this machine), "cuda" (an sm90 GPU), "cuda:sm80" or a
+    `Target`: a fake trace then runs the CUDA kernels' choices (fused dropout and RMSNorm, fp32
+    normalisation statistics, the SDPA backend of that GPU, CUDA autocast's op lists) and its
+    graph's scratch is priced with CUDA's kernels (`graph.info["target"]`)."""
+    real = device != "meta"
+    target = get_target(target)
+    if target.is_cuda and real:
+        raise TraceError(
+            f"target {target.describe()!r} is traced on fake tensors (device='meta'): the CUDA "
+            f"kernels' choices are emulated on fake CPU tensors, not run on real {device} ones"
+        )
+    module = fn if isinstance(fn, nn.Module) else None
+    inputs_need_grad = any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+    )
+    if (
+        module is not None
+        and not inputs_need_grad
+        and not any(p.requires_grad for p in module.parameters())
+    ):
+        raise TraceError(
+            f"model {type(module).__name__} has no trainable parameter and no input requires "
+            "grad: there is nothing to train. Set requires_grad=True on the parameters to train."
+        )
+    params = dict(module.named_parameters()) if module is not None else {}
+    buffers = dict(module.named_buffers()) if module is not None else {}
+    if real:
+        metas = [n for n, t in {**params, **buffers}.items() if t.device.type == "meta"] + [
+            "input"
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type == "meta"
+        ]
+        if metas:
+            raise TraceError(
+                f"trace(device='{device}') needs real tensors, but {metas[0]!r} is on the meta "
+                "device. Build the model with device='cpu' (remat.models.build(..., device='cpu')), "
+                "or trace with device='meta'."
+            )
+
+    bare = contextlib.nullcontext()
+    if module is not None and not real:
+        from remat.layouts.parallel import fsdp_sharded_as_bare, is_fsdp_sharded
+
+        if is_fsdp_sharded(module):  # FSDP's hooks on fake tensors would corrupt its buffers
+            bare = fsdp_sharded_as_bare(module)
+    with bare:
+        return _trace_draws(fn, module, args, kwargs, loss_fn, device, autocast, target)
+
+
+def _trace_draws(
+    fn: nn.Module | Callable[..., Any],
+    module: nn.Module | None,
+    args: tuple,
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: str,
+    autocast: torch.dtype | None,
+    target: Target,
+) -> Graph:
+    """The step traced with random draws at their low extreme; where a draw reached Python
+    (LayerDrop) at the high one too, and planned for the longer step (`remat.tracing.draws`)."""
+    traced: dict[str, Graph | TraceError] = {}
+    for draws in ("low", "high"):
+        try:
+            traced[draws] = _trace_once(
+                fn, module, args, kwargs, loss_fn, device, autocast, target, draws
+            )
+        except TraceError as err:
+            if not err.random_reads:
+                raise  # not about random draws
+            traced[draws] = err  # e.g. every layer skipped: nothing left to train
+        first = traced["low"]
+        reads = first.random_reads if isinstance(first, TraceError) else first.info["random_reads"]
+        if not reads:
+            return first  # type: ignore[return-value]
+    low, high = (g if isinstance(g, Graph) else None for g in traced.values())
+    if low is None and high is None:
+        raise traced["low"]  # type: ignore[misc]
+    if (
+        low is not None
+        and high is not None
+        and [o.name for o in low.ops] == [o.name for o in high.ops]
+    ):
+        return low  # draws that decide nothing (LayerDrop at 0)
+    graph = max(
+        (g for g in (low, high) if g is not None),
+        key=lambda g: (len(g.forward_ops), g.activation_bytes),
+    )
+    counts = {k: len(g.forward_ops) if isinstance(g, Graph) else 0 for k, g in traced.items()}
+    where, what = reads[0]
+    warn(
+        f"remat: the step's ops depend on random draws ({what} in module '{where or '<root>'}', "
+        f"{len(reads)} draw(s): LayerDrop or random depth); traced at both extremes of the draws "
+        f"({counts['low']} and {counts['high']} forward ops) and planned for the longer step, so "
+        "the plan holds for every draw; regions hold one block each (a run of blocks cannot "
+        "skip one)"
+    )
+    graph.info["random_control"] = {
+        "draws": "low" if graph is low else "high",
+        "forward_ops": counts,
+    }
+    return graph
+
+
+def _trace_once(
+    fn: nn.Module | Callable[..., Any],
+    module: nn.Module | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: str,
+    autocast: torch.dtype | None,
+    target: Target,
+    draws: Draws,
+) -> Graph:
+    """One trace of the step, reads of random draws answered with their `draws` extreme."""
+    real = device != "meta"
+    params = dict(module.named_parameters()) if module is not None else {}
+    buffers = dict(module.named_buffers()) if module is not None else {}
+    tracer = _Tracer(real=real, target=target)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if not real else None
+    # A real trace runs dropout & co. for real: restore the caller's CPU (and CUDA) random streams.
+    rng = contextlib.nullcontext()
+    if real:
+        on_cuda = [
+            t.device
+            for t in [*params.values(), *buffers.values(), *pytree.tree_leaves((args, kwargs))]
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+        ]
+        cuda_devices = sorted(
+            {d.index if d.index is not None else torch.cuda.current_device() for d in on_cuda}
+        )
+        rng = torch.random.fork_rng(devices=cuda_devices)
+    as_real = hfcompat.as_real_run(kwargs) if not real else contextlib.nullcontext()
+    casts = _no_op_module_casts() if not real else contextlib.nullcontext()
+    dispatch = emulate.installed(target, autocast, "cuda" if device.startswith("cuda") else "cpu")
+    with (
+        rng,
+        as_real,
+        casts,
+        dispatch as target_dispatch,
+        fake_mode if fake_mode is not None else contextlib.nullcontext(),
+    ):
+        if real:
+            leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+            state = {**leaves, **{n: b.clone() for n, b in buffers.items()}}
+            call_args, call_kwargs = args, kwargs
+        else:
+            leaves = {n: _fake_like(p, p.requires_grad) for n, p in params.items()}
+            state = {**leaves, **{n: _fake_like(b, False) for n, b in buffers.items()}}
+            call_args, call_kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: _fake_like(t, t.requires_grad), (args, kwargs)
+            )
+        for n, t in state.items():
+            tracer.tensor_id(t, "param" if n in params else "buffer")
+        tracer.param_names = {id(t): n for n, t in leaves.items()}
+        for t in pytree.tree_leaves((call_args, call_kwargs)):
+            if isinstance(t, torch.Tensor):
+                tracer.tensor_id(t, "input")
+        hook_handles = tracer.install_module_hooks(module) if module is not None else []
+        caches_off = CachesOff(module) if module is not None else None
+        try:
+            forced = ForcedDraws(draws, scope=lambda: tracer.scopes[-1])
+            with (
+                tracer,
+                _unrecorded_sharding_propagation(tracer),
+                forced,
+                torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack),
+            ):
+                with target_dispatch.autocast():
+                    if module is not None:
+                        output = torch.func.functional_call(
+                            module, state, tuple(call_args), call_kwargs, strict=False
+                        )
+                    else:
+                        output = fn(*call_args, **call_kwargs)
+                    tracer.before_event()
+                    tracer.scopes.append(LOSS_SCOPE)
+                    loss = loss_fn(output) if loss_fn is not None else default_loss(output)
+                    own_loss = "model" if is_own_loss(output) else "sum"
+                    tracer.scopes.pop()
+                # the last forward op's outputs are attributed now; holding them longer would keep
+                # alive what the program dropped (cross-entropy's total_weight, say)
+                tracer.resolve_grad_fns()
+                tracer.pending_grad_fn = []
+                tracer.before_event()
+                tracer.phase = "backward"
+                loss.backward()
+                tracer.before_event()
+                tracer.finish_node()
+                tracer.current_node = None
+        except TraceError as err:
+            err.random_reads = forced.reads
+            raise
+        except Exception as e:
+            if real:
+                raise  # the step failed on the real tensors: the user's own error, unchanged
+            error = _fake_step_failure(tracer, e)
+            error.random_reads = forced.reads
+            raise error from e
+        finally:
+            for h in hook_handles:
+                h.remove()
+            if caches_off is not None:
+                caches_off.remove()
+        grad_leaves = list(leaves.values()) + [
+            t
+            for t in pytree.tree_leaves((call_args, call_kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        for leaf in grad_leaves:
+            if leaf.grad is not None:
+                tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
+        # what a pipeline stage sends on (its output) and back (its inputs' gradients)
+        output_storages = sorted(
+            {
+                tracer.storage_by_cdata[key]
+                for t in pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor)
+                and (key := storage_key(_shard(t))) in tracer.storage_by_cdata
+            }
+        )
+        input_grad_storages = sorted(
+            {
+                tracer.storage_id(t.grad, "grad")
+                for t in pytree.tree_leaves((call_args, call_kwargs))
+                if isinstance(t, torch.Tensor) and t.grad is not None
+            }
+        )
+        info = {
+            "trace_device": device,
+            "param_count": sum(_shard(p).numel() for p in params.values()),
+            "trainable_param_bytes": sum(
+                tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
+                for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
+            ),
+            "loss": "custom" if loss_fn is not None else own_loss,
+            "autocast": None if autocast is None else dtype_name(autocast),
+            "target": target.name,
+            "target_detail": target.describe(),
+            "random_reads": forced.reads,
+            "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
+            "output_storages": output_storages,
+            "input_grad_storages": input_grad_storages,
+        }
+        graph = tracer.graph(info)
+        del output, loss
+    return graph
+
+
+def fits_in_memory_for_real_trace(
+    module: nn.Module | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, str]:
+    """Whether tracing this step on the real CPU tensors (`trace(..., device="cpu")`) is safe: every
+    parameter, buffer and input tensor is real and on the CPU, and a rough bound of the step
+    (4 x parameter and buffer bytes for weights, gradients and saved activations of their size,
+    plus 8 x input bytes) is under half of the memory available now. Returns (verdict, reason);
+    the reason reads after "tracing on real CPU tensors instead: ..." or says why not."""
+    import os
+
+    from torch._subclasses.fake_tensor import is_fake
+
+    named: list[tuple[str, torch.Tensor]] = []
+    if isinstance(module, nn.Module):
+        named += list(module.named_parameters()) + list(module.named_buffers())
+    state_names = len(named)
+    named += [
+        ("input", t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    ]
+    for i, (name, t) in enumerate(named):
+        what = f"parameter/buffer '{name}'" if i < state_names else "an input tensor"
+        if t.device.type == "meta" or is_fake(t):
+            return False, f"{what} is on the meta device (or fake), not real"
+        if t.device.type != "cpu":
+            return False, f"{what} is on {t.device}, not on the CPU"
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    state_bytes = sum(nbytes(t) for _, t in named[:state_names])
+    input_bytes = sum(nbytes(t) for _, t in named[state_names:])
+    need = 4 * state_bytes + 8 * input_bytes
+
+    available, source = None, "MemAvailable"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if available is None:
+        source = "physical memory"
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):
+            return False, "cannot tell how much memory is available"
+
+    mib = 2**20
+    sizes = (
+        f"the step needs about {need / mib:.1f} MiB (4 x {state_bytes / mib:.1f} MiB of parameters "
+        f"and buffers + 8 x {input_bytes / mib:.1f} MiB of inputs), "
+    )
+    if need < available // 2:
+        return True, sizes + f"under half of the {available / mib:.0f} MiB {source}"
+    return False, sizes + f"not under half of the {available / mib:.0f} MiB {source}"
