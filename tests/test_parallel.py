@@ -158,7 +158,7 @@ def test_a_fully_sharded_model_is_planned_as_the_bare_model_and_trains_as_withou
 
     from torch.distributed.fsdp import fully_shard
 
-    from remat.layouts.parallel import is_fsdp_sharded
+    from remat.tracing.fsdp import is_fsdp_sharded
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -7,10 +7,11 @@ apply -> `measure` (the independent ground truth) -> report. Each stage is a fol
 import sys
 
 from remat import _moved
+from remat._version import __version__ as __version__
+from remat.applying.auto import auto
 from remat.applying.eager import (
     Verification,
     apply,
-    auto,
     checkpointed_elsewhere,
     installed_plan,
     remove,
@@ -80,7 +81,6 @@ __all__ = [
     "trace",
     "verify",
 ]
-__version__ = "0.4.0"
 
 
 def __getattr__(name: str):

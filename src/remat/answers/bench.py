@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from remat import Planner
 from remat.applying.eager import apply, remove
 from remat.errors import InfeasibleBudget, RematError
 from remat.measuring.measure import measure, time_steps
 from remat.planning import strategies
+from remat.planning.planner import Planner
 from remat.planning.plans import DEFAULT_BUDGET, Plan
 from remat.tracing.trace import default_loss
 from remat.units import format_bytes

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from remat import __version__
+from remat._version import __version__
 from remat.answers.bench import ROUNDS
 from remat.errors import InfeasibleBudget, RematError, exit_code
 from remat.prediction.estimate import OPTIMIZERS
@@ -179,7 +179,8 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 def _trace_model(args: argparse.Namespace, console: Console):
     """Build the model named by the arguments and trace one training step of it: (graph, trace
     seconds, (model, inputs))."""
-    from remat import models, trace
+    from remat import models
+    from remat.tracing.trace import trace
 
     if args.model == "list":
         console.print("presets: " + ", ".join(models.preset_names()))

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from remat import __version__
+from remat._version import __version__
 from remat.errors import InfeasibleBudget
 from remat.planning.planner import Comparison, Planner
 from remat.planning.plans import Plan

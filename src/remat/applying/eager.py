@@ -24,8 +24,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.errors import RematError, TraceError, log, warn
-from remat.planning.plans import DEFAULT_BUDGET, Plan
+from remat.errors import RematError, warn
+from remat.planning.plans import Plan
 from remat.prediction.schedule import OpKey
 from remat.tracing.caches import CachesOff
 from remat.units import format_bytes
@@ -242,7 +242,7 @@ def checkpointed_elsewhere(model: nn.Module) -> list[str]:
     return found
 
 
-def _refuse_double_checkpointing(model: nn.Module) -> None:
+def refuse_double_checkpointing(model: nn.Module) -> None:
     found = checkpointed_elsewhere(model)
     if found:
         shown = ", ".join(repr(p) for p in found[:3]) + (
@@ -262,7 +262,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     for, any model of the same architecture. The model then trains with caching off. Refused for
     a model another tool already checkpoints (`checkpointed_elsewhere`)."""
     remove(model)
-    _refuse_double_checkpointing(model)
+    refuse_double_checkpointing(model)
     named = dict(model.named_modules())
     for region in plan.regions:
         missing = [p for p in region.modules if p not in named]
@@ -438,105 +438,3 @@ def _measure_longest_draws(model: nn.Module, inputs: tuple, kwargs: dict[str, An
     if low is None:
         return high
     return max(low, high, key=lambda m: (m.held_bytes, m.peak_bytes))
-
-
-def auto(
-    model: nn.Module,
-    *example_inputs: Any,
-    budget: int | str = DEFAULT_BUDGET,
-    strategy: str = "auto",
-    profile: str = "cpu",
-    optimizer: str | None = None,
-    trace_device: str | None = None,
-    tune: bool = False,
-    **kwargs: Any,
-) -> Plan:
-    """Trace one step of `model(*example_inputs, **kwargs)`, plan under `budget` and apply the
-    plan in place: the one line to add to a training script. Returns the plan.
-
-    `tune=True`: where the cost model and the machine disagree, the machine wins: the best few
-    plans that fit are timed on the model for a few steps and the fastest is applied
-    (`remat.applying.tune`; cached per model, shapes, budget and device, for the process and on disk under
-    `$REMAT_CACHE_DIR`, `~/.cache/remat` by default). The inputs must then be real tensors on the
-    model's device.
-
-    The step is traced on fake tensors (`trace_device=None` or "meta"); when an op cannot run on
-    them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
-    experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
-    tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start.
-    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200).
-    On a model that already has a plan, the new plan replaces it, made as for the bare model."""
-    from remat.planning.planner import plan
-    from remat.tracing.trace import trace
-
-    # Plan the bare model: a plan already installed would be traced as part of the step. Should
-    # tracing or planning fail, the model keeps the plan it had.
-    previous = vars(model).get(_APPLIED)
-    remove(model)
-    _refuse_double_checkpointing(model)  # before a trace that would run their checkpointing
-    try:
-        if trace_device in (None, "meta"):
-            try:
-                graph = trace(model, *example_inputs, device="meta", **kwargs)
-            except TraceError as err:
-                if trace_device is not None or not err.fake_tensor_failure:
-                    raise
-                from remat.tracing.trace import fits_in_memory_for_real_trace
-
-                fits, why = fits_in_memory_for_real_trace(model, example_inputs, kwargs)
-                if not fits:
-                    raise
-                warn(
-                    f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})"
-                )
-                graph = trace(model, *example_inputs, device="cpu", **kwargs)
-        else:
-            graph = trace(model, *example_inputs, device=trace_device, **kwargs)
-        if tune and strategy != "auto":
-            raise RematError(
-                f"tune=True times the plans of every strategy that fit and keeps the fastest: "
-                f"it replaces strategy={strategy!r}; leave strategy at 'auto'"
-            )
-        if tune:
-            from remat.applying.tune import tune as fastest
-            from remat.applying.tune import with_measured_overheads
-            from remat.device.cost import get_profile
-            from remat.planning.planner import Planner
-
-            device = next(iter(model.parameters())).device
-            measured = with_measured_overheads(get_profile(profile), device)
-            planner = Planner(graph, measured, optimizer)
-            tuning = fastest(
-                model,
-                *example_inputs,
-                planner=planner,
-                budget_bytes=planner.budget_bytes(budget),
-                **kwargs,
-            )
-            if tuning.cached and tuning.cache_file is not None:
-                log.info(
-                    "remat: the tuned plan kept in %s (delete it to time the plans again)",
-                    tuning.cache_file,
-                )
-            chosen = tuning.chosen
-        else:
-            chosen = plan(
-                graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer
-            )
-    except BaseException:
-        if previous is not None:
-            apply(model, previous.plan)
-        raise
-    apply(model, chosen)
-    log.info(
-        "remat: installed %s on %s: predicted peak %s%s, %s (remat.verify(model, *inputs) checks "
-        "it)",
-        chosen.strategy,
-        type(model).__name__,
-        format_bytes(chosen.predicted_peak_bytes),
-        f" within {format_bytes(chosen.budget_bytes)}" if chosen.budget_bytes else "",
-        f"recompute +{chosen.recompute_seconds * 1e3:.3g} ms a step on the {chosen.profile} profile"
-        if chosen.recompute_seconds
-        else "no recompute",
-    )
-    return chosen

@@ -64,11 +64,11 @@ def enable(
     _switch_off_hf_checkpointing(model)
     if accelerator is not None:
         check_accelerator(accelerator)
-    from remat.layouts.parallel import is_fsdp_sharded
+    from remat.tracing.fsdp import is_fsdp_sharded
 
     units = _units_accelerate_will_shard(accelerator, model)
     if not units and not is_fsdp_sharded(model):
-        from remat.applying.eager import auto
+        from remat.applying.auto import auto
 
         return auto(model, **example, budget=budget, loss_fn=_own_loss, **kwargs)
     return _plan_for_fsdp(model, example, budget, units, **kwargs)

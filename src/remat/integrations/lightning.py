@@ -81,7 +81,7 @@ def plan(
     in `configure_model` after tensor parallelism and before `fully_shard`."""
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    from remat.applying.eager import auto
+    from remat.applying.auto import auto
 
     if batch is None:
         batch = _first_batch(module.trainer)
@@ -220,7 +220,7 @@ def fabric_setup(
     `activation_checkpointing_policy`), and tensor parallelism, whose layout the plan must see:
     call `remat.auto` inside ModelParallelStrategy's `parallelize_fn`, after the tensor-parallel
     layout and before `fully_shard`, and `fabric.setup` as usual."""
-    from remat.applying.eager import auto
+    from remat.applying.auto import auto
 
     _refuse_own_checkpointing(fabric.strategy)
     if _tensor_parallel_size(fabric.strategy) > 1:

@@ -9,10 +9,12 @@ into checkpoint regions, and judges every answer by the same exact simulation
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from remat.device.cost import (
     DeviceProfile,
@@ -20,9 +22,8 @@ from remat.device.cost import (
     get_profile,
     op_seconds_all,
 )
-from remat.errors import InfeasibleBudget, NoBlocksError, RematError
+from remat.errors import InfeasibleBudget, NoBlocksError, RematError, UnknownStrategyError
 from remat.graph import Graph, ModuleCall
-from remat.planning import strategies
 from remat.planning.plans import (
     DEFAULT_BUDGET,
     Plan,
@@ -33,13 +34,97 @@ from remat.planning.plans import (
 )
 from remat.planning.solvers import chain as chain_model
 from remat.planning.solvers.selective import POLICIES, without_mutated
-from remat.planning.strategies import Strategy
 from remat.prediction.estimate import MemoryEstimate, Optimizer, estimate, optimizer_step_bytes
 from remat.prediction.schedule import Region, Simulation, analyse_regions, make_region, simulate
 from remat.units import format_bytes
 
+if TYPE_CHECKING:
+    from remat.planning.joint import JointContext
+    from remat.planning.solvers.saveset import SaveSet
+
 #: What a block can be in the per-block models: stored, checkpointed, or selectively checkpointed.
 BLOCK_OPTIONS = ("store", "full", *(f"selective:{p}" for p in POLICIES))
+
+
+PlanPath = Literal["eager", "compile"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named way to choose what to keep.
+
+    `budgeted`: it searches for the cheapest plan under the budget (a fixed strategy gives the same
+    plan at every budget, and is judged against it afterwards). `needs_blocks`: it checkpoints the
+    model's repeated blocks, so it needs some. `appliable`: `remat.apply` can run its eager plans
+    (`store_none` is a reference point with no flat-region form). `lowest_peak`: the plan with the
+    lowest peak it can make, for a budgeted strategy that has one (fixed strategies have one plan).
+    `rank` orders tables and help."""
+
+    name: str
+    summary: str
+    solve: Callable[[Planner, int], Plan] | None = None
+    solve_compiled: Callable[[JointContext, int | None], SaveSet] | None = None
+    budgeted: bool = False
+    needs_blocks: bool = False
+    appliable: bool = True
+    lowest_peak: Callable[[Planner], Plan] | None = None
+    rank: int = 50
+
+    @property
+    def paths(self) -> tuple[PlanPath, ...]:
+        """Where it plans: the eager step, inside torch.compile, or both."""
+        eager: tuple[PlanPath, ...] = ("eager",) if self.solve else ()
+        return eager + (("compile",) if self.solve_compiled else ())
+
+
+_REGISTRY: dict[str, Strategy] = {}
+_discovered = False
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Make `strategy` available by its name everywhere (replacing one of the same name)."""
+    if not strategy.solve and not strategy.solve_compiled:
+        raise RematError(f"strategy {strategy.name!r} has neither solve nor solve_compiled")
+    _REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def unregister(name: str) -> None:
+    """Remove the strategy called `name` (a no-op when there is none)."""
+    _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+    """Import every module of `remat.planning.strategies` once: each registers its strategy."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        package = importlib.import_module("remat.planning.strategies")
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def available(path: PlanPath | None = None) -> list[Strategy]:
+    """Every registered strategy (those supporting `path`, if given), in table order."""
+    _discover()
+    found = [s for s in _REGISTRY.values() if path is None or path in s.paths]
+    return sorted(found, key=lambda s: (s.rank, s.name))
+
+
+def get(name: str, path: PlanPath | None = None) -> Strategy:
+    """The strategy called `name`; `UnknownStrategyError` naming the choices when there is none
+    (for that path)."""
+    _discover()
+    strategy = _REGISTRY.get(name)
+    if strategy is None or (path is not None and path not in strategy.paths):
+        choices = tuple(s.name for s in available(path))
+        what = f"has no {path} path" if strategy else "is unknown"
+        raise UnknownStrategyError(
+            f"strategy {name!r} {what}: choose one of {', '.join(choices)}",
+            name=name,
+            choices=choices,
+        )
+    return strategy
 
 
 @dataclass(frozen=True)
@@ -154,7 +239,7 @@ class Planner:
     def plan(self, budget: int | str = DEFAULT_BUDGET, strategy: str = "auto") -> Plan:
         """The plan of `strategy` under `budget`. Raises `InfeasibleBudget` naming the smallest
         budget that fits when the plan's predicted peak exceeds the budget."""
-        chosen = strategies.get(strategy, "eager")
+        chosen = get(strategy, "eager")
         budget_bytes = self.budget_bytes(budget)
         p = self.solve(chosen, budget_bytes)
         if p.predicted_peak_bytes > budget_bytes:
@@ -171,7 +256,7 @@ class Planner:
         """Every eager strategy but auto at this budget, fitting or not, for a side-by-side table."""
         budget_bytes = self.budget_bytes(budget)
         rows = []
-        for s in strategies.available("eager"):
+        for s in available("eager"):
             if s.name == "auto":
                 continue
             try:
@@ -193,7 +278,7 @@ class Planner:
         strategies and of the budgeted ones' lowest-peak plans. Its peak is the smallest budget
         `auto` accepts."""
         plans = []
-        for s in strategies.available("eager"):
+        for s in available("eager"):
             if not s.appliable or (s.needs_blocks and not self.blocks):
                 continue
             try:
@@ -213,7 +298,7 @@ class Planner:
             return self._frontiers[steps]
         low = self.lowest_peak().predicted_peak_bytes
         high = self.estimate.peak_bytes
-        auto = strategies.get("auto")
+        auto = get("auto")
         plans = []
         for k in range(steps):
             try:
@@ -222,7 +307,7 @@ class Planner:
                 continue
         named = [
             self.solve(s, high)
-            for s in strategies.available("eager")
+            for s in available("eager")
             if not s.budgeted and s.appliable and (self.blocks or not s.needs_blocks)
         ]
         frontier, best = [], None

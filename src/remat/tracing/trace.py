@@ -925,7 +925,7 @@ def trace(
 
     bare = contextlib.nullcontext()
     if module is not None and not real:
-        from remat.layouts.parallel import fsdp_sharded_as_bare, is_fsdp_sharded
+        from remat.tracing.fsdp import fsdp_sharded_as_bare, is_fsdp_sharded
 
         if is_fsdp_sharded(module):  # FSDP's hooks on fake tensors would corrupt its buffers
             bare = fsdp_sharded_as_bare(module)

@@ -12,7 +12,7 @@ from remat.planning.strategies import Strategy, available, get, register
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
-    from remat.applying.compiled import JointContext
+    from remat.planning.joint import JointContext
     from remat.planning.planner import Planner
     from remat.planning.plans import Plan
     from remat.planning.solvers.saveset import SaveSet

@@ -10,7 +10,7 @@ from remat.planning.strategies import Strategy, register
 from remat.quiet import quiet_fd
 
 if TYPE_CHECKING:
-    from remat.applying.compiled import JointContext
+    from remat.planning.joint import JointContext
     from remat.planning.planner import Attempt, Planner
     from remat.planning.plans import Plan
     from remat.planning.solvers.milp import MilpResult

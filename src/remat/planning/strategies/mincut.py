@@ -19,7 +19,7 @@ from remat.prediction.schedule import make_region
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
-    from remat.applying.compiled import JointContext
+    from remat.planning.joint import JointContext
     from remat.planning.planner import Planner
     from remat.planning.plans import Plan
     from remat.planning.solvers.saveset import SaveSet
