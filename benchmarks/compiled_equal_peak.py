@@ -33,7 +33,7 @@ from torch._functorch import config as functorch_config
 
 import remat
 from remat import models
-from remat.answers.bench import _interleaved_rounds, _plan_applied, quartile_range
+from remat.answers.bench import interleaved_rounds, plan_applied, quartile_range
 from remat.applying.compiled import RematBackend, remat_error_cause
 from remat.planning import strategies
 from remat.units import format_bytes
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         variants.append(_remat_compiled(model, inputs, f"remat@{peer}", peak))
     timed = [v for v in variants if v["module"] is not None]
     graphs = [_graphs(v["module"]) for v in timed]
-    times = _interleaved_rounds(
+    times = interleaved_rounds(
         [(v["module"], v["setup"]) for v in timed],
         inputs,
         args.rounds,
@@ -157,10 +157,7 @@ def _variant(name: str, module: torch.nn.Module, peak: int, **extra) -> dict:
 
 def _eager(model: torch.nn.Module, inputs: tuple, name: str, plan: remat.Plan | None) -> dict:
     """The uncompiled model under a hand-written plan (None: store_all), its peak measured."""
-    if plan is None:
-        setup = contextlib.nullcontext
-    else:
-        setup = functools.partial(_plan_applied, model, plan)
+    setup = contextlib.nullcontext if plan is None else functools.partial(plan_applied, model, plan)
     with setup():
         peak = remat.measure(model, *inputs, steps=1).peak_bytes
     return {"name": f"eager {name}", "module": model, "setup": setup, "peak": peak}

@@ -34,7 +34,7 @@ import torch
 
 import remat
 from remat import models
-from remat.answers.bench import _interleaved_rounds, _plan_applied
+from remat.answers.bench import interleaved_rounds, plan_applied
 from remat.applying.tune import tune
 from remat.errors import InfeasibleBudget
 from remat.planning import strategies
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         planners["auto-before"] = remat.Planner(graph, free)
 
     def measured_peak(plan: Plan) -> int:
-        with _plan_applied(model, plan):
+        with plan_applied(model, plan):
             return remat.measure(model, *inputs, steps=1).peak_bytes
 
     store_all = planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             timed.append(row)
         else:
             row["same_as"] = twin["name"]
-    times = _interleaved_rounds(
-        [(model, functools.partial(_plan_applied, model, r["plan"])) for r in timed],
+    times = interleaved_rounds(
+        [(model, functools.partial(plan_applied, model, r["plan"])) for r in timed],
         inputs,
         args.rounds,
         log,

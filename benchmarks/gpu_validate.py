@@ -53,7 +53,7 @@ from torch import nn
 
 import remat
 from remat import Planner, models
-from remat.answers.bench import _plan_applied
+from remat.answers.bench import plan_applied
 from remat.answers.cli import _parse_overrides
 from remat.applying.compiled import plans_of
 from remat.device.cost import DeviceProfile
@@ -270,7 +270,7 @@ def _eager(
     row.plan = p.strategy
     row.predicted_peak_bytes = p.predicted_peak_bytes - planner.base_bytes
     row.predicted_held_bytes = p.held_bytes
-    setup = functools.partial(_plan_applied, model, p)
+    setup = functools.partial(plan_applied, model, p)
     step = Step(model, settings.autocast, settings.device.type)
     with setup():
         _measured(row, measure(step, *inputs, loss_fn=loss_of), "held")

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from remat import Planner, models, trace
-from remat.answers.bench import BenchRow, _interleaved_rounds, bench, bench_compiled, progress_total
+from remat.answers.bench import BenchRow, bench, bench_compiled, interleaved_rounds, progress_total
 from remat.answers.report import bench_table
 from remat.errors import RematError
 from remat.measuring.measure import time_steps
@@ -176,7 +176,7 @@ def test_rounds_interleave_the_rows_each_set_up_alone():
 
         return installed
 
-    times = _interleaved_rounds(
+    times = interleaved_rounds(
         [(model, setup("a")), (model, setup("b")), (model, setup("c"))], (x,), 2, log.append
     )
     assert [len(t) for t in times] == [2, 2, 2]

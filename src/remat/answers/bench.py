@@ -183,7 +183,8 @@ def _blocks_checkpointed(model: nn.Module, paths: list[str], sequential: bool) -
 
 
 @contextmanager
-def _plan_applied(model: nn.Module, plan: Plan) -> Iterator[None]:
+def plan_applied(model: nn.Module, plan: Plan) -> Iterator[None]:
+    """`plan` installed on `model` for the length of the block (a setup for `interleaved_rounds`)."""
     apply(model, plan)
     try:
         yield
@@ -216,7 +217,7 @@ def _baseline_setup(model: nn.Module, name: str, paths: list[str]) -> Setup | st
     return lambda: _blocks_checkpointed(model, paths, sequential=sequential)
 
 
-def _interleaved_rounds(
+def interleaved_rounds(
     runs: list[tuple[nn.Module, Setup]],
     inputs: tuple,
     rounds: int,
@@ -338,7 +339,7 @@ def bench(
                     )
                 )
                 continue
-            setup = functools.partial(_plan_applied, model, p)
+            setup = functools.partial(plan_applied, model, p)
             predicted = p.predicted_peak_bytes
             notes = [p.strategy] if p.strategy != name else []  # what auto chose
             if p.predicted_peak_bytes > budget_bytes:
@@ -360,7 +361,7 @@ def bench(
             )
         )
 
-    times = _interleaved_rounds([(model, s) for _, s in timed], inputs, steps, progress)
+    times = interleaved_rounds([(model, s) for _, s in timed], inputs, steps, progress)
     base_seconds: float | None = None
     base_range: tuple[float, float] | None = None
     for (i, _), t in zip(timed, times, strict=True):
@@ -471,7 +472,7 @@ def bench_compiled(
                     f"{sum(p.held_bytes for p in plans)} B",
                 )
             )
-        times = _interleaved_rounds(
+        times = interleaved_rounds(
             [(c, contextlib.nullcontext) for _, c, _, _ in timed],
             inputs,
             steps,
