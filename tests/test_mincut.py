@@ -4,7 +4,6 @@ not be (random ops, inputs) nor saves what no longer exists (values overwritten 
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -292,18 +291,20 @@ def test_traced_mlp_beats_autograd_and_keeps_dropout():
     assert cut_cost(graph, result.saved, never_recompute=is_matmul) is None
 
 
-def test_large_graph_is_fast():
-    """A 20k-op forward: a chain whose every op also reads the one two back, every 4th value
+def large_graph(n: int = 20_000) -> Graph:
+    """An `n`-op forward: a chain whose every op also reads the one two back, every 4th value
     saved."""
-    n = 20_000
     ops = tuple(
         ("pointwise", (i,) if i == 0 else (i, i - 1), (4096 + (i * 7919) % 1000,)) for i in range(n)
     )
     spec = Spec(input_bytes=(4096,), ops=ops, saved=tuple((v, True) for v in range(1, n, 4)))
-    graph, _ = build(spec)
-    start = time.perf_counter()
+    return build(spec)[0]
+
+
+def test_a_large_graph_s_cut_costs_what_it_says():
+    # its speed (under 5 s at 20k ops) is a target in benchmarks/solver_speed.py, not a test
+    graph = large_graph()
     result = mincut(graph)
-    assert time.perf_counter() - start < 5
     assert cut_cost(graph, result.saved) == result.cut_cost_bytes
 
 

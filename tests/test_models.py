@@ -4,7 +4,6 @@ tiny on a CPU, and every way to name a model that cannot work says why."""
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 import torch
@@ -56,10 +55,10 @@ def test_presets_have_their_published_parameter_counts(name, count):
     assert n_params(model) == pytest.approx(count, rel=2e-3)
 
 
-def test_llama_70b_builds_on_meta_in_well_under_seconds():
-    start = time.perf_counter()
-    build("llama-3.1-70b")
-    assert time.perf_counter() - start < 2.0
+def test_llama_70b_builds_on_meta_without_memory():
+    # its speed (under 2 s) is a target in benchmarks/solver_speed.py, not a test
+    model, _ = build("llama-3.1-70b")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
 @pytest.mark.parametrize("name", preset_names())
