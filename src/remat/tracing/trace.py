@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.device import emulate, kernel_scratch
@@ -59,61 +59,7 @@ from remat.graph import (
 from remat.tracing import hfcompat
 from remat.tracing.caches import CachesOff
 from remat.tracing.draws import Draws, ForcedDraws
-
-
-def _heads_as_query(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
-    """K/V shape with the query's head count: grouped-query attention costs as many FLOPs."""
-    return (kv.shape[0], q.shape[1], kv.shape[2], kv.shape[3])
-
-
-def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> int:
-    """A grouped matmul (the experts of a mixture of experts) costs the matmuls of its groups,
-    2 x (rows of `a`, all groups) x K x N. Only 3d x 2d pairs each row with one group's N columns,
-    not all groups' (torch.utils.flop_counter has no formula)."""
-    groups_of_a = a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1
-    return 2 * a.numel() * b.shape[-1] // groups_of_a
-
-
-#: torch.utils.flop_counter has no formula for the CPU flash-attention kernels (counted with its own
-#: SDPA formulas, as it counts the CUDA flash kernels) nor for grouped matmuls.
-_EXTRA_FLOPS: dict[str, Callable[..., int]] = {
-    "_scaled_dot_product_flash_attention_for_cpu": lambda q, k, v, *a, **kw: sdpa_flop_count(
-        q.shape, _heads_as_query(q, k), _heads_as_query(q, v)
-    ),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": lambda g, q, k, v, *a, **kw: (
-        sdpa_backward_flop_count(g.shape, q.shape, _heads_as_query(q, k), _heads_as_query(q, v))
-    ),
-    "_grouped_mm": _grouped_mm_flops,
-}
-
-
-def _fake_grouped_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    offs: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The output of `_grouped_mm` in each of its four layouts (2d x 2d splits K into groups)."""
-    if a.dim() == 2 and b.dim() == 2:
-        shape = (offs.shape[0], a.shape[0], b.shape[1])
-    elif a.dim() == 2:
-        shape = (a.shape[0], b.shape[-1])
-    elif b.dim() == 2:
-        shape = (a.shape[1], b.shape[-1])
-    else:
-        shape = (a.shape[0], a.shape[1], b.shape[-1])
-    return a.new_empty(shape, dtype=out_dtype or a.dtype)
-
-
-#: Fake kernels for ops whose meta kernel keeps one CUDA kernel's restrictions that the CPU kernel
-#: (and CUDA's fallback) does not have, used outside the dtype torch's meta kernel accepts: meta
-#: `_grouped_mm` takes bf16 only (with 16-byte aligned rows); the CPU kernel fp32 too, and Hugging
-#: Face's experts call it in the parameters' dtype.
-_FAKE_KERNELS: dict[str, tuple[torch.dtype, Callable[..., torch.Tensor]]] = {
-    "_grouped_mm": (torch.bfloat16, _fake_grouped_mm),
-}
-
+from remat.tracing.kernels import EXTRA_FLOPS, FAKE_KERNELS
 
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
 _WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
@@ -468,7 +414,7 @@ class _Tracer(TorchDispatchMode):
         target_kernel = None if self.real else emulate.fake_kernel(self.target, packet)
         if target_kernel is not None:
             return target_kernel(func, args, kwargs)
-        meta_dtype, fake_kernel = _FAKE_KERNELS.get(packet, (None, None))
+        meta_dtype, fake_kernel = FAKE_KERNELS.get(packet, (None, None))
         if (
             self.real
             or fake_kernel is None
@@ -496,7 +442,7 @@ class _Tracer(TorchDispatchMode):
         self.name_counts[(prefix, short)] += 1
         sep = "." if prefix else ""
         flop_fn = flop_registry.get(func._overloadpacket)
-        extra = _EXTRA_FLOPS.get(short)
+        extra = EXTRA_FLOPS.get(short)
         if not self.target.is_cuda and short in kernel_scratch.MEASURED_ON_CPU:
             measured = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, outs)
             if measured is not None:
