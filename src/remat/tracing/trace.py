@@ -32,13 +32,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -60,6 +59,14 @@ from remat.tracing import hfcompat
 from remat.tracing.caches import CachesOff
 from remat.tracing.draws import Draws, ForcedDraws
 from remat.tracing.kernels import EXTRA_FLOPS, FAKE_KERNELS
+from remat.tracing.tensors import (
+    dtype_name,
+    is_wrapper_op,
+    local_tensor,
+    rewrapper,
+    storage_key,
+    storage_nbytes,
+)
 
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
 _WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
@@ -67,19 +74,6 @@ _WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
 LOSS_SCOPE = "<loss>"
 BACKWARD_SCOPE = "<backward>"
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def storage_nbytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """The identity of a tensor's storage (shared by its views), for real and fake tensors."""
-    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 _Frozen = TypeVar("_Frozen")
@@ -221,7 +215,7 @@ class _Tracer(TorchDispatchMode):
     ) -> int:
         """The storage of `t` (of its local shard, for a DTensor), registered with `kind` if it
         has not been seen."""
-        t = _shard(t)
+        t = local_tensor(t)
         cdata = storage_key(t)
         sid = self.storage_by_cdata.get(cdata)
         if sid is not None:
@@ -337,7 +331,7 @@ class _Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
-        if _is_wrapper_op(args, kwargs):
+        if is_wrapper_op(args, kwargs):
             return self.run_wrapper_op(func, args, kwargs)
         if func is _WAIT_TENSOR and not self.real:
             # Waiting on a collective returns its result itself (the schema aliases it; the fake
@@ -403,9 +397,9 @@ class _Tracer(TorchDispatchMode):
             self.declining_wrapper_op = False
         if self.phase == "forward":
             for t in pytree.tree_leaves(out):
-                tid = self.tensor_ids.get(_shard(t)) if isinstance(t, torch.Tensor) else None
+                tid = self.tensor_ids.get(local_tensor(t)) if isinstance(t, torch.Tensor) else None
                 producer = None if tid is None else self.tensors[tid].producer
-                if producer is not None and t is not _shard(t):
+                if producer is not None and t is not local_tensor(t):
                     self.pending_grad_fn.append((producer, t, self.read_grad_fn(t)))
         return out
 
@@ -486,7 +480,7 @@ class _Tracer(TorchDispatchMode):
         try:
             # A DTensor (tensor parallelism) is described by its local shard, this rank's bytes,
             # and rebuilt around the shard's stand-in in unpack, autograd wanting a DTensor back.
-            inner = _shard(t)
+            inner = local_tensor(t)
             tid = self.tensor_id(inner)
             sid = self.tensors[tid].storage
             handle = next(self.ids)
@@ -502,7 +496,7 @@ class _Tracer(TorchDispatchMode):
                 storage_numel=storage_nbytes(inner) // inner.element_size(),
                 payload=inner.untyped_storage().clone() if self.real and not persistent else None,
             )
-            return (handle, t, None) if persistent else (handle, None, _rewrapper(t))
+            return (handle, t, None) if persistent else (handle, None, rewrapper(t))
         finally:
             self.paused = False
 
@@ -740,34 +734,6 @@ def is_own_loss(output: Any) -> bool:
     )
 
 
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage this rank holds: the one tensor inside a wrapper subclass that
-    holds one (a DTensor's local shard, a pending collective's result), else `t` itself."""
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        inner = [getattr(t, a) for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
-        if len(inner) == 1:
-            return _shard(inner[0])
-    return t
-
-
-#: Tensor types that wrap nothing: the common case, decided without a lookup (every op asks).
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
-
-
-def _is_wrapper(t: Any) -> bool:
-    return type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor) and _shard(t) is not t
-
-
-def _is_wrapper_op(args: tuple, kwargs: dict) -> bool:
-    """Whether an op takes a wrapper tensor (a DTensor): an aten op's tensors are its arguments
-    or the items of a list argument."""
-    for a in (*args, *kwargs.values()):
-        if any(_is_wrapper(t) for t in a) if type(a) in (list, tuple) else _is_wrapper(a):
-            return True
-    return False
-
-
 def _process_group_backend() -> str | None:
     """The default process group's backend ("gloo", "nccl", "fake"), None without one."""
     import torch.distributed as dist
@@ -775,24 +741,6 @@ def _process_group_backend() -> str | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     return str(dist.get_backend())
-
-
-def _rewrapper(t: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """For a wrapper subclass around one tensor (`_shard`), a function that rebuilds `t`'s wrapper
-    around another inner tensor, holding none of `t`'s tensors; None for a plain tensor."""
-    if _shard(t) is t:
-        return None
-    attrs, context = t.__tensor_flatten__()
-    (name,) = [a for a in attrs if isinstance(getattr(t, a), torch.Tensor)]
-    others = {a: getattr(t, a) for a in attrs if a != name}
-    inner = _rewrapper(getattr(t, name))
-    cls, size, stride = type(t), t.size(), t.stride()
-
-    def rewrap(stand_in: torch.Tensor) -> torch.Tensor:
-        held = stand_in if inner is None else inner(stand_in)
-        return cls.__tensor_unflatten__({**others, name: held}, context, size, stride)
-
-    return rewrap
 
 
 def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -1049,7 +997,7 @@ def _trace_once(
                 tracer.storage_by_cdata[key]
                 for t in pytree.tree_leaves(output)
                 if isinstance(t, torch.Tensor)
-                and (key := storage_key(_shard(t))) in tracer.storage_by_cdata
+                and (key := storage_key(local_tensor(t))) in tracer.storage_by_cdata
             }
         )
         input_grad_storages = sorted(
@@ -1061,7 +1009,7 @@ def _trace_once(
         )
         info = {
             "trace_device": device,
-            "param_count": sum(_shard(p).numel() for p in params.values()),
+            "param_count": sum(local_tensor(p).numel() for p in params.values()),
             "trainable_param_bytes": sum(
                 tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
                 for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
