@@ -1,7 +1,7 @@
 """What torch lacks for the ops a trace meets: FLOP formulas `torch.utils.flop_counter` has none
-for, and fake kernels where torch's meta kernel is narrower than the real kernels. The tracer
-counts an op's FLOPs with `EXTRA_FLOPS` where torch has no formula, and runs `FAKE_KERNELS`' kernel
-on fake tensors outside the dtype torch's meta kernel accepts."""
+for, and fake kernels where torch's meta kernel is narrower than the real kernels. The recorder
+(`remat.tracing.recorder`) counts an op's FLOPs with `EXTRA_FLOPS` where torch has no formula, and
+runs `FAKE_KERNELS`' kernel on fake tensors outside the dtype torch's meta kernel accepts."""
 
 from __future__ import annotations
 
