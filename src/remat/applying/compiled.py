@@ -53,7 +53,7 @@ from remat.planning.solvers.saveset import (
     joint_peak,
     loss_bytes,
 )
-from remat.tracing.trace import dtype_name, storage_key, storage_nbytes
+from remat.tracing.tensors import dtype_name, storage_key, storage_nbytes
 from remat.units import format_bytes
 
 COMPILERS = ("inductor", "aot_eager")

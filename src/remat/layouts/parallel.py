@@ -3,7 +3,7 @@
 A tensor-parallel step is traced as its rank runs it: the model is laid out with
 `torch.distributed.tensor.parallel.parallelize_module` (DTensor parameters, the collectives of
 the parallel styles), and the tracer records what DTensor's dispatch runs on this rank's local
-shards (`remat.tracing.trace._Tracer.run_dtensor_op`): local shapes, local FLOPs, the all-reduces,
+shards (`remat.tracing.recorder.Tracer.run_wrapper_op`): local shapes, local FLOPs, the all-reduces,
 all-gathers and reduce-scatters, and the shards autograd saves. No real ranks are needed: torch's
 fake process group answers every collective, so a rank of a 70B layout is traced on a laptop.
 

@@ -24,7 +24,7 @@ from torch._ops import HigherOrderOperator
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from remat.tracing.trace import storage_key
+from remat.tracing.tensors import storage_key
 
 
 class _Generated(BaseException):
