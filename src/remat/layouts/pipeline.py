@@ -1,11 +1,6 @@
 """Pipeline parallelism: cut a zoo model into stages, count what torch's schedules keep in flight,
 and predict (and plan) each rank's peak from one traced micro-batch per stage.
 
-What a rank holds at once comes from the schedule, not the model: GPipe runs every micro-batch's
-forward before the first backward, so each stage holds all `n`; 1F1B holds `min(n, p - i)` on
-stage `i`; interleaved 1F1B holds what its per-rank order says. The counts here are read off
-torch's own action orders (`pipeline_order`), never re-derived.
-
 The prediction walks that order for each rank over one traced step per stage (`StageStep`): before
 each action, what the other micro-batches keep (their forward's held bytes until their backward,
 then what the schedule's loop still references through their sends: the output sent on and the
@@ -20,7 +15,6 @@ against real pipelines by `examples/pipeline.py` (docs/parallelism.md).
 from __future__ import annotations
 
 import itertools
-import types
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,13 +22,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from remat.device.allocator import Alloc, AllocatorSettings, Free
 from remat.device.gpus import Gpu
 from remat.device.targets import scratch_bytes
 from remat.errors import InfeasibleBudget, RematError
 from remat.graph import Graph
+from remat.layouts.pipeline_schedules import SCHEDULES, Action, in_flight, pipeline_order
 from remat.layouts.pipeline_stages import Stage, split
 from remat.planning import strategies
 from remat.planning.planner import Planner
@@ -84,86 +78,6 @@ __all__ = [
     "rank_events",
     "split",
 ]
-
-
-# -- 2. schedules: torch's own per-rank orders -------------------------------------------------
-#: Schedule names and torch's classes; a class with several stages per rank is interleaved.
-SCHEDULES: dict[str, type] = {
-    "gpipe": torch_schedules.ScheduleGPipe,
-    "1f1b": torch_schedules.Schedule1F1B,
-    "interleaved-1f1b": torch_schedules.ScheduleInterleaved1F1B,
-}
-_FORWARD = torch_schedules._ComputationType.FORWARD
-_BACKWARD = torch_schedules._ComputationType.FULL_BACKWARD
-
-
-@dataclass(frozen=True)
-class Action:
-    """One computation of torch's schedule: a forward ("F") or backward ("B") of micro-batch
-    `microbatch` on stage `stage`."""
-
-    stage: int
-    kind: str
-    microbatch: int
-
-
-def _schedule_class(schedule: str) -> type:
-    if schedule not in SCHEDULES:
-        raise RematError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[schedule]
-
-
-def pipeline_order(
-    schedule: str, stages: int, microbatches: int, ranks: int | None = None
-) -> dict[int, list[Action]]:
-    """Each rank's forwards and backwards in the order torch's schedule class runs them: its
-    `pipeline_order`, built without a process group (the classes only read the stages' count and
-    placement). `ranks` defaults to `stages`; interleaved schedules place stage `s` on rank
-    `s % ranks`, as torch's loop-style mapping does."""
-    cls = _schedule_class(schedule)
-    ranks = stages if ranks is None else ranks
-    interleaved = issubclass(cls, torch_schedules.PipelineScheduleMulti)
-    if stages % ranks or (stages != ranks and not interleaved):
-        raise RematError(
-            f"schedule {schedule!r} runs {'a whole number of' if interleaved else 'one'} stage(s) "
-            f"per rank: {stages} stages on {ranks} ranks do not fit"
-        )
-    if interleaved:
-        placed: Any = [
-            types.SimpleNamespace(num_stages=stages, group_size=ranks, group_rank=0, stage_index=s)
-            for s in range(0, stages, ranks)
-        ]
-    else:
-        placed = types.SimpleNamespace(num_stages=stages)
-    try:
-        order = cls(placed, microbatches).pipeline_order
-    except ValueError as e:  # torch's own checks: 1F1B needs n >= p, interleaving whole rounds
-        raise RematError(f"schedule {schedule!r} with {microbatches} micro-batches: {e}") from None
-    return {
-        rank: [
-            Action(
-                a.stage_index, "F" if a.computation_type == _FORWARD else "B", a.microbatch_index
-            )
-            for a in actions
-            if a is not None and a.computation_type in (_FORWARD, _BACKWARD)
-        ]
-        for rank, actions in order.items()
-    }
-
-
-def in_flight(
-    schedule: str, stages: int, microbatches: int, ranks: int | None = None
-) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose forward has run and whose backward has not, over
-    torch's order: GPipe `n` on every stage, 1F1B `min(n, p - i)` on stage `i`. (Counted, not
-    matched by index: torch's 1F1B order numbers the last rank's micro-batches from 1.)"""
-    most = [0] * stages
-    for actions in pipeline_order(schedule, stages, microbatches, ranks).values():
-        now = [0] * stages
-        for a in actions:
-            now[a.stage] += 1 if a.kind == "F" else -1
-            most[a.stage] = max(most[a.stage], now[a.stage])
-    return tuple(most)
 
 
 # -- 3. one micro-batch per stage, traced --------------------------------------------------------
