@@ -1,18 +1,18 @@
 """`remat fit --pp`: the fit of a pipeline-parallel step, per stage and per rank.
 
 Each distinct stage is traced once for one micro-batch (middle stages of as many blocks once for
-all) (`remat.layouts.pipeline.TracedPipeline`, with the
-layout's tensor parallelism and context-parallel sequence), and every strategy's rank peaks come
-from walks of torch's schedule order over those traces: no strategy traces again. The largest
-micro-batch comes from a second trace at twice the micro-batch (a rank's peak is affine in the
-micro-batch: activations grow with it, parameters and state do not); the largest number of
-micro-batches from walks alone (the traces do not change with it).
+all) (`remat.layouts.pipeline_traced.TracedPipeline`, with the layout's tensor parallelism and
+context-parallel sequence), and every strategy's rank peaks come from walks of torch's schedule
+order over those traces: no strategy traces again. The largest micro-batch comes from a second
+trace at twice the micro-batch (a rank's peak is affine in the micro-batch: activations grow with
+it, parameters and state do not); the largest number of micro-batches from walks alone (the traces
+do not change with it).
 
 Judged as the rest of `fit` is: each rank's walk as allocation events through the caching
-allocator (`remat.layouts.pipeline.rank_events`, `remat.prediction.gpu_memory`), a row fitting when every rank's
-reserved bytes do, and the searches run on live bytes within the allocator's limit less the
-overhead it showed (or in live bytes within capacity less a user's --reserve). FSDP2 as
-torchtitan runs it under pipelining (`remat.layouts.pipeline.Sharding`).
+allocator (`remat.layouts.pipeline_traced.rank_events`, `remat.prediction.gpu_memory`), a row
+fitting when every rank's reserved bytes do, and the searches run on live bytes within the
+allocator's limit less the overhead it showed (or in live bytes within capacity less a user's
+--reserve). FSDP2 as torchtitan runs it under pipelining (`remat.layouts.pipeline_walk.Sharding`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 from remat.device.gpus import Gpu
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.layouts.parallel import Layout, fake_ranks, tensor_parallel
-from remat.layouts.pipeline import PipelineReport, Sharding, TracedPipeline
+from remat.layouts.pipeline_traced import TracedPipeline
+from remat.layouts.pipeline_walk import PipelineReport, Sharding
 from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.prediction.estimate import Optimizer

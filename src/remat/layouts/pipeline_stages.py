@@ -1,0 +1,143 @@
+"""Pipeline stages: a zoo model cut into the stages a pipeline runs (`split`, `Stage`).
+
+A stage of `p` keeps a contiguous run of the model's blocks, the embedding on the first stage and
+the final norm and output head on the last, under the model's own module names, as torchtitan's
+`pipeline_module_split` cuts a model for `torch.distributed.pipelining.PipelineStage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from remat.errors import RematError
+from remat.models.gpt import GPT
+from remat.models.llama import Llama
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a model family keeps its parts, and how a stage runs them in the model's order."""
+
+    embed: tuple[str, ...]  # kept by the first stage
+    layers: str  # the ModuleList of blocks, cut into runs
+    head: tuple[str, ...]  # kept by the last stage
+    buffers: tuple[str, ...]  # needed by every stage
+    run_embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    run_layer: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
+    run_head: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _gpt_embed(stage: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return stage.drop(stage.wte(ids) + stage.wpe(pos))
+
+
+_LAYOUTS: dict[type[nn.Module], _Layout] = {
+    Llama: _Layout(
+        embed=("embed_tokens",),
+        layers="layers",
+        head=("norm", "lm_head"),
+        buffers=("freqs_cis",),
+        run_embed=lambda stage, ids: stage.embed_tokens(ids),
+        # the whole table: the attention cuts it to its sequence (x may be a sequence shard)
+        run_layer=lambda stage, layer, x: layer(x, stage.freqs_cis),
+        run_head=lambda stage, x: stage.lm_head(stage.norm(x)),
+        loss=lambda logits, labels: F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(0, 1)
+        ),
+    ),
+    GPT: _Layout(
+        embed=("wte", "wpe", "drop"),
+        layers="h",
+        head=("ln_f", "lm_head"),
+        buffers=(),
+        run_embed=_gpt_embed,
+        run_layer=lambda stage, block, x: block(x),
+        run_head=lambda stage, x: stage.lm_head(stage.ln_f(x)),
+        loss=lambda logits, labels: F.cross_entropy(
+            logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-1
+        ),
+    ),
+}
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a zoo model: its blocks `layers` (a ModuleDict keyed by the blocks'
+    indices in the model, so that parameter names and plans read as in the whole model), with the
+    embedding on the first stage and the final norm and head on the last.
+
+    `forward(x)` takes token ids on the first stage and hidden states on the others, and returns
+    hidden states, or the logits on the last stage; `loss_fn(logits, labels)` is the model's
+    training loss, the `loss_fn` a torch pipeline schedule takes. The stage shares its modules with
+    the model it was cut from: drop the model to free the other stages' parameters."""
+
+    def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range) -> None:
+        super().__init__()
+        self.layout = _layout(model)
+        self.index, self.num_stages, self.layer_indices = index, num_stages, layers
+        if self.is_first:
+            for name in self.layout.embed:
+                setattr(self, name, getattr(model, name))
+        blocks = getattr(model, self.layout.layers)
+        setattr(self, self.layout.layers, nn.ModuleDict({str(i): blocks[i] for i in layers}))
+        if self.is_last:
+            for name in self.layout.head:
+                setattr(self, name, getattr(model, name))
+        for name in self.layout.buffers:
+            self.register_buffer(name, getattr(model, name), persistent=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.layout.run_embed(self, x)
+        for layer in getattr(self, self.layout.layers).values():
+            x = self.layout.run_layer(self, layer, x)
+        if self.is_last:
+            x = self.layout.run_head(self, x)
+        return x
+
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.layout.loss(logits, labels)
+
+    def extra_repr(self) -> str:
+        first, last = self.layer_indices.start, self.layer_indices.stop - 1
+        return f"stage {self.index} of {self.num_stages}, blocks {first}..{last}"
+
+
+def _layout(model: nn.Module) -> _Layout:
+    layout = _LAYOUTS.get(type(model))
+    if layout is None:
+        known = ", ".join(cls.__name__ for cls in _LAYOUTS)
+        raise RematError(f"cannot cut a {type(model).__name__} into pipeline stages: only {known}")
+    if getattr(model, "loss_chunks", 0):
+        raise RematError("a chunked loss (loss_chunks > 0) is not supported on a pipeline stage")
+    return layout
+
+
+def split(model: nn.Module, stages: int) -> list[Stage]:
+    """`model`'s blocks cut into `stages` contiguous runs, evenly; when they do not divide, the
+    first stages get one block more (as `numpy.array_split`; torchtitan's default also weighs the
+    embedding and the head as blocks, which this does not)."""
+    blocks = len(getattr(model, _layout(model).layers))
+    if not 1 <= stages <= blocks:
+        raise RematError(f"cannot cut {blocks} blocks into {stages} stages: need 1..{blocks}")
+    base, extra = divmod(blocks, stages)
+    out, start = [], 0
+    for i in range(stages):
+        stop = start + base + (i < extra)
+        out.append(Stage(model, i, stages, range(start, stop)))
+        start = stop
+    return out
