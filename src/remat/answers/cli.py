@@ -376,7 +376,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> int:
-    from remat.answers.report import explain_table, plan_dict, plan_table, plot_frontier
+    from remat.answers.plots import plot_frontier
+    from remat.answers.report import explain_table, plan_dict, plan_table
     from remat.planning.plans import describe_budget
     from remat.units import format_bytes
 
@@ -479,7 +480,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> int:
     from remat import models
     from remat.answers.bench import bench, bench_compiled, progress_total, quartile_range
-    from remat.answers.report import bench_table, plot_bench
+    from remat.answers.plots import plot_bench
+    from remat.answers.report import bench_table
     from remat.planning.plans import describe_budget
     from remat.units import format_bytes
 
