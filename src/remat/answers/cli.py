@@ -642,7 +642,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 def _report_precision(args: argparse.Namespace) -> str:
     """The fit precision of `remat report --gpu`: the model's --dtype, where fit has it."""
-    from remat.answers.fit import PRECISIONS
+    from remat.answers.fit_steps import PRECISIONS
 
     if args.dtype not in PRECISIONS:
         raise RematError(
@@ -732,7 +732,8 @@ def _fit_report(
     """`remat.answers.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
     the step under torch.compile (`whole` or `blocks`, with `ac="full"` each block checkpointed)."""
     from remat import models
-    from remat.answers.fit import PRECISIONS, fit
+    from remat.answers.fit import fit
+    from remat.answers.fit_steps import PRECISIONS
     from remat.device.gpus import custom_gpu, get_gpu
 
     gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
