@@ -3,8 +3,8 @@ interpolated by a size model (`remat.prediction.sizes.SizeModel`) through traces
 until a trace confirms the answer, with every strategy's per-rank peak on it (`_Steps`); and how
 each precision is traced and held (`PRECISIONS`).
 
-Apart from `remat.answers.fit` (each strategy's row, the search for the largest batch and
-sequence, the report and its advice), which asks these steps for every answer.
+Apart from `remat.answers.fit_rows` (a strategy's row and the search for the largest batch and
+sequence) and `remat.answers.fit` (the report and its advice): both ask these steps.
 """
 
 from __future__ import annotations
