@@ -9,7 +9,7 @@ from pathlib import Path
 
 import remat
 from remat import models
-from remat.answers.report import plot_frontier
+from remat.answers.plots import plot_frontier
 from remat.units import format_bytes
 
 CASES = [

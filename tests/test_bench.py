@@ -267,7 +267,7 @@ def _render(table, width: int) -> str:
 def test_no_series_of_the_bench_plot_has_the_budget_lines_colour():
     from matplotlib.colors import to_rgb
 
-    from remat.answers.report import _COLORS, _MARKERS
+    from remat.answers.plots import _COLORS, _MARKERS
 
     assert to_rgb("crimson") not in [to_rgb(c) for c in _COLORS]
     assert to_rgb("C3") not in [to_rgb(c) for c in _COLORS]  # tab10's red, next to crimson

@@ -7,7 +7,8 @@ import pytest
 
 import remat
 from remat import models
-from remat.answers.fit import SEQ_STEP, fit
+from remat.answers.fit import fit
+from remat.answers.fit_rows import SEQ_STEP
 
 
 def _build(batch: int, seq: int, device: str = "meta"):
@@ -90,7 +91,7 @@ def test_the_search_finds_the_largest_fitting_size_from_any_guess():
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from remat.answers.fit import _largest
+    from remat.answers.fit_rows import _largest
 
     @given(st.integers(1, 500), st.integers(0, 500), st.integers(-10, 1000))
     def check(high, answer, guess):

@@ -13,7 +13,7 @@ from matplotlib.text import Text
 
 import remat
 from remat import models
-from remat.answers.report import (
+from remat.answers.plots import (
     _bench_figure,
     _byte_unit,
     _dodge,

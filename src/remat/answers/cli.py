@@ -376,7 +376,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> int:
-    from remat.answers.report import explain_table, plan_dict, plan_table, plot_frontier
+    from remat.answers.plots import plot_frontier
+    from remat.answers.report import explain_table, plan_dict, plan_table
     from remat.planning.plans import describe_budget
     from remat.units import format_bytes
 
@@ -479,7 +480,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> int:
     from remat import models
     from remat.answers.bench import bench, bench_compiled, progress_total, quartile_range
-    from remat.answers.report import bench_table, plot_bench
+    from remat.answers.plots import plot_bench
+    from remat.answers.report import bench_table
     from remat.planning.plans import describe_budget
     from remat.units import format_bytes
 
@@ -640,7 +642,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 def _report_precision(args: argparse.Namespace) -> str:
     """The fit precision of `remat report --gpu`: the model's --dtype, where fit has it."""
-    from remat.answers.fit import PRECISIONS
+    from remat.answers.fit_steps import PRECISIONS
 
     if args.dtype not in PRECISIONS:
         raise RematError(
@@ -730,7 +732,8 @@ def _fit_report(
     """`remat.answers.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
     the step under torch.compile (`whole` or `blocks`, with `ac="full"` each block checkpointed)."""
     from remat import models
-    from remat.answers.fit import PRECISIONS, fit
+    from remat.answers.fit import fit
+    from remat.answers.fit_steps import PRECISIONS
     from remat.device.gpus import custom_gpu, get_gpu
 
     gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)

@@ -136,7 +136,7 @@ def render_report(
     fit_caption: str = "",
 ) -> str:
     """The page `write_report` writes, as a string."""
-    from remat.answers.report import (
+    from remat.answers.plots import (
         _breakdown_figure,
         _frontier_figure,
         _module_breakdown,

@@ -38,9 +38,9 @@ MAX_MICROBATCHES = 1024
 
 @dataclass(frozen=True)
 class PipelineFit:
-    """`pipeline_rows`' answer: a row per strategy (as `remat.answers.fit.FitRow`'s fields, with
-    `max_microbatches`), each strategy's per-stage report, the number of stage traces it took,
-    and, when no row fits, `layout_that_fits`' answer (None: none found, or not searched)."""
+    """`pipeline_rows`' answer: a row per strategy (as `remat.answers.fit_rows.FitRow`'s fields,
+    with `max_microbatches`), each strategy's per-stage report, the number of stage traces it
+    took, and, when no row fits, `layout_that_fits`' answer (None: none found, or not searched)."""
 
     rows: list[dict[str, Any]]
     stages: dict[str, PipelineReport]

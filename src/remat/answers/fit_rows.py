@@ -1,0 +1,277 @@
+"""One strategy's row of a fit (`FitRow`): its per-rank peak at the asked batch and sequence and
+whether it fits, judged by the caching allocator where it is simulated (`_judge`); the largest batch
+and sequence that fit, searched on size models and confirmed by a trace at the answer (`_fit_row`,
+`_largest`, `_guess`); the row of the step under torch.compile (`_compiled_row`); and the line that
+applies a row's plan (`_apply_line`).
+
+Apart from `remat.answers.fit`, which gathers the rows into a `FitReport` with its advice; both
+judge the steps of `remat.answers.fit_steps`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from remat.answers.fit_steps import _Steps
+from remat.errors import RematError
+from remat.planning import strategies
+from remat.prediction.estimate import estimate
+from remat.units import format_bytes
+
+#: The sequence-length answer is a multiple of this (tokens), as sequence lengths are chosen.
+SEQ_STEP = 64
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """One strategy on the GPU: its per-rank peak at the asked batch and sequence, whether that
+    fits, its predicted recompute as a share of the step on the GPU's cost profile, and the largest
+    batch (at the asked sequence) and sequence (at the asked batch) that fit; None: not even the
+    smallest."""
+
+    strategy: str
+    peak_bytes: int | None
+    fits: bool
+    overhead: float | None
+    max_batch: int | None
+    max_seq: int | None
+    plan: str = ""  # the plan behind the peak: what auto chose, or the lowest-peak one
+    note: str = ""
+    apply: str = ""  # the one line that makes this plan for the model (before any FSDP wrapping)
+    # as the GPU reports the step (`remat.prediction.gpu_memory`), by allocator setting; empty when the
+    # allocator is not simulated (a --reserve given)
+    gpu_memory: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """The peak reserved bytes under the allocator setting the row is judged with."""
+        return self.gpu_memory[0]["reserved_bytes"] if self.gpu_memory else None
+
+
+def _largest(fits: Callable[[int], bool], guess: int, low: int, high: int) -> int | None:
+    """The largest n in [low, high] with fits(n), for a monotone `fits`: gallop up from `guess` (a
+    good guess costs two calls: the answer fits, the next does not), or check `low` when the guess
+    does not fit, then bisect. None when not even `low` fits."""
+    n = min(max(guess, low), high)
+    step = 1
+    if fits(n):
+        lo = n
+        while lo < high and fits(min(lo + step, high)):
+            lo, step = min(lo + step, high), step * 2
+        hi = min(lo + step, high + 1)  # does not fit, or past `high`
+    else:
+        if n == low or not fits(low):
+            return None
+        lo, hi = low, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _guess(xs: list[int], ys: list[int], limit: int) -> int:
+    """The largest x at which the polynomial through the points (a line through two, a parabola
+    through three) reaches `limit`; the last point when it never does. A guess: `_largest`
+    confirms it."""
+    poly = np.polynomial.Polynomial.fit(xs, ys, len(xs) - 1).convert()
+    crossings = [r.real for r in (poly - limit).roots() if abs(r.imag) < 1e-9]
+    return int(max(crossings)) if crossings else xs[-1]
+
+
+def _fit_row(
+    steps: _Steps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
+) -> FitRow:
+    """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit.
+
+    Where the caching allocator is simulated (`steps.gpu_memories`), the row fits when its
+    reserved bytes do (the allocator's limit, under torch's default settings), and the searches
+    for the largest batch and sequence run on live bytes against the limit less the workspaces
+    and the allocator's overhead (reserved - requested) measured at (batch, seq)."""
+    judged = _judge(steps, name, batch, seq, usable)
+    if judged is None:
+        return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
+    peak, p, memories, usable, overhead = judged
+    planner = steps.planner(batch, seq)
+    floor = estimate(
+        planner.graph,
+        optimizer=steps.optimizer,
+        shard=steps.shard,
+        master_scale=steps.setup.master_scale,
+    ).fixed_bytes
+    if floor > usable:  # parameters, gradients and optimizer state alone: no size fits
+        return FitRow(
+            name,
+            plan=p.strategy,
+            peak_bytes=peak,
+            fits=False,
+            overhead=overhead,
+            max_batch=None,
+            max_seq=None,
+            note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
+            gpu_memory=tuple(m.to_dict() for m in memories),
+        )
+    limits: list[str] = []
+
+    def fits_batch(b: int) -> bool:
+        return steps.fits(name, b, seq, usable)
+
+    def fits_seq(units: int) -> bool:
+        """Whether `units` * SEQ_STEP tokens fit; a length the model cannot build (learned
+        positions end) does not."""
+        try:
+            return steps.fits(name, batch, units * SEQ_STEP, usable)
+        except RematError as err:
+            limits.append(str(err).split(";")[0])
+            return False
+
+    # Batch: a line through two traced sizes past 1 (batch 1 can trace differently: reshapes that
+    # are views only there); sequence: a parabola through three traced lengths from the asked one.
+    b_anchors = [max(batch, 2), max(batch, 2) + 1]
+    units = max(seq // SEQ_STEP, 1)
+    s_anchors = [units, units + 1, units + 2]
+    steps.model_through("batch", seq, b_anchors)
+    try:
+        steps.model_through("seq", batch, [u * SEQ_STEP for u in s_anchors])
+        s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
+        s_guess = _guess(s_anchors, s_peaks, usable)
+    except RematError as err:  # the model cannot be built that long
+        limits.append(str(err).split(";")[0])
+        s_guess = units
+    b_guess = _guess(b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable)
+
+    def largest(
+        axis: str, fixed: int, fits: Callable[[int], bool], guess: int, high: int, degree: int
+    ) -> int | None:
+        """The largest size that fits, searched on the size model and confirmed by a trace at
+        the answer. A size can be piecewise polynomial (a table of max(seq, n) rows): where the
+        answer is not confirmed, the model is drawn again through traces at the answer, and
+        where that is not confirmed either, the search runs on traces."""
+        scale = 1 if axis == "batch" else SEQ_STEP
+        best = _largest(fits, guess, 1, high)
+        for attempt in range(2):
+            if best is None or steps.confirm(axis, fixed, best * scale):
+                return best
+            if attempt == 0:
+                start = max(best, 2) if axis == "batch" else best
+                with contextlib.suppress(RematError):
+                    steps.model_through(
+                        axis, fixed, [(start + k) * scale for k in range(degree + 1)]
+                    )
+            best = _largest(fits, best, 1, high)
+        return best
+
+    best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
+    best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
+    return FitRow(
+        strategy=name,
+        apply=_apply_line(p, steps),
+        plan=p.strategy,
+        peak_bytes=peak,
+        fits=_fits(peak, memories, usable),
+        overhead=overhead,
+        max_batch=best_batch,
+        max_seq=None if best_seq is None else best_seq * SEQ_STEP,
+        note=_allocator_note(memories) + (f"max seq: {limits[-1]}" if limits else ""),
+        gpu_memory=tuple(m.to_dict() for m in memories),
+    )
+
+
+def _judge(
+    steps: _Steps, name: str, batch: int, seq: int, usable: int
+) -> tuple[int, Any, list[Any], int, float] | None:
+    """A strategy's step at (batch, seq): its per-rank peak, plan, GPU memories, the live bytes it
+    may reach (the allocator's judge where simulated) and its predicted step-time overhead; None
+    for a per-block strategy on a model without blocks."""
+    peak, p = steps.peak(name, batch, seq, usable)
+    if peak is None:
+        return None
+    memories = steps.gpu_memories(batch, seq, p)
+    planner = steps.planner(batch, seq)
+    if memories and name == "auto":
+        # Choose again against the allocator's judge: live bytes within its limit less the
+        # overhead it showed, lowered while the reserved bytes still do not fit; then the plan of
+        # least recompute among the fixed ones whose reserved bytes fit, if auto's never did.
+        target = usable
+        for _ in range(4):
+            if memories[0].fits:
+                break
+            lower = memories[0].live_bytes_that_fit
+            target = lower if lower < target else target - memories[0].limit_bytes // 50
+            peak, p = steps.peak(name, batch, seq, target)
+            memories = steps.gpu_memories(batch, seq, p)
+        if not memories[0].fits:
+            for fixed in sorted(steps.candidates(planner), key=lambda c: c.recompute_seconds):
+                fixed_memories = steps.gpu_memories(batch, seq, fixed)
+                if fixed_memories[0].fits:
+                    peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
+                    break
+    if memories:
+        usable = memories[0].live_bytes_that_fit
+    overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
+    return peak, p, memories, usable, overhead
+
+
+def _fits(peak: int, memories: list[Any], usable: int) -> bool:
+    return peak <= usable if not memories else memories[0].fits
+
+
+def _allocator_note(memories: list[Any]) -> str:
+    """When torch's default allocator runs out and expandable segments would not: say so."""
+    if len(memories) > 1 and not memories[0].fits and memories[1].fits:
+        return (
+            f"out of memory with the default allocator (reserved "
+            f"{format_bytes(memories[0].reserved_bytes)}), fits with "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            f"({format_bytes(memories[1].reserved_bytes)}); "
+        )
+    return ""
+
+
+def _compiled_row(
+    steps: _Steps, mode: str, ac: str | None, batch: int, seq: int, usable: int
+) -> FitRow:
+    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step."""
+    from remat.prediction.compiled_estimate import estimate_compiled
+
+    graph = steps.trace(batch, seq)
+    if steps.progress:
+        steps.progress(f"compiling ({mode}) batch {batch}, seq {seq} on fake tensors")
+    model, inputs = steps.build(batch, seq)
+    compiled = estimate_compiled(
+        graph,
+        model,
+        *inputs,
+        compile=mode,
+        optimizer=steps.optimizer,
+        autocast=steps.setup.autocast,
+        ac=ac,
+    )
+    name = f"{mode}+{ac} AC" if ac else mode
+    return FitRow(
+        strategy=f"compile:{name}",
+        plan=f"torch.compile ({name}), torch's partitioner",
+        peak_bytes=compiled.peak_bytes,
+        fits=compiled.peak_bytes <= usable,
+        overhead=None,
+        max_batch=None,
+        max_seq=None,
+        note=f"{compiled.backend}; peak at batch {batch}, seq {seq} only (one compilation a size)",
+    )
+
+
+def _apply_line(p: Any, steps: _Steps) -> str:
+    """The `remat.auto` call that makes plan `p` on the user's model: a fixed strategy by name; a
+    budgeted plan by the whole-model budget it was solved at (under sharding, not the per-rank
+    capacity), with the optimizer and cost profile it was judged with."""
+    name = p.strategy.split(" ")[0]
+    if not strategies.get(name, "eager").budgeted:
+        return f'remat.auto(model, *inputs, strategy="{name}", budget="100%")'
+    return (
+        f"remat.auto(model, *inputs, budget={p.budget_bytes}, optimizer={steps.optimizer!r}, "
+        f'profile="{steps.gpu.profile}")'
+    )
