@@ -163,19 +163,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise RematError(f"--set {item!r}: write FIELD=VALUE, e.g. --set n_layers=2")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def _trace_model(args: argparse.Namespace, console: Console):
     """Build the model named by the arguments and trace one training step of it: (graph, trace
     seconds, (model, inputs))."""
@@ -198,7 +185,7 @@ def _trace_model(args: argparse.Namespace, console: Console):
         dtype=DTYPES[args.dtype],
         device=device,
         tiny=args.tiny,
-        **_parse_overrides(args.set),
+        **models.parse_overrides(args.set),
     )
     where = "fake tensors" if device == "meta" else f"real {device} tensors"
     start = time.perf_counter()
@@ -216,7 +203,7 @@ def _trace_model(args: argparse.Namespace, console: Console):
             def build(batch: int, seq: int):
                 return models.build(
                     args.model, batch=batch, seq=seq, dtype=DTYPES[args.dtype], tiny=args.tiny,
-                    **_parse_overrides(args.set),
+                    **models.parse_overrides(args.set),
                 )  # fmt: skip
 
             graph = layout.trace(build, args.batch, args.seq, target=target)
@@ -490,7 +477,7 @@ def _show_bench(planner: Planner, args: argparse.Namespace, console: Console) ->
         dtype=DTYPES[args.dtype],
         device=args.device,
         tiny=args.tiny,
-        **_parse_overrides(args.set),
+        **models.parse_overrides(args.set),
     )
     names = _bench_names(args)
     with console.status(f"resolving the budget {args.budget} ..."):
@@ -734,7 +721,7 @@ def _fit_report(
     from remat.device.gpus import custom_gpu, get_gpu
 
     gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
-    overrides = _parse_overrides(args.set)
+    overrides = models.parse_overrides(args.set)
 
     def build_for(precision: str):
         def build(batch: int, seq: int):
