@@ -54,7 +54,6 @@ from torch import nn
 import remat
 from remat import Planner, models
 from remat.answers.bench import plan_applied
-from remat.answers.cli import _parse_overrides
 from remat.applying.compiled import plans_of
 from remat.device.cost import DeviceProfile
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
@@ -719,7 +718,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     try:  # before any work: a typo should not cost a GPU run
         for name in args.strategies:
             strategies.get(name, "eager")
-        args.overrides = _parse_overrides(args.set)
+        args.overrides = models.parse_overrides(args.set)
     except RematError as e:
         parser.error(str(e))
     return args

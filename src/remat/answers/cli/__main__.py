@@ -1,0 +1,7 @@
+"""`python -m remat.answers.cli`: the `remat` command."""
+
+import sys
+
+from remat.answers.cli import main
+
+sys.exit(main())

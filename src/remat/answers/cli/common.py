@@ -1,0 +1,239 @@
+"""What the commands share: their model, budget, optimizer, profile and compile arguments, the
+traced model and planner those name, and the titles and output checks around them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from remat.errors import RematError
+from remat.prediction.estimate import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from remat.planning.planner import Planner
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEFAULT_MODEL = {"model": "gpt2", "batch": 4, "seq": 256, "dtype": "fp32"}
+
+
+def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="count optimizer state and step in the peak. adamw: torch's default implementation "
+        "for the device (foreach on a GPU, for-loop on the CPU); adamw-foreach/-fused/-for-loop "
+        "name one (AdamW(foreach=True), fused=True, foreach=False); adamw-8bit: bitsandbytes",
+    )
+
+
+def add_budget_arg(p: argparse.ArgumentParser) -> None:
+    from remat.planning.plans import DEFAULT_BUDGET
+
+    p.add_argument(
+        "--budget",
+        default=DEFAULT_BUDGET,
+        help="the memory budget of the whole step: bytes (40GiB, 512MiB, 1e9); a share (50%%: "
+        "the fixed memory of params, grads and optimizer state + 50%% of the rest of store-all's "
+        "peak); or a time overhead (+10%%: the lowest peak whose predicted recompute is at most "
+        "10%% of the step, always feasible) (default: %(default)s)",
+    )
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        choices=["whole", "blocks"],
+        help="also predict the step under torch.compile: whole (torch.compile(model)) or blocks "
+        "(each block compiled, the rest eager, as torchtitan does); inductor's own buffers, "
+        "generated for its CPU backend on fake tensors",
+    )
+    p.add_argument(
+        "--ac",
+        choices=["full"],
+        help="with --compile blocks: each block under full activation checkpointing before it is "
+        "compiled (torchtitan's compile + AC)",
+    )
+
+
+def add_profile_arg(p: argparse.ArgumentParser) -> None:
+    from remat.device.cost import PROFILES
+
+    p.add_argument(
+        "--profile",
+        default="cpu",
+        help=f"cost profile recompute time is predicted on: {', '.join(PROFILES)} "
+        "(default: %(default)s)",
+    )
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL["model"],
+        help="preset, hf:<type> or pkg.module:factory (default: %(default)s); 'list' prints the presets",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=DEFAULT_MODEL["batch"],
+        help="batch size (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=DEFAULT_MODEL["seq"],
+        help="sequence length; ignored by image models (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=DEFAULT_MODEL["dtype"],
+        help="parameter and activation dtype (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="the preset's tiny configuration (for quick checks)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field of the preset, e.g. --set n_layer=2 for gpt2 or --set "
+        "n_layers=2 for llama (repeatable; an unknown field lists the valid ones)",
+    )
+    p.add_argument(
+        "--trace-device",
+        default="meta",
+        help="meta (default: fake tensors, nothing allocated) or cpu (real tensors: for models with data-dependent shapes)",
+    )
+
+
+def trace_model(args: argparse.Namespace, console: Console):
+    """Build the model named by the arguments and trace one training step of it: (graph, trace
+    seconds, (model, inputs))."""
+    from remat import models
+    from remat.tracing.trace import trace
+
+    if args.model == "list":
+        console.print("presets: " + ", ".join(models.preset_names()))
+        console.print(
+            "Hugging Face, shipped configs (real size, own loss): "
+            + ", ".join(f"hf:{n}" for n in models.hf.shipped_names())
+        )
+        console.print("also: hf:<model_type> (e.g. hf:gpt2, hf:llama), pkg.module:factory")
+        raise SystemExit(0)
+    device = "meta" if args.trace_device == "meta" else args.trace_device
+    model, inputs = models.build(
+        args.model,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=DTYPES[args.dtype],
+        device=device,
+        tiny=args.tiny,
+        **models.parse_overrides(args.set),
+    )
+    where = "fake tensors" if device == "meta" else f"real {device} tensors"
+    start = time.perf_counter()
+    gpu = getattr(args, "gpu", None)
+    target = None
+    if gpu is not None and args.command == "estimate":
+        from remat.device.gpus import get_gpu
+
+        target = get_gpu(gpu).target
+        where += f", with {target.describe()}'s kernels"
+    layout = layout_of(args)
+    with console.status(f"tracing one training step of {args.model} on {where} ..."):
+        if layout.ranks > 1:  # one rank's step: estimate --tp / --cp
+
+            def build(batch: int, seq: int):
+                return models.build(
+                    args.model, batch=batch, seq=seq, dtype=DTYPES[args.dtype], tiny=args.tiny,
+                    **models.parse_overrides(args.set),
+                )  # fmt: skip
+
+            graph = layout.trace(build, args.batch, args.seq, target=target)
+            graph.info["layout"] = layout.describe(graph)
+        else:
+            graph = trace(model, *inputs, device=device, target=target)
+    graph.info.update(
+        model=args.model,
+        shape=_shape(args, inputs)
+        + (f", one rank of {graph.info['layout']}" if "layout" in graph.info else ""),
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+    )
+    return graph, time.perf_counter() - start, (model, inputs)
+
+
+def _shape(args: argparse.Namespace, inputs: tuple) -> str:
+    """What was built, for titles: a preset's batch and seq, or a factory's input shapes (it may
+    ignore --batch and --seq)."""
+    if ":" in args.model and not args.model.startswith("hf:"):
+        shapes = [tuple(t.shape) for t in inputs if hasattr(t, "shape")]
+        return "inputs " + ", ".join(str(s) for s in shapes)
+    return f"batch {args.batch}, seq {args.seq}"
+
+
+def title_of(args: argparse.Namespace, planner: Planner) -> str:
+    """The model as built and where it is costed, for titles of tables and plots."""
+    shape = planner.graph.info["shape"]
+    return f"{model_name(args)}, {shape}, {args.dtype}, costs on {planner.profile.name}"
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The model spec with its overrides: the demo's gpt2 is narrowed, and says so."""
+    tiny = " tiny" if args.tiny else ""
+    return f"{args.model}{tiny}" + (f" ({', '.join(args.set)})" if args.set else "")
+
+
+def writable(path: str | None, option: str) -> None:
+    """Refuse an output path whose folder does not exist before the work, not after it."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise RematError(f"{option} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise RematError(f"{option} {path}: the folder {folder} is not writable")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts: a whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def planner_for(args: argparse.Namespace, console: Console) -> Planner:
+    """Trace the model the arguments name and prepare it for planning on `--profile`."""
+    from remat.planning.planner import Planner
+
+    graph, seconds, _ = trace_model(args, console)
+    planner = Planner(graph, args.profile, args.optimizer)
+    planner.graph.info["trace_seconds"] = seconds
+    return planner
+
+
+def layout_of(args: argparse.Namespace) -> Any:
+    """The parallel layout of --tp, --cp, --pp, --microbatches and --schedule (one rank, one
+    micro-batch per stage and 1F1B where a command takes none)."""
+    from remat.layouts.parallel import Layout
+
+    return Layout(
+        tp=getattr(args, "tp", 1),
+        cp=getattr(args, "cp", 1),
+        pp=getattr(args, "pp", 1),
+        microbatches=getattr(args, "microbatches", 0) or 0,
+        schedule=getattr(args, "schedule", "1f1b"),
+    )

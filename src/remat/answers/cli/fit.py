@@ -1,0 +1,241 @@
+"""`remat fit`: whether a step fits a GPU, with which strategy, and at what batch and sequence;
+the fit table `remat report --gpu` adds comes from here too."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from remat.answers.cli.common import layout_of, model_name, writable
+from remat.errors import RematError
+
+
+def _fit_caption(report: Any) -> str:
+    """What the fit table's columns mean and how usable memory was reckoned: under the table in
+    the terminal and on the page."""
+    from remat.units import format_bytes
+
+    if any(r.gpu_memory for r in report.rows):
+        limit = report.rows[0].gpu_memory[0]["limit_bytes"] if report.rows[0].gpu_memory else 0
+        judged = (
+            "peak: live tensors; allocated / reserved: the CUDA caching allocator simulated (OOM: "
+            "it ran out of memory), expandable: reserved with expandable_segments:True; fits: "
+            f"{report.allocator} ({format_bytes(limit)} = total_memory "
+            f"{format_bytes(report.capacity_bytes)} - CUDA context - NCCL buffers; nvidia-smi "
+            "shows reserved + context, see --json)"
+        )
+    else:
+        judged = (
+            f"fits: {report.allocator}; usable {format_bytes(report.usable_bytes)} = capacity "
+            f"{format_bytes(report.capacity_bytes)} - reserve {format_bytes(report.reserve_bytes)}"
+        )
+    if "stages" in report.extra:  # a pipeline: stage traces, micro-batches, no sequence search
+        searched = (
+            f"max micro-batch on the line through two traced sizes; {report.traces} stage "
+            f"traces in {report.seconds:.0f} s"
+        )
+    else:
+        searched = (
+            f"max seq in steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} "
+            f"traced in {report.seconds:.0f} s"
+        )
+    return f"{judged}; step time: predicted recompute on the {report.profile} profile; {searched}"
+
+
+def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
+    """The `remat fit` command of these arguments under another precision, optimizer and rank
+    count: what the advice says fits, to run as printed."""
+    parts = ["remat", "fit", "--model", args.model, "--batch", str(args.batch)]
+    parts += ["--seq", str(args.seq)]
+    parts += ["--capacity", args.capacity] if args.capacity else []
+    parts += ["--gpu", args.gpu] if args.gpu else []
+    parts += ["--precision", setup["precision"], "--optimizer", setup["optimizer"] or "none"]
+    parts += ["--shard", str(setup["shard"])] if setup["shard"] > 1 else []
+    for flag in ("tp", "cp", "pp"):  # the layout asked, or the one found
+        degree = setup.get(flag, getattr(args, flag, 1))
+        parts += [f"--{flag}", str(degree)] if degree > 1 else []
+    if setup.get("pp", getattr(args, "pp", 1)) > 1:
+        microbatches = setup.get("microbatches", getattr(args, "microbatches", None))
+        parts += ["--microbatches", str(microbatches)] if microbatches else []
+        parts += ["--schedule", setup.get("schedule", getattr(args, "schedule", "1f1b"))]
+    parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
+    parts += ["--tiny"] if args.tiny else []
+    for item in args.set or []:
+        parts += ["--set", item]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def fit_report(
+    args: argparse.Namespace,
+    console: Console,
+    precision: str,
+    shard: int,
+    compile: str | None = None,
+    ac: str | None = None,
+):
+    """`remat.answers.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
+    the step under torch.compile (`whole` or `blocks`, with `ac="full"` each block checkpointed)."""
+    from remat import models
+    from remat.answers.fit import fit
+    from remat.answers.fit_steps import PRECISIONS
+    from remat.device.gpus import custom_gpu, get_gpu
+
+    gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
+    overrides = models.parse_overrides(args.set)
+
+    def build_for(precision: str):
+        def build(batch: int, seq: int):
+            return models.build(
+                args.model,
+                batch=batch,
+                seq=seq,
+                dtype=PRECISIONS[precision].param_dtype,
+                tiny=args.tiny,
+                **overrides,
+            )
+
+        return build
+
+    optimizer = getattr(args, "optimizer", None)
+    with console.status("tracing ...") as status:
+        return fit(
+            build_for(precision),
+            model=args.model,
+            batch=args.batch,
+            seq=args.seq,
+            gpu=gpu,
+            precision=precision,
+            optimizer=None if optimizer == "none" else optimizer,
+            shard=shard,
+            reserve=getattr(args, "reserve", None),
+            compile=compile,
+            ac=ac,
+            progress=lambda text: status.update(text),
+            build_for=build_for,
+            layout=layout_of(args),
+        )
+
+
+def cmd_fit(args: argparse.Namespace, console: Console) -> int:
+    from remat.answers.report import compact_table
+    from remat.units import format_bytes
+
+    writable(args.html, "--html")
+    if args.ac and args.compile != "blocks":
+        raise RematError(
+            "--ac full checkpoints each block before compiling it: add --compile blocks"
+        )
+    report = fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
+    gpu = report.gpu
+    found = report.extra.get("setup_that_fits")
+    laid_out = report.extra.get("layout_that_fits")
+    if laid_out:  # a pipeline that fits laid out otherwise, asked precision and ranks
+        found = {"precision": args.precision, "optimizer": report.optimizer, "shard": args.shard}
+        found |= {k: laid_out[k] for k in ("tp", "pp", "microbatches", "schedule")}
+    run = [f"run: {_fit_command(args, found)}"] if found else []
+    if args.html:
+        from remat.answers.html import write_report
+
+        write_report(
+            args.html,
+            report.planner,
+            title=f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}"
+            + (f", one rank of {report.layout}" if report.layout else "")
+            + (" (its step: the tightest rank's first stage)" if "stages" in report.extra else ""),
+            budget_bytes=report.usable_bytes,
+            fit_rows=report.table_rows(),
+            advice=[*report.advice, *run],
+            fit_caption=_fit_caption(report),
+        )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    title = (
+        f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
+        f"{report.optimizer or 'no optimizer'}, on {gpu}"
+        + (f", sharded over {args.shard} ranks" if args.shard > 1 else "")
+        + (f", {report.layout}" if report.layout else "")
+        + (" (per-rank figures)" if args.shard > 1 or report.layout else "")
+    )
+    table = compact_table(title)
+    simulated = any(r.gpu_memory for r in report.rows)
+    columns = [
+        "strategy",
+        "peak\n(live)",
+        "fits",
+        "step\ntime",
+        f"max batch\n(seq {args.seq})",
+        f"max seq\n(batch {args.batch})",
+    ]
+    if getattr(args, "pp", 1) > 1:  # a pipeline: micro-batches, no sequence search
+        columns[-2:] = [f"max micro-\nbatch (seq {args.seq})"]
+    if simulated:
+        columns[2:2] = ["allocated", "reserved", "expand-\nable"]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for r in report.rows:
+        # a simulation that ran out of memory stopped at the limit: its peaks are not the step's
+        memory = [
+            "OOM" if m["out_of_memory"] else format_bytes(m[k])
+            for m in r.gpu_memory[:1]
+            for k in ("allocated_bytes", "reserved_bytes")
+        ]
+        expandable = [
+            "OOM" if m["out_of_memory"] else format_bytes(m["reserved_bytes"])
+            for m in r.gpu_memory[1:2]
+        ]
+        cells = [
+            r.strategy,
+            "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
+            *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
+            "[green]yes[/green]" if r.fits else "[red]no[/red]",
+            "-" if r.overhead is None else f"+{r.overhead:.1%}",
+            str(r.max_batch) if r.max_batch else "-",
+            *([] if getattr(args, "pp", 1) > 1 else [str(r.max_seq) if r.max_seq else "-"]),
+        ]
+        table.add_row(*cells)
+    table.caption = _fit_caption(report)
+    console.print(table)
+    by_note: dict[str, list[str]] = {}
+    for r in report.rows:
+        if r.note:
+            by_note.setdefault(r.note, []).append(r.strategy)
+    for note, names in by_note.items():  # each fact once
+        who = "every row" if len(names) == len(report.rows) > 1 else ", ".join(names)
+        console.print(f"[dim]{escape(who)}: {escape(note)}[/dim]")
+    _print_stages(console, report)
+    for line in report.advice:
+        console.print(f"[bold]advice:[/bold] {escape(line)}")
+    for line in run:
+        console.print(f"[bold]run:[/bold] {escape(line.removeprefix('run: '))}", soft_wrap=True)
+    if args.html:
+        console.print(f"report written to {escape(args.html)}")
+    return 0
+
+
+def _print_stages(console: Console, report: Any) -> None:
+    """A pipeline's stages under remat's plan (auto), or the first strategy fitted: per stage,
+    its rank, blocks, micro-batches in flight, bytes held per micro-batch, fixed bytes and its
+    rank's peak; and the most micro-batches each strategy fits."""
+    from remat.answers.report import compact_table
+
+    stages = report.extra.get("stages")
+    if not stages:
+        return
+    name = "auto" if "auto" in stages else next(iter(stages))
+    table = compact_table(f"stages under {name}, per rank")
+    rows = stages[name]
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(escape(v) for v in row.values()))
+    console.print(table)
+    counts = report.extra.get("max_microbatches", {})
+    if counts:
+        most = ", ".join(f"{k} {v if v else '-'}" for k, v in counts.items())
+        console.print(f"[dim]most micro-batches that fit (up to 1024): {escape(most)}[/dim]")
