@@ -24,7 +24,6 @@ import remat
 from remat import models
 from remat.answers.bench import gradients
 from remat.applying.compiled import plans_of
-from remat.measuring.measure import saved_tensor_bytes
 from remat.planning.solvers.mincut import joint_problem, recomputed_values
 from remat.planning.solvers.saveset import cheapest_save_set, describe_save_set
 
@@ -124,10 +123,12 @@ def test_inductor_predicted_peak_is_the_measured_one_and_never_above_the_budget(
     """Issue 11 item 1: the plan's peak is read from inductor's generated code (fusion, buffer
     reuse, its own kernel order), so it is what inductor allocates: the measured step's peak to
     the byte at every budget (issue 11 asked for 3%; the op-by-op count was 16-18% low on llama),
-    within the budget, and never growing as the budget shrinks."""
+    within the budget, and never growing as the budget shrinks. Each compile is also checked for
+    eager's gradients and for saving exactly the plan's bytes (one inductor compile, all checks)."""
     # a vocabulary of 64: the blocks, not the loss's fp32 logits (outside every plan), decide
     # the peak, so that a smaller budget has something to recompute
     model, inputs = _build(name, batch=4, seq=64, vocab_size=64)
+    reference = gradients(model, inputs, seed=1)
     measured_peaks = []
     for budget in budgets:
         torch._dynamo.reset()
@@ -137,6 +138,8 @@ def test_inductor_predicted_peak_is_the_measured_one_and_never_above_the_budget(
         assert plan.details["peak_model"] == "inductor"
         assert measured.peak_bytes == plan.predicted_peak_bytes
         assert measured.peak_bytes <= plan.budget_bytes
+        assert measured.activation_bytes == plan.held_bytes
+        _assert_close(gradients(compiled, inputs, seed=1), reference)
         measured_peaks.append(measured.peak_bytes)
     assert measured_peaks == sorted(measured_peaks, reverse=True)
     assert measured_peaks[-1] < measured_peaks[0]
@@ -214,19 +217,6 @@ def test_an_unreadable_inductor_plan_falls_back_to_the_op_by_op_count(monkeypatc
     assert [s.name for s in plan.saved] == ["add_2"]
 
 
-# -- gradients and saved bytes of zoo models under inductor -----------------------------------------
-@needs_cxx
-@pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b"])
-def test_inductor_gradients_match_eager_and_saved_bytes_match_the_plan(name):
-    model, inputs = _build(name)
-    reference = gradients(model, inputs, seed=1)
-    compiled = remat.compile(model, budget="100%", strategy="auto")
-    _assert_close(gradients(compiled, inputs, seed=1), reference)
-    (plan,) = plans_of(compiled)
-    assert plan.predicted_peak_bytes <= plan.budget_bytes
-    assert saved_tensor_bytes(compiled, *inputs) == plan.held_bytes
-
-
 # -- the same decisions, op by op (aot_eager): fast, and the peak model is exact there --------------
 @pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b", "megatron-gpt", "mlp-chain-16"])
 @pytest.mark.parametrize("strategy", ["mincut", "milp", "auto"])
@@ -256,7 +246,7 @@ def test_random_ops_are_never_recomputed():
 def test_measured_peak_never_grows_as_the_budget_shrinks():
     model, inputs = _build("llama-3.2-1b", batch=8, seq=128)
     peaks, predicted, saved = [], [], []
-    for budget in ["100%", "85%", "70%", "60%", "55%"]:
+    for budget in ["100%", "70%", "55%"]:
         compiled = remat.compile(model, budget=budget, strategy="milp", compiler="aot_eager")
         measured = remat.measure(compiled, *inputs)
         (plan,) = plans_of(compiled)
