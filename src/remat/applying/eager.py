@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (
 )
 
 from remat.errors import RematError, warn
+from remat.measuring.measure import measure
 from remat.planning.plans import Plan
 from remat.prediction.schedule import OpKey
 from remat.tracing.caches import CachesOff
@@ -421,8 +422,6 @@ def _measure_longest_draws(model: nn.Module, inputs: tuple, kwargs: dict[str, An
     """One measured step with random draws at their low extreme (`remat.tracing.draws`); where a draw
     decided something (LayerDrop), at the high one too: the longer step, which the plan was made
     for. At one extreme the step may not train at all (every layer skipped)."""
-    from remat.measuring.measure import measure
-
     try:
         low = measure(model, *inputs, draws="low", **kwargs)
     except RematError as err:

@@ -33,8 +33,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from remat.applying.eager import apply, remove
 from remat.device.cost import DeviceProfile
 from remat.errors import PlanFormatError, warn
+from remat.measuring.measure import calibrate_profile, time_steps
 from remat.planning.planner import Planner
 from remat.planning.plans import Plan
 
@@ -75,8 +77,6 @@ def with_measured_overheads(profile: DeviceProfile, device: torch.device) -> Dev
         return profile
     key = str(device)
     if key not in _OVERHEADS:
-        from remat.measuring.measure import calibrate_profile
-
         measured = calibrate_profile(key)
         _OVERHEADS[key] = (measured.region_seconds, measured.policy_op_seconds)
     region, per_op = _OVERHEADS[key]
@@ -142,8 +142,6 @@ def tune(
         planner.plan(budget_bytes, "auto")  # raises InfeasibleBudget, naming the least that fits
     timer = timer or _time_one_step
     times: list[list[float]] = [[] for _ in plans]
-    from remat.applying.eager import apply, remove
-
     for r in range(rounds):
         for k in range(len(plans)):
             i = (r + k) % len(plans)
@@ -253,6 +251,4 @@ def _shapes(tree: Any) -> tuple:
 
 
 def _time_one_step(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> float:
-    from remat.measuring.measure import time_steps
-
     return time_steps(model, *inputs, steps=1, **kwargs)[0]

@@ -23,9 +23,11 @@ from typing import Any
 
 from torch import nn
 
-from remat.errors import RematError
+from remat.device.targets import get_target
+from remat.errors import RematError, TraceError
 from remat.tracing.fsdp import fsdp_sharded_as_bare as fsdp_sharded_as_bare  # 0.4's path
 from remat.tracing.fsdp import is_fsdp_sharded as is_fsdp_sharded
+from remat.tracing.trace import trace
 
 
 @contextlib.contextmanager
@@ -253,9 +255,6 @@ class Layout:
         (`graph.info["context_parallel"]` says "torch ring attention"). Elsewhere (a CPU target,
         whose attention kernels torch's ring does not take; tensor parallelism too; a length
         torch's ring cannot split) the step at `seq / cp` stands for it ("local chunk")."""
-        from remat.device.targets import get_target
-        from remat.tracing.trace import trace
-
         if self.cp > 1 and self.tp == 1 and get_target(trace_kwargs.get("target")).is_cuda:
             with contextlib.suppress(_RingUnavailable):
                 return self._trace_ring(build, batch, seq, **trace_kwargs)
@@ -275,9 +274,6 @@ class Layout:
         `_RingUnavailable` where torch's ring cannot run it."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-
-        from remat.errors import TraceError
-        from remat.tracing.trace import trace
 
         self.local_seq(seq)
         if seq % (2 * self.cp):  # round-robin load balancing cuts 2 x cp chunks
