@@ -1,6 +1,7 @@
 """The stage folders' rules, read from the source tree: a stage imports only the stages below it
-(type-checking and function-level imports included), modules import each other in no circle, and no
-module grows past ~800 lines (docs/architecture.md)."""
+(type-checking and function-level imports included), modules import each other in no circle, a
+name one module imports from another is public (no leading underscore), and no module grows past
+~800 lines (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ def test_the_source_tree_is_read():
     assert len(MODULES) > 50
     assert "remat.planning.planner" in GRAPH["remat.applying.eager"] | GRAPH["remat.applying.tune"]
     assert {stage_of(m) for m in MODULES} == set(STAGES)
+    assert private_names_imported("remat") == []  # `from remat import _moved` is the one allowed
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -144,6 +146,24 @@ def test_circles_finds_a_planted_circle():
 
 def test_no_module_imports_itself_back():
     assert circles(GRAPH) == []
+
+
+def private_names_imported(module: str) -> list[str]:
+    """`_name`s that `module` imports from another remat module."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("remat"):
+            found += [
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_moved"
+            ]
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_a_name_used_by_another_module_is_public(module):
+    assert not private_names_imported(module), f"{module} imports private names; make them public"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

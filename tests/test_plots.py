@@ -17,7 +17,7 @@ from remat.answers.plots import (
     _bench_figure,
     _byte_unit,
     _dodge,
-    _frontier_figure,
+    frontier_figure,
     plot_bench,
     plot_frontier,
 )
@@ -102,7 +102,7 @@ def test_dodge_sets_coincident_markers_side_by_side():
 def test_frontier_figure(planned):
     planner, frontier, chosen, budget = planned
     title = "gpt2 (tiny) b2 s64 float32 on cpu"
-    fig = _frontier_figure(
+    fig = frontier_figure(
         frontier, title, budget_bytes=budget, chosen=chosen, step_seconds=planner.step_seconds
     )
     (ax,) = fig.axes
@@ -128,7 +128,7 @@ def test_frontier_figure(planned):
 
 def test_frontier_figure_defaults_in_time_units(planned):
     _, frontier, _, _ = planned
-    fig = _frontier_figure(frontier)
+    fig = frontier_figure(frontier)
     (ax,) = fig.axes
     assert fig.get_suptitle()  # a default title
     assert ax.get_ylabel() in (
@@ -144,12 +144,12 @@ def test_frontier_figure_budget_at_the_edges(planned):
     planner, frontier, _, _ = planned
     lowest = planner.lowest_peak()
     # At the lowest feasible peak: the line at the left edge, its label inside the canvas.
-    fig = _frontier_figure(frontier, "t", budget_bytes=lowest.predicted_peak_bytes, chosen=lowest)
+    fig = frontier_figure(frontier, "t", budget_bytes=lowest.predicted_peak_bytes, chosen=lowest)
     assert budget_lines(fig.axes[0], lowest.predicted_peak_bytes, MIB)
     assert_readable_labels(fig)
     # Far above every plan: the axis keeps the data's width, a label at the edge points to it.
     far = 40 * 2**30
-    fig = _frontier_figure(frontier, "t", budget_bytes=far, chosen=planner.plan(far))
+    fig = frontier_figure(frontier, "t", budget_bytes=far, chosen=planner.plan(far))
     (ax,) = fig.axes
     assert ax.get_xlabel().endswith("(MiB)")
     assert ax.get_xlim()[1] < 3

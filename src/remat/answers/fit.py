@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from remat.answers.fit_rows import FitRow, _compiled_row, _fit_row, _fits, _judge
-from remat.answers.fit_steps import PRECISIONS, Build, _Steps
+from remat.answers.fit_rows import FitRow, compiled_row, fit_row, fits_on, judge_step
+from remat.answers.fit_steps import PRECISIONS, Build, FitSteps
 from remat.device.gpus import Gpu, allocator_limit_bytes, fixed_memory, usable_bytes
 from remat.errors import BudgetError, RematError
 from remat.graph import Graph
@@ -118,7 +118,7 @@ def _row_dict(row: FitRow) -> dict[str, Any]:
     return out
 
 
-def _judged_by(steps: _Steps) -> str:
+def _judged_by(steps: FitSteps) -> str:
     if steps.simulate_allocator:
         from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS
 
@@ -201,13 +201,13 @@ def fit(
             build, model, batch, seq, gpu, precision, optimizer, shard, usable,
             strategies_to_fit, layout, progress, start, simulate_allocator=reserve is None,
         )  # fmt: skip
-    steps = _Steps(build, gpu, precision, optimizer, shard, progress, layout)
+    steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     rows = [
-        _fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
+        fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
     if compile is not None:
-        rows.append(_compiled_row(steps, compile, ac, batch, seq, usable))
+        rows.append(compiled_row(steps, compile, ac, batch, seq, usable))
     extra: dict[str, Any] = {}
     peaks = [r.peak_bytes for r in rows if r.peak_bytes is not None]
     if peaks and min(peaks) > usable:
@@ -425,10 +425,10 @@ def setup_that_fits(
     levels = [asked.shard, *(2**k for k in range(1, 11) if asked.shard < 2**k <= max_ranks)]
     precisions = list(dict.fromkeys([asked.precision, "bf16-mixed", "bf16-fsdp", "bf16"]))
     optimizers = list(dict.fromkeys([asked.optimizer, _LEANER_OPTIMIZER.get(asked.optimizer)]))
-    combos: dict[tuple[str, Optimizer], _Steps] = {}  # one per setup: planners are per rank count
+    combos: dict[tuple[str, Optimizer], FitSteps] = {}  # one per setup: planners are per rank count
     for precision in precisions:
         for optimizer in (o for o in optimizers if o is not None or asked.optimizer is None):
-            steps = _Steps(
+            steps = FitSteps(
                 build_for(precision), gpu, precision, optimizer, asked.shard, progress, layout
             )
             steps.traced = traced.setdefault(precision, {})
@@ -447,18 +447,18 @@ def setup_that_fits(
             lowest = min(steps.rank_peak(planner, p) for p in steps.fixed_plans(planner))
             if lowest > 1.05 * usable:
                 continue
-            judged = _judge(steps, "auto", batch, seq, usable)
+            judged = judge_step(steps, "auto", batch, seq, usable)
             if judged is None:
                 return None  # no blocks to plan: no setup changes that
             peak, p, memories, row_usable, overhead = judged
-            if _fits(peak, memories, row_usable):
+            if fits_on(peak, memories, row_usable):
                 found.append(Setup(precision, optimizer, ranks, p.strategy, overhead))
         if found:
             return min(found, key=lambda s: (round(s.overhead, 4), len(s.changes(asked))))
     return None
 
 
-def _ranks_to_fit(steps: _Steps, batch: int, seq: int, usable: int) -> int | None:
+def _ranks_to_fit(steps: FitSteps, batch: int, seq: int, usable: int) -> int | None:
     """The fewest ranks (a power of two, up to 1024) over which sharding parameters, gradients and
     optimizer state brings a plan within `usable` per rank (per rank, since the unsharded
     optimizer step can hide every activation from the whole-model judge): arithmetic on the

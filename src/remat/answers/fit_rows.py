@@ -1,7 +1,7 @@
 """One strategy's row of a fit (`FitRow`): its per-rank peak at the asked batch and sequence and
-whether it fits, judged by the caching allocator where it is simulated (`_judge`); the largest batch
-and sequence that fit, searched on size models and confirmed by a trace at the answer (`_fit_row`,
-`_largest`, `_guess`); the row of the step under torch.compile (`_compiled_row`); and the line that
+whether it fits, judged by the caching allocator where it is simulated (`judge_step`); the largest batch
+and sequence that fit, searched on size models and confirmed by a trace at the answer (`fit_row`,
+`_largest`, `_guess`); the row of the step under torch.compile (`compiled_row`); and the line that
 applies a row's plan (`_apply_line`).
 
 Apart from `remat.answers.fit`, which gathers the rows into a `FitReport` with its advice; both
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from remat.answers.fit_steps import _Steps
+from remat.answers.fit_steps import FitSteps
 from remat.errors import RematError
 from remat.planning import strategies
 from remat.prediction.estimate import estimate
@@ -83,8 +83,8 @@ def _guess(xs: list[int], ys: list[int], limit: int) -> int:
     return int(max(crossings)) if crossings else xs[-1]
 
 
-def _fit_row(
-    steps: _Steps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
+def fit_row(
+    steps: FitSteps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
 ) -> FitRow:
     """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit.
 
@@ -92,7 +92,7 @@ def _fit_row(
     reserved bytes do (the allocator's limit, under torch's default settings), and the searches
     for the largest batch and sequence run on live bytes against the limit less the workspaces
     and the allocator's overhead (reserved - requested) measured at (batch, seq)."""
-    judged = _judge(steps, name, batch, seq, usable)
+    judged = judge_step(steps, name, batch, seq, usable)
     if judged is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     peak, p, memories, usable, overhead = judged
@@ -172,7 +172,7 @@ def _fit_row(
         apply=_apply_line(p, steps),
         plan=p.strategy,
         peak_bytes=peak,
-        fits=_fits(peak, memories, usable),
+        fits=fits_on(peak, memories, usable),
         overhead=overhead,
         max_batch=best_batch,
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
@@ -181,8 +181,8 @@ def _fit_row(
     )
 
 
-def _judge(
-    steps: _Steps, name: str, batch: int, seq: int, usable: int
+def judge_step(
+    steps: FitSteps, name: str, batch: int, seq: int, usable: int
 ) -> tuple[int, Any, list[Any], int, float] | None:
     """A strategy's step at (batch, seq): its per-rank peak, plan, GPU memories, the live bytes it
     may reach (the allocator's judge where simulated) and its predicted step-time overhead; None
@@ -216,7 +216,8 @@ def _judge(
     return peak, p, memories, usable, overhead
 
 
-def _fits(peak: int, memories: list[Any], usable: int) -> bool:
+def fits_on(peak: int, memories: list[Any], usable: int) -> bool:
+    """Whether a step fits: by the simulated allocator where there is one, else live bytes."""
     return peak <= usable if not memories else memories[0].fits
 
 
@@ -232,8 +233,8 @@ def _allocator_note(memories: list[Any]) -> str:
     return ""
 
 
-def _compiled_row(
-    steps: _Steps, mode: str, ac: str | None, batch: int, seq: int, usable: int
+def compiled_row(
+    steps: FitSteps, mode: str, ac: str | None, batch: int, seq: int, usable: int
 ) -> FitRow:
     """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step."""
     from remat.prediction.compiled_estimate import estimate_compiled
@@ -264,7 +265,7 @@ def _compiled_row(
     )
 
 
-def _apply_line(p: Any, steps: _Steps) -> str:
+def _apply_line(p: Any, steps: FitSteps) -> str:
     """The `remat.auto` call that makes plan `p` on the user's model: a fixed strategy by name; a
     budgeted plan by the whole-model budget it was solved at (under sharding, not the per-rank
     capacity), with the optimizer and cost profile it was judged with."""

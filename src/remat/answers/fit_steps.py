@@ -1,6 +1,6 @@
 """The training steps `remat.answers.fit` judges: a model's step at any (batch, seq), traced or
 interpolated by a size model (`remat.prediction.sizes.SizeModel`) through traces at nearby sizes
-until a trace confirms the answer, with every strategy's per-rank peak on it (`_Steps`); and how
+until a trace confirms the answer, with every strategy's per-rank peak on it (`FitSteps`); and how
 each precision is traced and held (`PRECISIONS`).
 
 Apart from `remat.answers.fit_rows` (a strategy's row and the search for the largest batch and
@@ -51,7 +51,7 @@ PRECISIONS: dict[str, PrecisionSetup] = {
 Build = Callable[[int, int], tuple[torch.nn.Module, tuple[Any, ...]]]
 
 
-class _Steps:
+class FitSteps:
     """Steps by (batch, seq): traced, or interpolated by a `SizeModel` through traces at nearby
     sizes along one axis (batch at a fixed seq, seq at a fixed batch) until `confirm` traces the
     answer; each asked for every strategy's per-rank peak."""

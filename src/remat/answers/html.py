@@ -137,10 +137,10 @@ def render_report(
 ) -> str:
     """The page `write_report` writes, as a string."""
     from remat.answers.plots import (
-        _breakdown_figure,
-        _frontier_figure,
-        _module_breakdown,
-        _timeline_figure,
+        breakdown_figure,
+        frontier_figure,
+        module_breakdown,
+        timeline_figure,
     )
 
     graph, est = planner.graph, planner.estimate
@@ -166,7 +166,7 @@ def render_report(
             plans = [(label + " (= store_all)", chosen, plans[0][2]), *plans[1:]]
         else:
             plans.append((label, chosen, planner.simulate(chosen.regions)))
-    timeline_fig = _timeline_figure(
+    timeline_fig = timeline_figure(
         [(label, sim) for label, _, sim in plans],
         forward_ops=len(graph.forward_ops),
         budget_bytes=budget_bytes,
@@ -176,9 +176,9 @@ def render_report(
     )
 
     # 3. the breakdown
-    modules, block = _module_breakdown(est, [b.path for b in planner.blocks])
+    modules, block = module_breakdown(est, [b.path for b in planner.blocks])
     ops = [(o.op, o.activation_bytes, o.count) for o in est.by_op[:10]]
-    breakdown_fig = _breakdown_figure(
+    breakdown_fig = breakdown_figure(
         modules,
         ops,
         est.activation_bytes,
@@ -188,7 +188,7 @@ def render_report(
     )
 
     # 4. the frontier
-    frontier_fig = _frontier_figure(
+    frontier_fig = frontier_figure(
         frontier,
         f"{title}: predicted memory / recompute frontier",
         budget_bytes,

@@ -145,7 +145,7 @@ def _finish(fig, ax, title: str, xlabel: str, ylabel: str) -> None:
         fig.legend(handles, labels, loc="outside right center", fontsize=8, frameon=False)
 
 
-def _frontier_figure(
+def frontier_figure(
     frontier: Frontier,
     title: str = "",
     budget_bytes: int | None = None,
@@ -255,7 +255,7 @@ def plot_frontier(
 ) -> str:
     """A PNG of the predicted frontier (peak vs recompute time) with the fixed strategies, the
     budget and the chosen plan marked. Recompute time is in % of `step_seconds` when given."""
-    fig = _frontier_figure(frontier, title, budget_bytes, chosen, step_seconds)
+    fig = frontier_figure(frontier, title, budget_bytes, chosen, step_seconds)
     fig.savefig(path, dpi=120)
     return path
 
@@ -394,7 +394,7 @@ def _schedule_x(schedule) -> list[float]:
 _TIMELINE_COLORS = ("0.55", "C0", "C1", "C4", "C5")
 
 
-def _timeline_figure(
+def timeline_figure(
     series,
     forward_ops: int,
     budget_bytes: int | None = None,
@@ -490,7 +490,7 @@ def _timeline_figure(
     return fig
 
 
-def _module_breakdown(est: MemoryEstimate, blocks=(), top: int = 12):
+def module_breakdown(est: MemoryEstimate, blocks=(), top: int = 12):
     """Saved bytes by module at the shallowest depth that tells something: the top-level modules,
     a module holding most (half or more) of the bytes replaced by its children, again while one
     does; a module holding repeated blocks (`blocks`: their paths) stays one row, `<path> (N
@@ -549,7 +549,7 @@ def _module_breakdown(est: MemoryEstimate, blocks=(), top: int = 12):
     return rows, block
 
 
-def _breakdown_figure(
+def breakdown_figure(
     modules,
     ops,
     total_bytes: int,
@@ -558,7 +558,7 @@ def _breakdown_figure(
     title: str = "",
 ):
     """Horizontal bars of saved bytes (a `matplotlib.figure.Figure`): by module (`modules`,
-    `(label, bytes)` rows as `_module_breakdown` gives them), inside one block (`block`:
+    `(label, bytes)` rows as `module_breakdown` gives them), inside one block (`block`:
     `(path, rows)`, one of `blocks` repeated blocks) when given, and by op type (`ops`,
     `(op, bytes, tensors)` rows). Each bar is labelled with its bytes and share of
     `total_bytes`."""

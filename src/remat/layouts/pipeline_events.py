@@ -1,6 +1,6 @@
 """Pipeline events: as the GPU reports it, the caching allocator over a rank's walk. A stage's
-forward, first and later backwards as allocation events for any micro-batch (`_StageLives`), and a
-rank's optimizer step over its stages (`_optimizer_step`): the pieces `rank_events` strings
+forward, first and later backwards as allocation events for any micro-batch (`StageLives`), and a
+rank's optimizer step over its stages (`optimizer_step_events`): the pieces `rank_events` strings
 together in torch's order for `remat.prediction.gpu_memory`.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from remat.device.allocator import Alloc, Free
 from remat.device.targets import scratch_bytes
 from remat.graph import Graph
-from remat.layouts.pipeline_steps import _TracedStage
+from remat.layouts.pipeline_steps import TracedStage
 from remat.layouts.pipeline_walk import Sharding
 from remat.prediction.estimate import Optimizer
 from remat.prediction.gpu_memory import BLAS_OPS, Event, optimizer_events
@@ -50,12 +50,12 @@ class _Action:
 
 
 @dataclass(frozen=True)
-class _StageLives:
+class StageLives:
     """A stage's one-micro-batch step as lives on its schedule (`remat.prediction.schedule.storage_lives`,
     the lives its simulation and every plan are judged on), cut where the backward begins into
     its actions, each life told by what it is to the pipeline: a parameter's gradient (kept
     from the first backward, a temporary added into it in later ones), the input's gradient and
-    the output (sent: kept as long as their sends, `_sent_counts`), or the step's own (freed
+    the output (sent: kept as long as their sends, `sent_counts`), or the step's own (freed
     where it ends, or as the backward does)."""
 
     forward: _Action
@@ -63,7 +63,7 @@ class _StageLives:
     later_backward: _Action
 
     @classmethod
-    def of(cls, traced: _TracedStage, regions: Sequence[Region]) -> _StageLives:
+    def of(cls, traced: TracedStage, regions: Sequence[Region]) -> StageLives:
         graph = traced.graph
         analysis = analyse_regions(graph, regions)
         schedule = build_schedule(graph, analysis)
@@ -135,7 +135,7 @@ def _tagged(events: Sequence[Event], tag: Any) -> list[Event]:
     ]
 
 
-def _shard_sizes(graph: Graph, sharding: Sharding) -> dict[int, int]:
+def shard_sizes(graph: Graph, sharding: Sharding) -> dict[int, int]:
     """Parameter storage -> the bytes its optimizer state is kept over: the parameter, or its
     FSDP shard of the fp32 master copy."""
     params = {s.id: s.nbytes for s in graph.storages_of(("param",))}
@@ -144,14 +144,14 @@ def _shard_sizes(graph: Graph, sharding: Sharding) -> dict[int, int]:
     return {sid: -(-n * sharding.master_scale // sharding.ranks) for sid, n in params.items()}
 
 
-def _optimizer_step(
+def optimizer_step_events(
     stages: Sequence[tuple[int, Graph]], optimizer: Optimizer, step: int, sharding: Sharding
 ) -> list[Event]:
     """One optimizer over the parameters of a rank's `stages`: each stage's state made on the
     first step, then their temporaries as one foreach step makes them (all, then all freed), then
     any per-parameter ones (`remat.prediction.gpu_memory.optimizer_events`)."""
     per_stage = [
-        _tagged(optimizer_events(g, optimizer, step, _shard_sizes(g, sharding), step == 0), i)
+        _tagged(optimizer_events(g, optimizer, step, shard_sizes(g, sharding), step == 0), i)
         for i, g in stages
     ]
     events = [e for es in per_stage for e in es]

@@ -1,4 +1,4 @@
-"""Pipeline steps: each stage's step traced for one micro-batch (`_TracedStage`, as
+"""Pipeline steps: each stage's step traced for one micro-batch (`TracedStage`, as
 `PipelineStage` receives its input and the next stage's gradient), and what that step keeps and
 peaks at once simulated under a plan (`StageStep`), the unit every rank's walk is counted in.
 """
@@ -88,7 +88,7 @@ class StageStep:
 
 
 @dataclass(frozen=True)
-class _TracedStage:
+class TracedStage:
     """A stage's one-micro-batch step and the byte counts of what flows between stages."""
 
     stage: Stage
@@ -98,14 +98,14 @@ class _TracedStage:
     output_bytes: int  # hidden states sent on (0 on the last stage)
 
 
-def _trace_stages(
+def trace_stages(
     stages: Sequence[Stage],
     ids: torch.Tensor,
     labels: torch.Tensor,
     ranks: int,
     trace_options: dict[str, Any],
     reuse_alike: bool = False,
-) -> list[_TracedStage]:
+) -> list[TracedStage]:
     """Trace each stage's step for one micro-batch of `ids` (shape-only when they are meta
     tensors): the first stage from the token ids, each later one from hidden states shaped as
     the stage before returns them, requiring grad as `PipelineStage` receives them.
@@ -139,7 +139,7 @@ def _trace_stages(
         with torch.no_grad():
             x = stage(x)
         out.append(
-            _TracedStage(
+            TracedStage(
                 stage=stage,
                 rank=stage.index % ranks,
                 graph=graph,

@@ -18,18 +18,18 @@ from torch import nn
 from remat.device.allocator import Alloc, AllocatorSettings, Free
 from remat.device.gpus import Gpu
 from remat.errors import InfeasibleBudget, RematError
-from remat.layouts.pipeline_events import _optimizer_step, _shard_sizes, _StageLives
+from remat.layouts.pipeline_events import StageLives, optimizer_step_events, shard_sizes
 from remat.layouts.pipeline_schedules import Action, in_flight, pipeline_order
 from remat.layouts.pipeline_stages import split
-from remat.layouts.pipeline_steps import StageStep, _trace_stages, _TracedStage
+from remat.layouts.pipeline_steps import StageStep, TracedStage, trace_stages
 from remat.layouts.pipeline_walk import (
     UNSHARDED,
     PipelineReport,
     Sharding,
     StagePrediction,
-    _fixed_bytes,
-    _rank_peak,
-    _sent_counts,
+    peak_of_rank,
+    sent_counts,
+    stage_fixed_bytes,
 )
 from remat.planning import strategies
 from remat.planning.planner import Planner
@@ -55,18 +55,18 @@ def rank_events(
     steps: int = 2,
 ) -> list[Event]:
     """The allocation events of `steps` pipeline steps on `rank` (its stages under `plans`), for
-    `remat.prediction.gpu_memory`'s caching allocator: what the walk counts (`_rank_peak`), as the blocks a
+    `remat.prediction.gpu_memory`'s caching allocator: what the walk counts (`peak_of_rank`), as the blocks a
     rank allocates and frees in torch's order.
 
     Before the first step: each stage's parameters and buffers, its micro-batches' inputs
     (`PipelineStage`'s receive buffers), its gradient receive buffers and, under FSDP, its
-    parameters' shards. Each step: every action's lives (`_StageLives.action`), the sends the
-    schedule keeps freed as `_sent_counts` lets them go; after the schedule, the optimizer (its
+    parameters' shards. Each step: every action's lives (`StageLives.action`), the sends the
+    schedule keeps freed as `sent_counts` lets them go; after the schedule, the optimizer (its
     state on the first step, then its temporaries, all stages' at once as one optimizer over the
     rank's stages), then the gradients are dropped."""
     mine = [t for t in pipeline.traced if t.rank == rank]
     lives = {
-        t.stage.index: _StageLives.of(t, () if plans.get(t.stage.index) is None
+        t.stage.index: StageLives.of(t, () if plans.get(t.stage.index) is None
                                       else plans[t.stage.index].regions)
         for t in mine
     }  # fmt: skip
@@ -91,7 +91,7 @@ def rank_events(
             ]
         if sharding.ranks > 1:
             events += [
-                Alloc(("shard", i, sid), n) for sid, n in _shard_sizes(graph, sharding).items() if n
+                Alloc(("shard", i, sid), n) for sid, n in shard_sizes(graph, sharding).items() if n
             ]
     workspaces_made = not blas_workspaces
     for step in range(steps):
@@ -108,7 +108,7 @@ def rank_events(
             for i in traced:  # the sends the schedule no longer keeps, oldest first
                 steady = previous[i] == "F" or (i == a.stage and a.kind == "F")
                 keep = dict(zip(("output", "input_grad"),
-                                _sent_counts(pipeline.schedule, done[i], pipeline.counts[i], steady),
+                                sent_counts(pipeline.schedule, done[i], pipeline.counts[i], steady),
                                 strict=True))  # fmt: skip
                 for role, queue in sent[i].items():
                     while len(queue) > keep[role]:
@@ -139,7 +139,7 @@ def rank_events(
                     sent[a.stage][role] += kept.get(role, [])
             previous[a.stage] = a.kind
         events += [Free(key) for queues in sent.values() for q in queues.values() for key in q]
-        events += _optimizer_step(
+        events += optimizer_step_events(
             [(i, t.graph) for i, t in traced.items()], optimizer, step, sharding
         )
         events += [Free(key) for key in grads]  # zero_grad(set_to_none=True)
@@ -157,7 +157,7 @@ class TracedPipeline:
     `with_microbatches` under another number of micro-batches (the order is recomputed, the
     traces kept)."""
 
-    traced: list[_TracedStage]
+    traced: list[TracedStage]
     schedule: str
     microbatches: int
     microbatch_size: int
@@ -194,7 +194,7 @@ class TracedPipeline:
         counts = in_flight(schedule, stages, microbatches, ranks)
         model, (ids, labels) = build(size, seq)
         model.train()
-        traced = _trace_stages(split(model, stages), ids, labels, ranks, trace_options, reuse_alike)
+        traced = trace_stages(split(model, stages), ids, labels, ranks, trace_options, reuse_alike)
         return cls(traced, schedule, microbatches, size, ranks, order, counts)
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> TracedPipeline:
@@ -236,7 +236,7 @@ class TracedPipeline:
     ) -> int:
         """`rank`'s peak with its stages' `steps` (by stage index)."""
         mine = [t for t in self.traced if t.rank == rank]
-        return _rank_peak(
+        return peak_of_rank(
             mine,
             {t.stage.index: steps[t.stage.index] for t in mine},
             self.order[rank],
@@ -285,7 +285,7 @@ class TracedPipeline:
                 layers=t.stage.layer_indices,
                 in_flight=self.counts[t.stage.index],
                 held_bytes_per_microbatch=steps[t.stage.index].held_bytes,
-                fixed_bytes=_fixed_bytes(t, self.microbatches, optimizer, sharding),
+                fixed_bytes=stage_fixed_bytes(t, self.microbatches, optimizer, sharding),
                 peak_bytes=rank_peaks[t.rank],
                 step=steps[t.stage.index],
                 plan=plans[t.stage.index],
@@ -325,7 +325,7 @@ class TracedPipeline:
     def _plan_rank(
         self,
         rank: int,
-        mine: list[_TracedStage],
+        mine: list[TracedStage],
         budget_bytes: int,
         optimizer: Optimizer,
         profile: str | Any,
@@ -358,7 +358,7 @@ class TracedPipeline:
         candidates = [c[:per_stage] for c in candidates]
         stage_steps: dict[tuple[int, int], StageStep] = {}
 
-        def step_of(t: _TracedStage, k: int, p: Plan) -> StageStep:
+        def step_of(t: TracedStage, k: int, p: Plan) -> StageStep:
             if (t.stage.index, k) not in stage_steps:
                 planner = planners[t.stage.index]
                 stage_steps[t.stage.index, k] = StageStep.of(

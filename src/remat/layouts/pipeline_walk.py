@@ -1,5 +1,5 @@
-"""Pipeline walk: each rank's peak, walked over its actions in torch's order (`_rank_peak`), with
-what its stages keep for the whole step (`_fixed_bytes`, under FSDP `Sharding`), and the per-stage
+"""Pipeline walk: each rank's peak, walked over its actions in torch's order (`peak_of_rank`), with
+what its stages keep for the whole step (`stage_fixed_bytes`, under FSDP `Sharding`), and the per-stage
 and per-rank answers it gives (`StagePrediction`, `PipelineReport`).
 
 The prediction walks that order for each rank over one traced step per stage (`StageStep`): before
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from remat.graph import Graph
 from remat.layouts.pipeline_schedules import Action
-from remat.layouts.pipeline_steps import StageStep, _TracedStage
+from remat.layouts.pipeline_steps import StageStep, TracedStage
 from remat.planning.plans import Plan
 from remat.prediction.estimate import (
     OPTIMIZER_MEMORY,
@@ -126,8 +126,8 @@ class Sharding:
 UNSHARDED = Sharding()
 
 
-def _fixed_bytes(
-    traced: _TracedStage, microbatches: int, optimizer: Optimizer, sharding: Sharding = UNSHARDED
+def stage_fixed_bytes(
+    traced: TracedStage, microbatches: int, optimizer: Optimizer, sharding: Sharding = UNSHARDED
 ) -> int:
     """What `traced`'s stage keeps on its rank through the step: the trace's own persistent
     storages (parameters, buffers, one micro-batch of inputs and labels), the other micro-batches'
@@ -150,7 +150,7 @@ def _fixed_bytes(
     )
 
 
-def _sent_counts(schedule: str, done: int, in_flight: int, steady: bool) -> tuple[int, int]:
+def sent_counts(schedule: str, done: int, in_flight: int, steady: bool) -> tuple[int, int]:
     """(outputs, input gradients) of micro-batches already backwarded that the schedule's own
     loop still references through the works and ops of their sends (a sent tensor lives as long
     as its send does).
@@ -165,8 +165,8 @@ def _sent_counts(schedule: str, done: int, in_flight: int, steady: bool) -> tupl
 
 
 def _sent_bytes(step: StageStep, schedule: str, done: int, in_flight: int, steady: bool) -> int:
-    """The bytes of `_sent_counts`."""
-    outputs, grads = _sent_counts(schedule, done, in_flight, steady)
+    """The bytes of `sent_counts`."""
+    outputs, grads = sent_counts(schedule, done, in_flight, steady)
     return outputs * step.output_bytes + grads * step.input_grad_bytes
 
 
@@ -204,8 +204,8 @@ def _walk(
     return peak
 
 
-def _rank_peak(
-    traced: Sequence[_TracedStage],
+def peak_of_rank(
+    traced: Sequence[TracedStage],
     steps: dict[int, StageStep],
     actions: Sequence[Action],
     schedule: str,
@@ -216,7 +216,7 @@ def _rank_peak(
 ) -> int:
     """A rank's peak: its fixed bytes plus the walk, or its optimizer step after the schedule's
     step has returned (the gradients and the optimizer's transient)."""
-    fixed = sum(_fixed_bytes(t, microbatches, optimizer, sharding) for t in traced)
+    fixed = sum(stage_fixed_bytes(t, microbatches, optimizer, sharding) for t in traced)
     after = sum(
         steps[t.stage.index].grad_bytes + _optimizer_bytes(t.graph, optimizer)[1] for t in traced
     )
