@@ -127,3 +127,16 @@ def test_a_moved_package_s_submodule_loads_once():
 @pytest.mark.parametrize("name", remat.__all__)
 def test_the_public_api_resolves(name):
     assert getattr(remat, name) is not None
+
+
+def test_a_plan_pickled_under_0_4_s_module_path_loads():
+    """A 0.4 pickle names `remat.plans.Plan`; it loads as the moved class, equal to the original."""
+    import pickle
+
+    from remat import models
+
+    model, inputs = models.build("mlp-chain-4", tiny=True)
+    plan = remat.plan(remat.trace(model, *inputs), budget="100%", strategy="full")
+    as_0_4 = pickle.dumps(plan, protocol=2).replace(b"cremat.planning.plans\n", b"cremat.plans\n")
+    assert b"cremat.plans\n" in as_0_4
+    assert pickle.loads(as_0_4) == plan
