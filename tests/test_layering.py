@@ -8,7 +8,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -97,45 +100,15 @@ def test_a_stage_imports_only_the_stages_below_it(module):
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found = []
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+    """The strongly connected components of more than one module (scipy's, on the import graph)."""
+    names = sorted(set(graph) | {m for targets in graph.values() for m in targets})
+    index = {name: i for i, name in enumerate(names)}
+    edges = [(index[a], index[b]) for a, targets in graph.items() for b in targets]
+    rows, cols = zip(*edges, strict=True) if edges else ((), ())
+    matrix = coo_matrix((np.ones(len(edges)), (rows, cols)), shape=(len(names),) * 2)
+    _, labels = connected_components(matrix, directed=True, connection="strong")
+    members = [[n for n in names if labels[index[n]] == label] for label in set(labels)]
+    return sorted(m for m in members if len(m) > 1)
 
 
 def test_circles_finds_a_planted_circle():
