@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from remat.device import emulate
@@ -323,9 +324,17 @@ def _trace_once(
                 tracer.tensor_id(t, "input")
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
         caches_off = CachesOff(module) if module is not None else None
+        restored = _outside_grads_restored(tracer, (args, kwargs, call_args, call_kwargs))
         try:
             forced = ForcedDraws(draws, scope=lambda: tracer.scopes[-1])
+            # The traced state stays the module's through the backward too: a custom Function's
+            # backward that runs the module again (reversible layers) must use the traced
+            # parameters and accumulate their gradients, not the caller's.
             with (
+                restored,
+                _reparametrize_module(module, state, tie_weights=True)
+                if module is not None
+                else contextlib.nullcontext(),
                 tracer,
                 unrecorded_sharding_propagation(tracer),
                 forced,
@@ -333,9 +342,7 @@ def _trace_once(
             ):
                 with target_dispatch.autocast():
                     if module is not None:
-                        output = torch.func.functional_call(
-                            module, state, tuple(call_args), call_kwargs, strict=False
-                        )
+                        output = module(*call_args, **call_kwargs)
                     else:
                         output = fn(*call_args, **call_kwargs)
                     tracer.before_event()
@@ -351,8 +358,8 @@ def _trace_once(
                 tracer.phase = "backward"
                 loss.backward()
                 tracer.before_event()
-                tracer.finish_node()
-                tracer.current_node = None
+                tracer.finish_backward()
+                tracer.recording = False
         except TraceError as err:
             err.random_reads = forced.reads
             raise
@@ -405,11 +412,27 @@ def _trace_once(
             "random_reads": forced.reads,
             "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
             "output_storages": output_storages,
+            "rerun_in_backward": sorted(tracer.rerun_in_backward),
             "input_grad_storages": input_grad_storages,
         }
         graph = tracer.graph(info)
         del output, loss
     return graph
+
+
+@contextlib.contextmanager
+def _outside_grads_restored(tracer: Tracer, inputs: Any) -> Iterator[None]:
+    """The trace leaves the caller's tensors as they were: a leaf of the model that is not a
+    parameter (a tensor attribute with requires_grad) gets back the `.grad` it had before the
+    traced backward wrote into it. The step's own inputs keep theirs, as a training step would."""
+    try:
+        yield
+    finally:
+        own = {id(t) for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        for key, (ref, grad) in tracer.outside_leaves.items():
+            leaf = ref()
+            if leaf is not None and key not in own:
+                leaf.grad = grad
 
 
 def fits_in_memory_for_real_trace(
