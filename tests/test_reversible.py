@@ -221,3 +221,68 @@ def test_auto_on_a_revnet_at_three_budgets():
     assert plan.regions and all(
         m in ("layers.2", "layers.3") for r in plan.regions for m in r.modules
     )
+
+
+def _reformer() -> tuple[nn.Module, dict]:
+    """A tiny `ReformerModelWithLMHead` (local and LSH attention), deterministic: its training
+    forward reseeds torch from entropy (`torch.seed()`) for its backward to replay, so hashing and
+    dropout would differ between any two runs, planned or not."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ReformerConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=2,
+        attention_head_size=16,
+        attn_layers=["local", "lsh"],
+        feed_forward_size=64,
+        axial_pos_shape=(8, 8),
+        axial_pos_embds_dim=(16, 16),
+        max_position_embeddings=64,
+        local_attn_chunk_length=16,
+        lsh_attn_chunk_length=16,
+        num_buckets=4,
+        is_decoder=True,
+        use_cache=False,
+        hash_seed=0,
+        hidden_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
+    )
+    ids = torch.randint(0, 128, (2, 64))
+    return transformers.ReformerModelWithLMHead(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def _loss(out):
+    return out.loss
+
+
+def test_reformer_is_predicted_as_measured_and_planned_without_regions_over_its_layers():
+    model, inputs = _reformer()
+    measured = remat.measure(model, loss_fn=_loss, **inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematWarning)
+        fake = remat.trace(model, loss_fn=_loss, **inputs)  # LSH draws: traced twice
+        real = remat.trace(model, loss_fn=_loss, device="cpu", **inputs)
+    for graph in (fake, real):
+        assert simulate(graph).held_bytes == measured.held_bytes
+        assert simulate(graph).peak_bytes == pytest.approx(measured.peak_bytes, rel=0.02)
+        assert graph.activation_bytes == measured.activation_bytes
+    # the parameters' gradients, accumulated inside _ReversibleFunction's backward (was 51,200)
+    trainable = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert remat.estimate(fake).grad_bytes == pytest.approx(trainable, rel=0.01)
+
+    reference = gradients(copy.deepcopy(model), (), loss_fn=_loss, **inputs)
+    with pytest.raises(remat.InfeasibleBudget) as infeasible:
+        remat.plan(fake, budget=1)
+    lowest = infeasible.value.min_feasible_bytes
+    top = remat.plan(fake, budget="100%").predicted_peak_bytes
+    for budget in ("100%", (lowest + top) // 2, lowest):
+        plan = remat.auto(model, budget=budget, loss_fn=_loss, **inputs)
+        assert not plan.regions  # its layers are reversible: nothing else to recompute
+        got = gradients(model, (), loss_fn=_loss, **inputs)
+        assert all(torch.equal(got[k], g) for k, g in reference.items())
+        v = remat.verify(model, loss_fn=_loss, **inputs)
+        assert v.held_ratio == pytest.approx(1, abs=0.02) and v.ok, v
+        assert v.peak_ratio == pytest.approx(1, abs=0.03), v
+        remat.remove(model)

@@ -16,6 +16,11 @@ How the ground truth is taken, and why:
   storage, and `torch._C._current_autograd_node()` names the backward node that consumed it.
 - Backward ops are attributed to their autograd node, and a node to the forward op whose output
   first carried it as `grad_fn`; that gives every backward op a module path and a stable name.
+- Autograd run inside a custom Function's backward (reversible layers) is recorded as it runs: its
+  nodes run as a nested graph task inside the Function's node (`enter_node`), its saves are held
+  until autograd drops the packed save (`released`: after the node, or with a retained graph),
+  its ops and nodes are named after the Function's. Nothing is written on autograd's objects that
+  a later trace could read: node ids live under this trace's own metadata key.
 """
 
 from __future__ import annotations
