@@ -286,3 +286,46 @@ def test_reformer_is_predicted_as_measured_and_planned_without_regions_over_its_
         assert v.held_ratio == pytest.approx(1, abs=0.02) and v.ok, v
         assert v.peak_ratio == pytest.approx(1, abs=0.03), v
         remat.remove(model)
+
+
+def _bogus_node_ids(monkeypatch) -> None:
+    """The original bug: an AccumulateGrad node carrying an id the trace does not know."""
+    node_id = Tracer.node_id
+
+    def stale(self, node, forward_op=None):
+        nid = node_id(self, node, forward_op)
+        return nid + 10**9 if "AccumulateGrad" in node.name() else nid
+
+    monkeypatch.setattr(Tracer, "node_id", stale)
+
+
+def _forgotten_saves(monkeypatch) -> None:
+    """Autograd frees a save the trace has no record of (in `_Packed.__del__`)."""
+    released = Tracer.released
+
+    def forgetful(self, handle):
+        self.saved.clear()
+        released(self, handle)
+
+    monkeypatch.setattr(Tracer, "released", forgetful)
+
+
+def _forgotten_tensors(monkeypatch) -> None:
+    """The graph is built from records that lost their tensors."""
+    finish = Tracer.finish_backward
+
+    def forgetful(self):
+        finish(self)
+        self.tensors.clear()
+
+    monkeypatch.setattr(Tracer, "finish_backward", forgetful)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("corrupt", [_bogus_node_ids, _forgotten_saves, _forgotten_tensors])
+def test_no_failure_of_the_recorder_escapes_as_a_raw_exception(monkeypatch, device, corrupt):
+    corrupt(monkeypatch)
+    model, x = _revnet(plain=1)
+    with pytest.raises(remat.TraceError, match="remat's tracer failed .*KeyError") as err:
+        remat.trace(model, x, device=device)
+    assert err.value.module and err.value.fake_tensor_failure == (device == "meta")

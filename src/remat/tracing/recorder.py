@@ -25,12 +25,11 @@ How the ground truth is taken, and why:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -181,7 +180,10 @@ class _Packed:
         self.tracer, self.handle, self.direct, self.rewrap = tracer, handle, direct, rewrap
 
     def __del__(self) -> None:
-        self.tracer.released(self.handle)
+        try:
+            self.tracer.released(self.handle)
+        except Exception as e:  # Python would print and drop it: the next event raises it
+            self.tracer.failure = self.tracer.failure or e
 
 
 _TRACES = itertools.count()
@@ -193,6 +195,8 @@ class Tracer(TorchDispatchMode):
         self.real = real
         #: False once the step is over: saves freed afterwards (with the graph) are not events
         self.recording = True
+        #: a failure of bookkeeping where it cannot be raised (autograd freeing a save)
+        self.failure: Exception | None = None
         self.target = target
         self.paused = False
         self.phase: Phase = "forward"
@@ -292,6 +296,8 @@ class Tracer(TorchDispatchMode):
     def before_event(self) -> None:
         """Runs before every op and hook: attribute the last op's grad_fn, notice a finished
         backward node, and record the storages the program dropped since the last op."""
+        if self.failure is not None:
+            raise self.failure
         last = len(self.ops) - 1
         self.resolve_grad_fns()
         if self.phase == "backward":
@@ -475,16 +481,22 @@ class Tracer(TorchDispatchMode):
         if isinstance(error, TraceError):
             return error
         try:
-            module = self.scope()[0] or "<root>"
-        except Exception:
-            module = self.scopes[-1] or "<root>"
-        where = f"op {op}" if op else "a saved tensor or module hook"
+            module = self.scope()[0] if op else self.ops[-1].module
+        except Exception:  # the records are what failed: the module of the last op recorded
+            module = self.ops[-1].module if self.ops else self.scopes[-1]
+        module = module or "<root>"
+        where = f"op {op}" if op else "the step's graph"
         first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+        instead = (
+            ""
+            if self.real
+            else " Trace on real tensors instead: remat.trace(..., device='cpu') or "
+            "remat.auto(..., trace_device='cpu')."
+        )
         return TraceError(
             f"remat's tracer failed recording {where} in module '{module}' during the "
             f"{self.phase} ({type(error).__name__}: {first_line}). This is a bug in remat: "
-            "please report it with the model. Trace on real tensors instead: "
-            "remat.trace(..., device='cpu') or remat.auto(..., trace_device='cpu').",
+            f"please report it with the model.{instead}",
             op=op,
             module=module,
             fake_tensor_failure=not self.real,
@@ -760,31 +772,6 @@ class Tracer(TorchDispatchMode):
             modules=[m.freeze() for m in self.modules],
             info=info,
         )
-
-
-@contextlib.contextmanager
-def unrecorded_sharding_propagation(tracer: Tracer) -> Iterator[None]:
-    """DTensor infers an op's output shapes by running it on fake tensors at global shapes, once
-    per op and shapes (cached): no rank runs those, so the tracer pauses through them."""
-    try:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    except ImportError:  # torch built without distributed: no DTensor to trace
-        yield
-        return
-    infer = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def paused(self: Any, op_schema: Any) -> Any:
-        was, tracer.paused = tracer.paused, True
-        try:
-            return infer(self, op_schema)
-        finally:
-            tracer.paused = was
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = paused
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = infer
 
 
 def _process_group_backend() -> str | None:

@@ -28,7 +28,7 @@ from remat.graph import Graph
 from remat.tracing import hfcompat
 from remat.tracing.caches import CachesOff
 from remat.tracing.draws import Draws, ForcedDraws
-from remat.tracing.recorder import LOSS_SCOPE, Tracer, unrecorded_sharding_propagation
+from remat.tracing.recorder import LOSS_SCOPE, Tracer
 from remat.tracing.tensors import dtype_name, local_tensor, storage_key
 
 
@@ -60,6 +60,31 @@ def _no_op_module_casts() -> Iterator[None]:
         nn.Module.to = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def unrecorded_sharding_propagation(tracer: Tracer) -> Iterator[None]:
+    """DTensor infers an op's output shapes by running it on fake tensors at global shapes, once
+    per op and shapes (cached): no rank runs those, so the tracer pauses through them."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # torch built without distributed: no DTensor to trace
+        yield
+        return
+    infer = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def paused(self: Any, op_schema: Any) -> Any:
+        was, tracer.paused = tracer.paused, True
+        try:
+            return infer(self, op_schema)
+        finally:
+            tracer.paused = was
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = paused
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = infer
+
+
 def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
     """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
     Python check on a tensor): a TraceError naming the module, the last op traced before it and
@@ -84,6 +109,16 @@ def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
         module=module,
         fake_tensor_failure=True,
     )
+
+
+def _raised_by_remat(error: Exception) -> bool:
+    """Whether remat's own code raised `error` (the innermost frame of its traceback is in
+    remat's package), not the model, an op or torch: a bug of the tracer, not of the step."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_REMAT_DIR)
+
+
+_REMAT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _is_library_file(filename: str) -> bool:
@@ -360,13 +395,17 @@ def _trace_once(
                 tracer.before_event()
                 tracer.finish_backward()
                 tracer.recording = False
+                tracer.before_event()  # raises what failed while the last saves were freed
         except TraceError as err:
             err.random_reads = forced.reads
             raise
         except Exception as e:
-            if real:
+            if _raised_by_remat(e):
+                error = tracer.internal_error(e, tracer.last_op())
+            elif real:
                 raise  # the step failed on the real tensors: the user's own error, unchanged
-            error = _fake_step_failure(tracer, e)
+            else:
+                error = _fake_step_failure(tracer, e)
             error.random_reads = forced.reads
             raise error from e
         finally:
@@ -374,48 +413,51 @@ def _trace_once(
                 h.remove()
             if caches_off is not None:
                 caches_off.remove()
-        grad_leaves = list(leaves.values()) + [
-            t
-            for t in pytree.tree_leaves((call_args, call_kwargs))
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        for leaf in grad_leaves:
-            if leaf.grad is not None:
-                tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
-        # what a pipeline stage sends on (its output) and back (its inputs' gradients)
-        output_storages = sorted(
-            {
-                tracer.storage_by_cdata[key]
-                for t in pytree.tree_leaves(output)
-                if isinstance(t, torch.Tensor)
-                and (key := storage_key(local_tensor(t))) in tracer.storage_by_cdata
-            }
-        )
-        input_grad_storages = sorted(
-            {
-                tracer.storage_id(t.grad, "grad")
+        try:
+            grad_leaves = list(leaves.values()) + [
+                t
                 for t in pytree.tree_leaves((call_args, call_kwargs))
-                if isinstance(t, torch.Tensor) and t.grad is not None
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            for leaf in grad_leaves:
+                if leaf.grad is not None:
+                    tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
+            # what a pipeline stage sends on (its output) and back (its inputs' gradients)
+            output_storages = sorted(
+                {
+                    tracer.storage_by_cdata[key]
+                    for t in pytree.tree_leaves(output)
+                    if isinstance(t, torch.Tensor)
+                    and (key := storage_key(local_tensor(t))) in tracer.storage_by_cdata
+                }
+            )
+            input_grad_storages = sorted(
+                {
+                    tracer.storage_id(t.grad, "grad")
+                    for t in pytree.tree_leaves((call_args, call_kwargs))
+                    if isinstance(t, torch.Tensor) and t.grad is not None
+                }
+            )
+            info = {
+                "trace_device": device,
+                "param_count": sum(local_tensor(p).numel() for p in params.values()),
+                "trainable_param_bytes": sum(
+                    tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
+                    for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
+                ),
+                "loss": "custom" if loss_fn is not None else own_loss,
+                "autocast": None if autocast is None else dtype_name(autocast),
+                "target": target.name,
+                "target_detail": target.describe(),
+                "random_reads": forced.reads,
+                "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
+                "output_storages": output_storages,
+                "rerun_in_backward": sorted(tracer.rerun_in_backward),
+                "input_grad_storages": input_grad_storages,
             }
-        )
-        info = {
-            "trace_device": device,
-            "param_count": sum(local_tensor(p).numel() for p in params.values()),
-            "trainable_param_bytes": sum(
-                tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
-                for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
-            ),
-            "loss": "custom" if loss_fn is not None else own_loss,
-            "autocast": None if autocast is None else dtype_name(autocast),
-            "target": target.name,
-            "target_detail": target.describe(),
-            "random_reads": forced.reads,
-            "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
-            "output_storages": output_storages,
-            "rerun_in_backward": sorted(tracer.rerun_in_backward),
-            "input_grad_storages": input_grad_storages,
-        }
-        graph = tracer.graph(info)
+            graph = tracer.graph(info)
+        except Exception as e:
+            raise tracer.internal_error(e, None) from e
         del output, loss
     return graph
 
