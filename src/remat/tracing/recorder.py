@@ -241,6 +241,8 @@ class Tracer(TorchDispatchMode):
         self.modules: list[_CallRecord] = []
         #: the modules a custom Function's backward called (reversible layers recompute theirs)
         self.rerun_in_backward: set[str] = set()
+        #: storages of `torch.get_rng_state()` copies the step keeps (`record_rng_state`)
+        self.rng_states: set[int] = set()
         self.param_names: dict[int, str] = {}
         #: op index -> its kernel's scratch, measured on this machine (`remat.device.kernel_scratch`)
         self.kernel_scratch: dict[int, int] = {}
@@ -476,8 +478,9 @@ class Tracer(TorchDispatchMode):
 
     def internal_error(self, error: Exception, op: str | None) -> TraceError:
         """A failure of the recorder's own bookkeeping (not of the model, nor of an op on fake
-        tensors) as a `TraceError` naming the module and op; a trace on real tensors records
-        differently, so `remat.auto` may still fall back to one."""
+        tensors) as a `TraceError` naming the module and op. On fake tensors it is marked
+        `fake_tensor_failure`, so that `remat.auto` still tries the real CPU tensors, its
+        documented fallback, rather than stopping on remat's own bug."""
         if isinstance(error, TraceError):
             return error
         try:
@@ -735,6 +738,16 @@ class Tracer(TorchDispatchMode):
 
         return hook
 
+    def record_rng_state(self, state: torch.Tensor) -> None:
+        """The step copied the CPU generator's state (`torch.utils.checkpoint` keeps one per
+        call to replay it, reentrant or not): memory no op makes, counted from the op before
+        (the first op, before any). A holder of it is not state a recomputation writes again."""
+        if self.paused:
+            return
+        self.before_event()
+        at = max(len(self.ops) - 1, 0)
+        self.rng_states.add(self.storage_id(state, "activation", allocated_at=at))
+
     def escaped(self, first_op: int, last_op: int, outputs: tuple[int, ...]) -> tuple[int, ...]:
         """The ops of a module call that just returned whose storages are still alive although no
         output reaches them: something outside the call (a cache, an attribute) holds them. Saves
@@ -751,6 +764,7 @@ class Tracer(TorchDispatchMode):
                     if first_op <= self.storages[sid].allocated_at <= last_op
                     and sid not in reached
                     and not self.autocast_weight_copy(self.storages[sid].allocated_at)
+                    and sid not in self.rng_states
                 }
             )
         )

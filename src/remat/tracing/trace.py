@@ -85,6 +85,27 @@ def unrecorded_sharding_propagation(tracer: Tracer) -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = infer
 
 
+@contextlib.contextmanager
+def _rng_states_recorded(tracer: Tracer, on_cpu: bool) -> Iterator[None]:
+    """`torch.get_rng_state()` during the step, as the tracer's record (`record_rng_state`); on a
+    CUDA step the CPU generator's state lives on the host, not on the device: not recorded."""
+    if not on_cpu:
+        yield
+        return
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        tracer.record_rng_state(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
 def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
     """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
     Python check on a tensor): a TraceError naming the module, the last op traced before it and
@@ -371,6 +392,7 @@ def _trace_once(
                 if module is not None
                 else contextlib.nullcontext(),
                 tracer,
+                _rng_states_recorded(tracer, not target.is_cuda and not device.startswith("cuda")),
                 unrecorded_sharding_propagation(tracer),
                 forced,
                 torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack),
