@@ -107,11 +107,14 @@ class Node:
 
 @dataclass(frozen=True)
 class Saved:
-    """Autograd saved a tensor of `storage` for `node` (None when the saving node never ran)."""
+    """Autograd saved a tensor of `storage` for `node` (None when the saving node never ran).
+    `phase` "backward": saved by autograd run inside a custom Function's backward (a reversible
+    layer's recomputation), held only until that nested backward has used it."""
 
     storage: int
     tensor: int
     node: int | None
+    phase: Phase = "forward"
 
 
 @dataclass(frozen=True)
@@ -181,11 +184,11 @@ class Graph:
 
     @cached_property
     def saved_storages(self) -> dict[int, list[Saved]]:
-        """Storage id -> the saves holding it, for every storage autograd kept that is not a
-        parameter or buffer: the activations of the step."""
+        """Storage id -> the saves holding it, for every storage autograd kept in the forward
+        that is not a parameter or buffer: the activations of the step."""
         out: dict[int, list[Saved]] = {}
         for s in self.saved:
-            if self.storages[s.storage].kind not in ("param", "buffer"):
+            if s.phase == "forward" and self.storages[s.storage].kind not in ("param", "buffer"):
                 out.setdefault(s.storage, []).append(s)
         return out
 

@@ -210,7 +210,18 @@ class Planner:
         persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
         #: Live before the step: parameters, buffers, inputs, optimizer state.
         self.base_bytes = persistent + self.estimate.optimizer_state_bytes
-        self.blocks: list[ModuleCall] = graph.blocks
+        rerun = graph.info.get("rerun_in_backward", ())
+        #: Reversible blocks: a custom Function's backward runs their modules again (RevNets,
+        #: Reformer), so they recompute their own forward already; a region over one would
+        #: recompute it twice and free nothing their Function keeps. They are not offered.
+        self.reversible_blocks: list[str] = [
+            b.path
+            for b in graph.blocks
+            if any(m == b.path or m.startswith(b.path + ".") for m in rerun)
+        ]
+        self.blocks: list[ModuleCall] = [
+            b for b in graph.blocks if b.path not in self.reversible_blocks
+        ]
         self._frontiers: dict[int, Frontier] = {}
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
 
@@ -338,6 +349,15 @@ class Planner:
         if strategy.solve is None:
             raise RematError(
                 f"strategy {strategy.name!r} decides only inside torch.compile: use remat.compile"
+            )
+        if strategy.needs_blocks and not self.blocks and self.reversible_blocks:
+            raise NoBlocksError(
+                f"strategy {strategy.name!r} checkpoints repeated blocks, and this model's "
+                f"blocks ({', '.join(self.reversible_blocks[:3])}, ...) are reversible: their "
+                "custom autograd Function recomputes them in backward already, so a checkpoint "
+                "region would recompute them twice and free nothing. Use strategy store_all "
+                "(or auto)",
+                strategy=strategy.name,
             )
         if strategy.needs_blocks and not self.blocks:
             raise NoBlocksError(

@@ -16,15 +16,20 @@ How the ground truth is taken, and why:
   storage, and `torch._C._current_autograd_node()` names the backward node that consumed it.
 - Backward ops are attributed to their autograd node, and a node to the forward op whose output
   first carried it as `grad_fn`; that gives every backward op a module path and a stable name.
+- Autograd run inside a custom Function's backward (reversible layers) is recorded as it runs: its
+  nodes run as a nested graph task inside the Function's node (`enter_node`), its saves are held
+  until autograd drops the packed save (`released`: after the node, or with a retained graph),
+  its ops and nodes are named after the Function's. Nothing is written on autograd's objects that
+  a later trace could read: node ids live under this trace's own metadata key.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import sys
+import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -158,15 +163,40 @@ class _SavedRecord:
     storage_numel: int
     payload: torch.UntypedStorage | None
     node: int | None = None
+    phase: Phase = "forward"
 
     def freeze(self) -> Saved:
         return _freeze(self, Saved)
+
+
+class _Packed:
+    """What autograd holds for a save while tracing: the save's handle, the tensor itself for a
+    parameter or buffer, and how to rewrap a stand-in. Autograd drops it when it frees the save,
+    which tells the tracer when that is."""
+
+    __slots__ = ("tracer", "handle", "direct", "rewrap")
+
+    def __init__(self, tracer: Tracer, handle: int, direct: Any, rewrap: Any) -> None:
+        self.tracer, self.handle, self.direct, self.rewrap = tracer, handle, direct, rewrap
+
+    def __del__(self) -> None:
+        try:
+            self.tracer.released(self.handle)
+        except Exception as e:  # Python would print and drop it: the next event raises it
+            self.tracer.failure = self.tracer.failure or e
+
+
+_TRACES = itertools.count()
 
 
 class Tracer(TorchDispatchMode):
     def __init__(self, *, real: bool, target: Target = CPU):
         super().__init__()
         self.real = real
+        #: False once the step is over: saves freed afterwards (with the graph) are not events
+        self.recording = True
+        #: a failure of bookkeeping where it cannot be raised (autograd freeing a save)
+        self.failure: Exception | None = None
         self.target = target
         self.paused = False
         self.phase: Phase = "forward"
@@ -182,10 +212,24 @@ class Tracer(TorchDispatchMode):
         self.tensors: dict[int, Tensor] = {}
         self.tensor_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.ids = itertools.count()
-        # autograd nodes
+        # autograd nodes. A node carries its id in its metadata under a key of this trace only: a
+        # node may outlive the trace (a persistent leaf's AccumulateGrad) and be seen by the next.
+        # No reference to a node is kept: autograd frees a graph (and what it saved) as it would.
         self.nodes: dict[int, _NodeRecord] = {}
-        self.node_objs: list[Any] = []
+        self.node_key = f"remat.node.{next(_TRACES)}"
+        #: leaves the step accumulates gradients into that are not the traced parameters (a
+        #: tensor attribute with requires_grad, an input, a leaf a custom Function's backward
+        #: makes): id -> (the leaf, weakly: the trace must not keep it alive; its .grad before)
+        self.outside_leaves: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
+        #: The backward nodes running, outermost first, with their graph task: a custom Function's
+        #: backward that runs autograd itself (reversible layers) runs a nested graph task inside
+        #: its node, which finishes only after the nested task's nodes.
+        self.running: list[tuple[int, int]] = []
         self.pending_grad_fn: list[tuple[int, torch.Tensor, Any]] = []
+        #: Outputs of forward ops run with grad off, weakly: a custom Function's forward runs so,
+        #: and its outputs get the Function's node only when `apply` returns, after other ops of
+        #: its forward (`save_for_backward(y.detach())`) replaced them in `pending_grad_fn`.
+        self.pending_no_grad: list[tuple[int, weakref.ref]] = []
         #: After an op writes a view in place, autograd replays the view to give it its new
         #: grad_fn, through this mode on fake tensors (not on real ones): view ops on the written
         #: view's base (or on their own replayed views) from the same Python call are that
@@ -195,6 +239,10 @@ class Tracer(TorchDispatchMode):
         self.saved: dict[int, _SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
         self.modules: list[_CallRecord] = []
+        #: the modules a custom Function's backward called (reversible layers recompute theirs)
+        self.rerun_in_backward: set[str] = set()
+        #: storages of `torch.get_rng_state()` copies the step keeps (`record_rng_state`)
+        self.rng_states: set[int] = set()
         self.param_names: dict[int, str] = {}
         #: op index -> its kernel's scratch, measured on this machine (`remat.device.kernel_scratch`)
         self.kernel_scratch: dict[int, int] = {}
@@ -250,14 +298,15 @@ class Tracer(TorchDispatchMode):
     def before_event(self) -> None:
         """Runs before every op and hook: attribute the last op's grad_fn, notice a finished
         backward node, and record the storages the program dropped since the last op."""
+        if self.failure is not None:
+            raise self.failure
         last = len(self.ops) - 1
         self.resolve_grad_fns()
         if self.phase == "backward":
             node = torch._C._current_autograd_node()
             nid = None if node is None else self.node_id(node)
             if nid != self.current_node:
-                self.finish_node()
-                self.current_node = nid
+                self.enter_node(nid, torch._C._current_graph_task_id())
         expired = torch.UntypedStorage._expired  # StorageWeakRef.expired without its frame: hot
         for sid in [s for s, cdata in self.live.items() if expired(cdata)]:
             self.storages[sid].released_after = last
@@ -276,6 +325,17 @@ class Tracer(TorchDispatchMode):
             elif self.ops[index].node is None:
                 self.ops[index].node = self.node_id(grad_fn, forward_op=index)
         self.pending_grad_fn = unresolved
+        waiting = []
+        for index, ref in self.pending_no_grad:
+            t = ref()
+            if t is None:
+                continue
+            grad_fn = self.read_grad_fn(t) if torch.is_grad_enabled() else None
+            if grad_fn is None:
+                waiting.append((index, ref))
+            elif self.ops[index].node is None:
+                self.ops[index].node = self.node_id(grad_fn, forward_op=index)
+        self.pending_no_grad = waiting
 
     def read_grad_fn(self, t: torch.Tensor) -> Any:
         """`t.grad_fn`, with recording paused. Reading it on a view whose base was written in
@@ -289,40 +349,75 @@ class Tracer(TorchDispatchMode):
 
     def node_id(self, node: Any, forward_op: int | None = None) -> int:
         meta = node.metadata
-        if "remat.node" not in meta:
+        nid = meta.get(self.node_key)
+        if nid is None:
             nid = next(self.ids)
-            meta["remat.node"] = nid
-            self.node_objs.append(node)
+            meta[self.node_key] = nid
             variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
+            if variable is not None and id(variable) not in self.param_names:
+                self.outside_leaves.setdefault(id(variable), (weakref.ref(variable), variable.grad))
             self.nodes[nid] = _NodeRecord(
                 id=nid,
                 name=node.name(),
                 forward_op=forward_op,
                 param=None if variable is None else self.param_names.get(id(variable)),
             )
-        return meta["remat.node"]
+        return nid
 
-    def finish_node(self) -> None:
-        """The current backward node is done: autograd releases what it saved."""
-        if self.current_node is None:
-            return
-        self.nodes[self.current_node].released_after = len(self.ops) - 1
-        for handle in self.unpacked_by.pop(self.current_node, []):
+    def enter_node(self, nid: int | None, task: int) -> None:
+        """Autograd now runs node `nid` (None: no node) of graph task `task`. The node it ran
+        before in the same task is done, and so is every node of a nested task it returns from;
+        a task not running yet is nested in the node running now (a custom Function's backward
+        that calls `torch.autograd.backward`), which goes on running."""
+        tasks = [t for t, _ in self.running]
+        if nid is None or task in tasks:
+            while self.running and (nid is None or self.running[-1][0] != task):
+                self.finish_node(self.running.pop()[1])
+            if self.running and self.running[-1][1] != nid:
+                self.finish_node(self.running.pop()[1])
+        if nid is not None and (not self.running or self.running[-1][1] != nid):
+            self.running.append((task, nid))
+        self.current_node = nid
+
+    def finish_node(self, nid: int) -> None:
+        """Backward node `nid` is done: autograd releases what it saved (unless the backward
+        retains the graph: then `released` says when)."""
+        node = self.nodes[nid]
+        node.released_after = max(node.released_after or -1, len(self.ops) - 1)
+        for handle in self.unpacked_by.pop(nid, []):
             self.saved[handle].payload = None
+
+    def released(self, handle: int) -> None:
+        """Autograd dropped save `handle`: after its node ran, or, where a backward retained the
+        graph (`backward(retain_graph=True)`, as Reformer's reversible layers call it), when the
+        graph itself is freed. Its node holds its saves until then."""
+        if not self.recording:
+            return
+        rec = self.saved[handle]
+        rec.payload = None
+        node = self.nodes.get(rec.node) if rec.node is not None else None
+        if node is not None and node.released_after is not None:
+            node.released_after = max(node.released_after, len(self.ops) - 1)
+
+    def finish_backward(self) -> None:
+        """The backward is over: every node still running is done."""
+        self.enter_node(None, -1)
 
     def scope(self) -> tuple[str, str]:
         """(module path, name prefix) of the op about to be recorded."""
         if self.phase == "forward":
             path = self.scopes[-1]
             return path, path
-        node = self.nodes.get(self.current_node) if self.current_node is not None else None
-        if node is not None and node.param is not None:
-            param = node.param
-            return param.rpartition(".")[0], f"{param}:grad"
-        if node is None or node.forward_op is None:
-            return BACKWARD_SCOPE, BACKWARD_SCOPE
-        fwd = self.ops[node.forward_op]
-        return fwd.module, fwd.name + ":bwd"
+        # A node made in backward (by autograd run inside a custom Function's backward) has no
+        # forward op: its ops are named after the node running it, the Function's.
+        for _, nid in reversed(self.running):
+            node = self.nodes[nid]
+            if node.param is not None:
+                return node.param.rpartition(".")[0], f"{node.param}:grad"
+            if node.forward_op is not None:
+                fwd = self.ops[node.forward_op]
+                return fwd.module, fwd.name + ":bwd"
+        return BACKWARD_SCOPE, BACKWARD_SCOPE
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -343,7 +438,10 @@ class Tracer(TorchDispatchMode):
                 out = func(*args, **kwargs)
                 bases.add(id(out))
                 return out
-        self.before_event()
+        try:
+            self.before_event()
+        except Exception as e:
+            raise self.internal_error(e, str(func)) from e
         try:
             out = self.run_op(func, args, kwargs)
         except TraceError:
@@ -372,8 +470,40 @@ class Tracer(TorchDispatchMode):
                 fake_tensor_failure=True,
             )
             raise error from e
-        self.record(func, args, kwargs, out, call_site)
+        try:
+            self.record(func, args, kwargs, out, call_site)
+        except Exception as e:
+            raise self.internal_error(e, str(func)) from e
         return out
+
+    def internal_error(self, error: Exception, op: str | None) -> TraceError:
+        """A failure of the recorder's own bookkeeping (not of the model, nor of an op on fake
+        tensors) as a `TraceError` naming the module and op. On fake tensors it is marked
+        `fake_tensor_failure`, so that `remat.auto` still tries the real CPU tensors, its
+        documented fallback, rather than stopping on remat's own bug."""
+        if isinstance(error, TraceError):
+            return error
+        try:
+            module = self.scope()[0] if op else self.ops[-1].module
+        except Exception:  # the records are what failed: the module of the last op recorded
+            module = self.ops[-1].module if self.ops else self.scopes[-1]
+        module = module or "<root>"
+        where = f"op {op}" if op else "the step's graph"
+        first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+        instead = (
+            ""
+            if self.real
+            else " Trace on real tensors instead: remat.trace(..., device='cpu') or "
+            "remat.auto(..., trace_device='cpu')."
+        )
+        return TraceError(
+            f"remat's tracer failed recording {where} in module '{module}' during the "
+            f"{self.phase} ({type(error).__name__}: {first_line}). This is a bug in remat: "
+            f"please report it with the model.{instead}",
+            op=op,
+            module=module,
+            fake_tensor_failure=not self.real,
+        )
 
     def run_wrapper_op(self, func, args: tuple, kwargs: dict) -> Any:
         """An op on DTensors (tensor, sequence parallelism) is no rank's op: DTensor's dispatch
@@ -469,9 +599,28 @@ class Tracer(TorchDispatchMode):
                 self.view_replay = ({id(t._base) for t in outs if id(t) in written}, call_site)
             holders = [t._base if id(t) in written else t for t in outs]
             self.pending_grad_fn = [(index, h, self.read_grad_fn(h)) for h in holders]
+            if torch.is_grad_enabled():
+                self.pending_no_grad = []  # the Function (if any) has returned: none to come
+            else:
+                self.pending_no_grad += [(index, weakref.ref(h)) for h in holders]
 
     # -- saved tensor hooks ----------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
+        try:
+            return self._pack(t)
+        except Exception as e:
+            raise self.internal_error(e, self.last_op()) from e
+
+    def unpack(self, packed: _Packed) -> torch.Tensor:
+        try:
+            return self._unpack(packed)
+        except Exception as e:
+            raise self.internal_error(e, self.last_op()) from e
+
+    def last_op(self) -> str | None:
+        return self.ops[-1].target if self.ops else None
+
+    def _pack(self, t: torch.Tensor) -> Any:
         self.before_event()
         self.paused = True
         try:
@@ -492,13 +641,16 @@ class Tracer(TorchDispatchMode):
                 device=inner.device,
                 storage_numel=storage_nbytes(inner) // inner.element_size(),
                 payload=inner.untyped_storage().clone() if self.real and not persistent else None,
+                phase=self.phase,
             )
-            return (handle, t, None) if persistent else (handle, None, rewrapper(t))
+            if persistent:
+                return _Packed(self, handle, t, None)
+            return _Packed(self, handle, None, rewrapper(t))
         finally:
             self.paused = False
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        handle, direct, rewrap = packed
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        handle, direct, rewrap = packed.handle, packed.direct, packed.rewrap
         self.before_event()
         self.paused = True
         try:
@@ -525,11 +677,19 @@ class Tracer(TorchDispatchMode):
     def install_module_hooks(self, model: nn.Module) -> list[Any]:
         handles = []
         for path, module in model.named_modules():
-            handles.append(module.register_forward_pre_hook(self._enter(path), with_kwargs=True))
-            handles.append(
-                module.register_forward_hook(self._exit(path), with_kwargs=True, always_call=True)
-            )
+            enter, exit_ = self._guarded(self._enter(path)), self._guarded(self._exit(path))
+            handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+            handles.append(module.register_forward_hook(exit_, with_kwargs=True, always_call=True))
         return handles
+
+    def _guarded(self, hook: Callable) -> Callable:
+        def guarded(*args: Any) -> Any:
+            try:
+                return hook(*args)
+            except Exception as e:
+                raise self.internal_error(e, self.last_op()) from e
+
+        return guarded
 
     def _tensor_ids(self, obj: Any) -> tuple[int, ...]:
         self.paused = True
@@ -543,6 +703,11 @@ class Tracer(TorchDispatchMode):
     def _enter(self, path: str) -> Callable:
         def hook(module, args, kwargs):
             self.before_event()
+            if self.phase == "backward":
+                # a custom Function's backward runs the module again (reversible layers): not a
+                # call of the forward, and no region can hold it (`Graph.rerun_in_backward`)
+                self.rerun_in_backward.add(path)
+                return
             self.scopes.append(path)
             self.modules.append(
                 _CallRecord(
@@ -561,6 +726,8 @@ class Tracer(TorchDispatchMode):
             if self.failed_in is None and sys.exc_info()[1] is not None:
                 self.failed_in = path
             self.before_event()
+            if self.phase == "backward":
+                return
             call = next(m for m in reversed(self.modules) if m.path == path and m.open)
             call.outputs = self._tensor_ids(output)
             call.last_op = len(self.ops) - 1
@@ -570,6 +737,16 @@ class Tracer(TorchDispatchMode):
                 self.scopes.pop()
 
         return hook
+
+    def record_rng_state(self, state: torch.Tensor) -> None:
+        """The step copied the CPU generator's state (`torch.utils.checkpoint` keeps one per
+        call to replay it, reentrant or not): memory no op makes, counted from the op before
+        (the first op, before any). A holder of it is not state a recomputation writes again."""
+        if self.paused:
+            return
+        self.before_event()
+        at = max(len(self.ops) - 1, 0)
+        self.rng_states.add(self.storage_id(state, "activation", allocated_at=at))
 
     def escaped(self, first_op: int, last_op: int, outputs: tuple[int, ...]) -> tuple[int, ...]:
         """The ops of a module call that just returned whose storages are still alive although no
@@ -587,6 +764,7 @@ class Tracer(TorchDispatchMode):
                     if first_op <= self.storages[sid].allocated_at <= last_op
                     and sid not in reached
                     and not self.autocast_weight_copy(self.storages[sid].allocated_at)
+                    and sid not in self.rng_states
                 }
             )
         )
@@ -608,31 +786,6 @@ class Tracer(TorchDispatchMode):
             modules=[m.freeze() for m in self.modules],
             info=info,
         )
-
-
-@contextlib.contextmanager
-def unrecorded_sharding_propagation(tracer: Tracer) -> Iterator[None]:
-    """DTensor infers an op's output shapes by running it on fake tensors at global shapes, once
-    per op and shapes (cached): no rank runs those, so the tracer pauses through them."""
-    try:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    except ImportError:  # torch built without distributed: no DTensor to trace
-        yield
-        return
-    infer = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def paused(self: Any, op_schema: Any) -> Any:
-        was, tracer.paused = tracer.paused, True
-        try:
-            return infer(self, op_schema)
-        finally:
-            tracer.paused = was
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = paused
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = infer
 
 
 def _process_group_backend() -> str | None:

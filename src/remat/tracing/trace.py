@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from remat.device import emulate
@@ -27,7 +28,7 @@ from remat.graph import Graph
 from remat.tracing import hfcompat
 from remat.tracing.caches import CachesOff
 from remat.tracing.draws import Draws, ForcedDraws
-from remat.tracing.recorder import LOSS_SCOPE, Tracer, unrecorded_sharding_propagation
+from remat.tracing.recorder import LOSS_SCOPE, Tracer
 from remat.tracing.tensors import dtype_name, local_tensor, storage_key
 
 
@@ -59,6 +60,52 @@ def _no_op_module_casts() -> Iterator[None]:
         nn.Module.to = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def unrecorded_sharding_propagation(tracer: Tracer) -> Iterator[None]:
+    """DTensor infers an op's output shapes by running it on fake tensors at global shapes, once
+    per op and shapes (cached): no rank runs those, so the tracer pauses through them."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # torch built without distributed: no DTensor to trace
+        yield
+        return
+    infer = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def paused(self: Any, op_schema: Any) -> Any:
+        was, tracer.paused = tracer.paused, True
+        try:
+            return infer(self, op_schema)
+        finally:
+            tracer.paused = was
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = paused
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = infer
+
+
+@contextlib.contextmanager
+def _rng_states_recorded(tracer: Tracer, on_cpu: bool) -> Iterator[None]:
+    """`torch.get_rng_state()` during the step, as the tracer's record (`record_rng_state`); on a
+    CUDA step the CPU generator's state lives on the host, not on the device: not recorded."""
+    if not on_cpu:
+        yield
+        return
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        tracer.record_rng_state(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
 def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
     """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
     Python check on a tensor): a TraceError naming the module, the last op traced before it and
@@ -83,6 +130,16 @@ def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
         module=module,
         fake_tensor_failure=True,
     )
+
+
+def _raised_by_remat(error: Exception) -> bool:
+    """Whether remat's own code raised `error` (the innermost frame of its traceback is in
+    remat's package), not the model, an op or torch: a bug of the tracer, not of the step."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_REMAT_DIR)
+
+
+_REMAT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _is_library_file(filename: str) -> bool:
@@ -323,19 +380,26 @@ def _trace_once(
                 tracer.tensor_id(t, "input")
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
         caches_off = CachesOff(module) if module is not None else None
+        restored = _outside_grads_restored(tracer, (args, kwargs, call_args, call_kwargs))
         try:
             forced = ForcedDraws(draws, scope=lambda: tracer.scopes[-1])
+            # The traced state stays the module's through the backward too: a custom Function's
+            # backward that runs the module again (reversible layers) must use the traced
+            # parameters and accumulate their gradients, not the caller's.
             with (
+                restored,
+                _reparametrize_module(module, state, tie_weights=True)
+                if module is not None
+                else contextlib.nullcontext(),
                 tracer,
+                _rng_states_recorded(tracer, not target.is_cuda and not device.startswith("cuda")),
                 unrecorded_sharding_propagation(tracer),
                 forced,
                 torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack),
             ):
                 with target_dispatch.autocast():
                     if module is not None:
-                        output = torch.func.functional_call(
-                            module, state, tuple(call_args), call_kwargs, strict=False
-                        )
+                        output = module(*call_args, **call_kwargs)
                     else:
                         output = fn(*call_args, **call_kwargs)
                     tracer.before_event()
@@ -351,15 +415,19 @@ def _trace_once(
                 tracer.phase = "backward"
                 loss.backward()
                 tracer.before_event()
-                tracer.finish_node()
-                tracer.current_node = None
+                tracer.finish_backward()
+                tracer.recording = False
+                tracer.before_event()  # raises what failed while the last saves were freed
         except TraceError as err:
             err.random_reads = forced.reads
             raise
         except Exception as e:
-            if real:
+            if _raised_by_remat(e):
+                error = tracer.internal_error(e, tracer.last_op())
+            elif real:
                 raise  # the step failed on the real tensors: the user's own error, unchanged
-            error = _fake_step_failure(tracer, e)
+            else:
+                error = _fake_step_failure(tracer, e)
             error.random_reads = forced.reads
             raise error from e
         finally:
@@ -367,49 +435,68 @@ def _trace_once(
                 h.remove()
             if caches_off is not None:
                 caches_off.remove()
-        grad_leaves = list(leaves.values()) + [
-            t
-            for t in pytree.tree_leaves((call_args, call_kwargs))
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        for leaf in grad_leaves:
-            if leaf.grad is not None:
-                tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
-        # what a pipeline stage sends on (its output) and back (its inputs' gradients)
-        output_storages = sorted(
-            {
-                tracer.storage_by_cdata[key]
-                for t in pytree.tree_leaves(output)
-                if isinstance(t, torch.Tensor)
-                and (key := storage_key(local_tensor(t))) in tracer.storage_by_cdata
-            }
-        )
-        input_grad_storages = sorted(
-            {
-                tracer.storage_id(t.grad, "grad")
+        try:
+            grad_leaves = list(leaves.values()) + [
+                t
                 for t in pytree.tree_leaves((call_args, call_kwargs))
-                if isinstance(t, torch.Tensor) and t.grad is not None
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            for leaf in grad_leaves:
+                if leaf.grad is not None:
+                    tracer.storages[tracer.storage_id(leaf.grad, "grad")].kind = "grad"
+            # what a pipeline stage sends on (its output) and back (its inputs' gradients)
+            output_storages = sorted(
+                {
+                    tracer.storage_by_cdata[key]
+                    for t in pytree.tree_leaves(output)
+                    if isinstance(t, torch.Tensor)
+                    and (key := storage_key(local_tensor(t))) in tracer.storage_by_cdata
+                }
+            )
+            input_grad_storages = sorted(
+                {
+                    tracer.storage_id(t.grad, "grad")
+                    for t in pytree.tree_leaves((call_args, call_kwargs))
+                    if isinstance(t, torch.Tensor) and t.grad is not None
+                }
+            )
+            info = {
+                "trace_device": device,
+                "param_count": sum(local_tensor(p).numel() for p in params.values()),
+                "trainable_param_bytes": sum(
+                    tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
+                    for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
+                ),
+                "loss": "custom" if loss_fn is not None else own_loss,
+                "autocast": None if autocast is None else dtype_name(autocast),
+                "target": target.name,
+                "target_detail": target.describe(),
+                "random_reads": forced.reads,
+                "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
+                "output_storages": output_storages,
+                "rerun_in_backward": sorted(tracer.rerun_in_backward),
+                "input_grad_storages": input_grad_storages,
             }
-        )
-        info = {
-            "trace_device": device,
-            "param_count": sum(local_tensor(p).numel() for p in params.values()),
-            "trainable_param_bytes": sum(
-                tracer.storages[tracer.tensors[tracer.tensor_id(t)].storage].nbytes
-                for t in {id(t): t for t in leaves.values() if t.requires_grad}.values()
-            ),
-            "loss": "custom" if loss_fn is not None else own_loss,
-            "autocast": None if autocast is None else dtype_name(autocast),
-            "target": target.name,
-            "target_detail": target.describe(),
-            "random_reads": forced.reads,
-            "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
-            "output_storages": output_storages,
-            "input_grad_storages": input_grad_storages,
-        }
-        graph = tracer.graph(info)
+            graph = tracer.graph(info)
+        except Exception as e:
+            raise tracer.internal_error(e, None) from e
         del output, loss
     return graph
+
+
+@contextlib.contextmanager
+def _outside_grads_restored(tracer: Tracer, inputs: Any) -> Iterator[None]:
+    """The trace leaves the caller's tensors as they were: a leaf of the model that is not a
+    parameter (a tensor attribute with requires_grad) gets back the `.grad` it had before the
+    traced backward wrote into it. The step's own inputs keep theirs, as a training step would."""
+    try:
+        yield
+    finally:
+        own = {id(t) for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        for key, (ref, grad) in tracer.outside_leaves.items():
+            leaf = ref()
+            if leaf is not None and key not in own:
+                leaf.grad = grad
 
 
 def fits_in_memory_for_real_trace(

@@ -29,9 +29,9 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
     graph = planner.graph
     cut = mincut.mincut(graph, never_recompute=is_matmul)
     saved = {name.split(":")[0] for name in cut.saved}
-    spans = [((c.path,), c.first_op, c.last_op) for c in planner.blocks] or [
-        (("",), 0, len(graph.forward_ops) - 1)
-    ]
+    spans = [((c.path,), c.first_op, c.last_op) for c in planner.blocks]
+    if not spans and not planner.reversible_blocks:  # no blocks: the whole model, unless it
+        spans = [(("",), 0, len(graph.forward_ops) - 1)]  # holds reversible ones (Planner)
     regions = []
     for modules, first, last in spans:
         ops = graph.ops[first : last + 1]
