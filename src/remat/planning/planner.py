@@ -48,6 +48,35 @@ BLOCK_OPTIONS = ("store", "full", *(f"selective:{p}" for p in POLICIES))
 
 PlanPath = Literal["eager", "compile"]
 
+#: How a block hands its output to the next: (where it sits in the first's output, the argument of
+#: the second that takes it); `Region.carry_output` and `Region.carry_argument`.
+Carry = tuple[tuple[int | str, ...], str]
+
+
+def carry(a: ModuleCall, b: ModuleCall) -> Carry | None:
+    """How call `b` takes call `a`'s output where one checkpoint region can run both, else None.
+    The region calls `b` with `a`'s arguments but one, so: no op between them; `a` returned one
+    tensor (anywhere in a tuple, dict or dataclass) and `b` took it as an argument of its own;
+    `b` was called like `a` (`ModuleCall.repeats`: the same non-tensor values in and out); and
+    every other tensor argument is the same tensor in the same place."""
+    if a.last_op + 1 != b.first_op or a.path not in b.repeats or a.output_path is None:
+        return None
+    if len(a.outputs) != 1 or len(a.arguments) != len(a.inputs):
+        return None
+    taken = [i for i, t in enumerate(b.inputs) if t == a.outputs[0] and b.arguments[i]]
+    if len(taken) != 1:
+        return None
+    i = taken[0]
+    name = b.arguments[i]
+    if name not in a.arguments:
+        return None
+    j = a.arguments.index(name)
+    same_rest = (
+        a.inputs[:j] + a.inputs[j + 1 :] == b.inputs[:i] + b.inputs[i + 1 :]
+        and a.arguments[:j] + a.arguments[j + 1 :] == b.arguments[:i] + b.arguments[i + 1 :]
+    )
+    return (a.output_path, name) if same_rest else None
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -427,17 +456,15 @@ class Planner:
         return p
 
     @cached_property
+    def links(self) -> list[Carry | None]:
+        """How block b+1 takes block b's output where one region can run both (`carry`), else
+        None (an encoder's last layer and a decoder's first are not chained)."""
+        return [carry(a, b) for a, b in zip(self.blocks, self.blocks[1:], strict=False)]
+
+    @property
     def chained(self) -> list[bool]:
-        """Whether block b+1 continues block b so that one region can run both: no op between
-        them, b's only output is b+1's first input, and their other tensor inputs are the same
-        (an encoder's last layer and a decoder's first are not chained)."""
-        return [
-            a.last_op + 1 == b.first_op
-            and len(a.outputs) == 1
-            and b.inputs[:1] == a.outputs
-            and b.inputs[1:] == a.inputs[1:]
-            for a, b in zip(self.blocks, self.blocks[1:], strict=False)
-        ]
+        """Whether block b+1 continues block b so that one region can run both."""
+        return [link is not None for link in self.links]
 
     def every_block(self, option: str = "full") -> tuple[Region, ...]:
         """One region per block, checkpointed with `option` (`full` or `selective:<policy>`)."""
@@ -445,12 +472,14 @@ class Planner:
 
     def block_regions(self, groups: list[list[int]], option: str = "full") -> tuple[Region, ...]:
         """One region per group of consecutive block indices, checkpointed with `option`; a group
-        that spans blocks that are not chained is split where the chain breaks."""
+        is split where the chain breaks, or where its blocks pass the chained tensor differently
+        (a region hands it on one way)."""
         split = []
         for group in groups:
             split.append([group[0]])
             for b in group[1:]:
-                if self.chained[b - 1]:
+                link = self.links[b - 1]
+                if link is not None and link == self.links[split[-1][0]]:
                     split[-1].append(b)
                 else:
                     split.append([b])
@@ -463,7 +492,11 @@ class Planner:
                 policy = POLICIES[option.split(":", 1)[1]]
                 keep = without_mutated(self.graph, ops, policy(self.graph, ops))
             modules = tuple(self.blocks[i].path for i in group)
-            out.append(make_region(self.graph, modules, first.first_op, last.last_op, keep))
+            link = self.links[group[0]] if len(group) > 1 else None
+            region = make_region(self.graph, modules, first.first_op, last.last_op, keep)
+            if link is not None:
+                region = replace(region, carry_output=link[0], carry_argument=link[1])
+            out.append(region)
         return tuple(out)
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:

@@ -25,7 +25,7 @@ import itertools
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import torch
@@ -54,6 +54,13 @@ from remat.graph import (
     Storage,
     StorageKind,
     Tensor,
+)
+from remat.tracing.calls import (
+    CallShape,
+    argument_names,
+    call_shape,
+    output_path,
+    output_tensors,
 )
 from remat.tracing.kernels import EXTRA_FLOPS, FAKE_KERNELS
 from remat.tracing.tensors import (
@@ -138,7 +145,14 @@ class _CallRecord:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...] = ()
     escaped: tuple[int, ...] = ()
+    arguments: tuple[str, ...] = ()
+    output_path: tuple[int | str, ...] | None = None
+    repeats: tuple[str, ...] = ()
     open: bool = True
+    #: how it was called and what it returned, and the calls it may repeat (`remat.tracing.calls`)
+    shape_in: CallShape | None = None
+    shape_out: CallShape | None = None
+    previous: list[_CallRecord] = field(default_factory=list)
 
     def freeze(self) -> ModuleCall:
         return _freeze(self, ModuleCall)
@@ -195,6 +209,8 @@ class Tracer(TorchDispatchMode):
         self.saved: dict[int, _SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
         self.modules: list[_CallRecord] = []
+        #: the module calls that returned since the last op, and how many ops there were then
+        self.returned: tuple[int, list[_CallRecord]] = (0, [])
         self.param_names: dict[int, str] = {}
         #: op index -> its kernel's scratch, measured on this machine (`remat.device.kernel_scratch`)
         self.kernel_scratch: dict[int, int] = {}
@@ -544,6 +560,8 @@ class Tracer(TorchDispatchMode):
         def hook(module, args, kwargs):
             self.before_event()
             self.scopes.append(path)
+            shape = call_shape((args, kwargs))
+            at, returned = self.returned
             self.modules.append(
                 _CallRecord(
                     path=path,
@@ -551,6 +569,11 @@ class Tracer(TorchDispatchMode):
                     first_op=len(self.ops),
                     last_op=len(self.ops) - 1,
                     inputs=self._tensor_ids((args, kwargs)),
+                    arguments=argument_names(args, kwargs),
+                    shape_in=shape,
+                    previous=[c for c in returned if c.shape_in == shape]
+                    if at == len(self.ops)
+                    else [],
                 )
             )
 
@@ -562,9 +585,15 @@ class Tracer(TorchDispatchMode):
                 self.failed_in = path
             self.before_event()
             call = next(m for m in reversed(self.modules) if m.path == path and m.open)
-            call.outputs = self._tensor_ids(output)
+            call.outputs = self._tensor_ids(output_tensors(output))
             call.last_op = len(self.ops) - 1
             call.open = False
+            call.output_path = output_path(output)
+            call.shape_out = call_shape(output)
+            call.repeats = tuple(c.path for c in call.previous if c.shape_out == call.shape_out)
+            call.previous = []
+            at, returned = self.returned
+            self.returned = (len(self.ops), [*returned, call] if at == len(self.ops) else [call])
             call.escaped = self.escaped(call.first_op, call.last_op, call.outputs)
             if self.scopes[-1] == path:
                 self.scopes.pop()
