@@ -135,10 +135,24 @@ def test_blocks_called_with_different_non_tensor_arguments_are_never_one_region(
     loss, reference = _grads(model, *inputs)
     plan = remat.auto(model, *inputs, strategy="sqrt", budget="1TiB", loss_fn=_loss)
     assert [len(r.modules) for r in plan.regions] == [1, 1, 1, 1]
+    assert "blocks.0 .. blocks.1: they are called with different non-tensor" in plan.reason
     got_loss, got = _grads(model, *inputs)
     assert torch.equal(got_loss, loss)
     for name, g in reference.items():
         assert torch.equal(got[name], g), name
+
+
+@pytest.mark.parametrize("returns", ["tuple", "base_output"])
+def test_a_region_of_several_blocks_runs_them_under_no_grad_too(returns):
+    if returns == "base_output":
+        pytest.importorskip("diffusers")
+    model, inputs = Stack("keyword", returns), _inputs()
+    with torch.no_grad():
+        expected = model(*inputs)
+    plan = remat.auto(model, *inputs, strategy="sqrt", budget="1TiB", loss_fn=_loss)
+    assert [len(r.modules) for r in plan.regions] == [2, 2]
+    with torch.no_grad():
+        assert torch.equal(model(*inputs), expected)
 
 
 def test_a_later_block_of_a_region_called_on_its_own_is_an_error_not_a_skipped_block():

@@ -53,29 +53,32 @@ PlanPath = Literal["eager", "compile"]
 Carry = tuple[tuple[int | str, ...], str]
 
 
-def carry(a: ModuleCall, b: ModuleCall) -> Carry | None:
-    """How call `b` takes call `a`'s output where one checkpoint region can run both, else None.
-    The region calls `b` with `a`'s arguments but one, so: no op between them; `a` returned one
-    tensor (anywhere in a tuple, dict or dataclass) and `b` took it as an argument of its own;
-    `b` was called like `a` (`ModuleCall.repeats`: the same non-tensor values in and out); and
-    every other tensor argument is the same tensor in the same place."""
-    if a.last_op + 1 != b.first_op or a.path not in b.repeats or a.output_path is None:
-        return None
-    if len(a.outputs) != 1 or len(a.arguments) != len(a.inputs):
-        return None
+def carry(a: ModuleCall, b: ModuleCall) -> Carry | str:
+    """How call `b` takes call `a`'s output where one checkpoint region can run both, else why
+    not (a sentence). The region calls `b` with `a`'s arguments but one, so: no op between them;
+    `a` returned one tensor (anywhere in a tuple, dict or dataclass) and `b` took it as an
+    argument of its own; `b` was called like `a` (`ModuleCall.repeats`: the same non-tensor
+    values in and out); and every other tensor argument is the same tensor in the same place."""
+    if a.last_op + 1 != b.first_op:
+        return "ops run between them"
+    if len(a.outputs) != 1 or a.output_path is None:
+        return f"{a.path} returns {len(a.outputs)} tensors, not one the next block takes"
+    if a.path not in b.repeats:
+        return "they are called with different non-tensor arguments or return different things"
+    if len(a.arguments) != len(a.inputs) or len(b.arguments) != len(b.inputs):
+        return "the trace did not record how they were called"
     taken = [i for i, t in enumerate(b.inputs) if t == a.outputs[0] and b.arguments[i]]
-    if len(taken) != 1:
-        return None
+    if len(taken) != 1 or b.arguments[taken[0]] not in a.arguments:
+        return f"{b.path} does not take {a.path}'s output as one argument of its own"
     i = taken[0]
     name = b.arguments[i]
-    if name not in a.arguments:
-        return None
     j = a.arguments.index(name)
-    same_rest = (
-        a.inputs[:j] + a.inputs[j + 1 :] == b.inputs[:i] + b.inputs[i + 1 :]
-        and a.arguments[:j] + a.arguments[j + 1 :] == b.arguments[:i] + b.arguments[i + 1 :]
-    )
-    return (a.output_path, name) if same_rest else None
+    if (
+        a.inputs[:j] + a.inputs[j + 1 :] != b.inputs[:i] + b.inputs[i + 1 :]
+        or a.arguments[:j] + a.arguments[j + 1 :] != b.arguments[:i] + b.arguments[i + 1 :]
+    ):
+        return f"{b.path} takes other tensors than {a.path} besides {name!r}"
+    return a.output_path, name
 
 
 @dataclass(frozen=True)
@@ -459,6 +462,20 @@ class Planner:
     def links(self) -> list[Carry | None]:
         """How block b+1 takes block b's output where one region can run both (`carry`), else
         None (an encoder's last layer and a decoder's first are not chained)."""
+        return [c if isinstance(c, tuple) else None for c in self._carries]
+
+    @cached_property
+    def chain_breaks(self) -> dict[str, str]:
+        """Why no region runs block b and b+1 together, by "b .. b+1" (module paths): what a
+        segment a strategy asked for is split at, so that it never fails at step time."""
+        return {
+            f"{a.path} .. {b.path}": c
+            for a, b, c in zip(self.blocks, self.blocks[1:], self._carries, strict=False)
+            if isinstance(c, str)
+        }
+
+    @cached_property
+    def _carries(self) -> list[Carry | str]:
         return [carry(a, b) for a, b in zip(self.blocks, self.blocks[1:], strict=False)]
 
     @property

@@ -39,6 +39,8 @@ _BY_VALUE = (
     complex,
     str,
     bytes,
+    slice,
+    range,
     torch.dtype,
     torch.device,
     torch.layout,
