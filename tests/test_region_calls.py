@@ -6,8 +6,10 @@ is not formed where it cannot (blocks called with different non-tensor arguments
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -228,3 +230,16 @@ def test_a_plan_written_before_regions_named_their_carried_argument_reads_as_pos
     assert torch.equal(got_loss, loss)
     for name, g in reference.items():
         assert torch.equal(got[name], g), name
+
+
+def test_copies_of_a_model_with_several_block_regions_run_their_own_blocks():
+    """deepcopy and pickle keep a later block's forward tied to its own region's first block."""
+    model, inputs = Stack("keyword", "tuple"), _inputs()
+    loss, reference = _grads(model, *inputs)
+    remat.auto(model, *inputs, strategy="sqrt", budget="1TiB", loss_fn=_loss)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin.blocks[1].forward.region is twin.blocks[0].forward
+        got_loss, got = _grads(twin, *inputs)
+        assert torch.equal(got_loss, loss)
+        for name, g in reference.items():
+            assert torch.equal(got[name], g), name
