@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import pickle
 
@@ -17,6 +18,7 @@ from torch import nn
 
 import remat
 from remat.graph import Graph
+from remat.tracing.calls import call_shape, output_path, output_tensors, pick
 
 
 @dataclasses.dataclass
@@ -243,3 +245,42 @@ def test_copies_of_a_model_with_several_block_regions_run_their_own_blocks():
         assert torch.equal(got_loss, loss)
         for name, g in reference.items():
             assert torch.equal(got[name], g), name
+
+
+def test_non_tensor_arguments_compare_by_value_or_by_identity_of_a_live_object():
+    """Two calls are alike only if their non-tensor values are: numbers by value, other objects
+    by identity while alive, so one made later at a dead one's address is not taken for it."""
+
+    class Thing:
+        pass
+
+    t = torch.ones(1)
+    assert call_shape(((t, 2, "a"), {"k": None})) == call_shape(((t * 2, 2, "a"), {"k": None}))
+    assert call_shape(((t, 2), {})) != call_shape(((t, 3), {}))
+    assert call_shape(((t,), {"k": 1})) != call_shape(((t,), {"j": 1}))
+    thing = Thing()
+    assert call_shape(((thing,), {})) == call_shape(((thing,), {}))
+    before = call_shape(((thing,), {}))
+    del thing
+    gc.collect()
+    assert all(call_shape(((Thing(),), {})) != before for _ in range(10))
+
+
+def test_the_one_output_tensor_is_found_where_the_model_takes_it():
+    @dataclasses.dataclass
+    class Late:
+        sample: torch.Tensor
+        extra: int = dataclasses.field(init=False)  # never set: read as absent
+
+    t = torch.ones(1)
+    for out, path in [
+        (t, ()),
+        ((None, [t]), (1, 0)),
+        ({"a": None, "h": t}, ("h",)),
+        (BlockOutput(sample=t), ("sample",)),
+        (Late(t), ("sample",)),
+    ]:
+        assert output_tensors(out) == [t]
+        assert output_path(out) == path
+        assert pick(out, path) is t
+    assert output_path((t, t * 2)) is None

@@ -49,6 +49,10 @@ _BY_VALUE = (
 )
 
 
+#: How deep into nested containers and dataclasses a call's structure is followed.
+_DEPTH = 8
+
+
 class _Same:
     """A non-tensor object compared by identity: equal to another token of the same object while
     that object lives; one that takes no weak reference is equal to nothing, itself included."""
@@ -68,16 +72,22 @@ class _Same:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _token(value: Any) -> Any:
+def _fields(obj: Any) -> dict[str, Any] | None:
+    """The fields of a dataclass instance (pytree sees one it was not told about as a leaf), or
+    None for anything else."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return None
+    return {f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}
+
+
+def _token(value: Any, depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.Tensor
     if isinstance(value, _BY_VALUE):
         return (type(value), value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a leaf to pytree
-        return (
-            type(value),
-            call_shape({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}),
-        )
+    fields = _fields(value) if depth < _DEPTH else None
+    if fields is not None:
+        return (type(value), call_shape(fields, depth + 1))
     return _Same(value)
 
 
@@ -89,9 +99,9 @@ class CallShape:
     tokens: tuple[Any, ...]
 
 
-def call_shape(obj: Any) -> CallShape:
+def call_shape(obj: Any, depth: int = 0) -> CallShape:
     leaves, spec = pytree.tree_flatten(obj)
-    return CallShape(spec, tuple(_token(v) for v in leaves))
+    return CallShape(spec, tuple(_token(v, depth) for v in leaves))
 
 
 def argument_names(args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
@@ -109,6 +119,8 @@ def argument_names(args: tuple, kwargs: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _tensor_paths(obj: Any, path: tuple[PathKey, ...] = ()) -> Iterator[tuple[Any, tuple]]:
+    if len(path) > _DEPTH:
+        return
     if isinstance(obj, torch.Tensor):
         yield obj, path
     elif isinstance(obj, Mapping):  # dicts, and Hugging Face's ModelOutput / diffusers' BaseOutput
@@ -118,9 +130,9 @@ def _tensor_paths(obj: Any, path: tuple[PathKey, ...] = ()) -> Iterator[tuple[An
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             yield from _tensor_paths(v, (*path, i))
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensor_paths(getattr(obj, f.name), (*path, f.name))
+    elif (fields := _fields(obj)) is not None:
+        for name, v in fields.items():
+            yield from _tensor_paths(v, (*path, name))
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -130,7 +142,7 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     for leaf in pytree.tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
             out.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        elif _fields(leaf) is not None:
             out += [t for t, _ in _tensor_paths(leaf)]
     return out
 
