@@ -149,12 +149,19 @@ def _batchnorms(modules: list[nn.Module]) -> list[nn.Module]:
     ]
 
 
-def _restore_batchnorm_after_backward(norms: list[nn.Module], args: list) -> None:
+def _restore_batchnorm_after_backward(
+    norms: list[nn.Module], args: list, blocks: list[nn.Module]
+) -> None:
     """Recomputation re-runs BatchNorm in training mode and updates its running statistics a
     second time. Snapshot them now, after the region's forward, and put them back once the
-    region's backward (and so its recomputation) is done: when its input's gradient arrives.
-    Nothing here may run inside recomputation, whose op stream must match the forward's."""
+    region's backward (and so its recomputation) is done: when its input's gradient arrives, or,
+    where no input needs one (a raw input, a frozen stem), when the gradient of one of its
+    parameters does (a leaf's hook runs once all its uses are done, so after the recomputation;
+    it comes off when it has run). Nothing here may run inside recomputation, whose op stream
+    must match the forward's."""
     anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if anchor is None:
+        anchor = next((p for m in blocks for p in m.parameters() if p.requires_grad), None)
     if anchor is None:
         return
     snapshot = [[b.detach().clone() for b in m.buffers()] for m in norms]
@@ -164,9 +171,10 @@ def _restore_batchnorm_after_backward(norms: list[nn.Module], args: list) -> Non
             for m, buffers in zip(norms, snapshot, strict=True):
                 for b, old in zip(m.buffers(), buffers, strict=True):
                     b.copy_(old)
+        handle.remove()
         return grad
 
-    anchor.register_hook(restore)
+    handle = anchor.register_hook(restore)
 
 
 class _RegionForward:
@@ -237,7 +245,9 @@ class _RegionForward:
             )
             norms = _batchnorms(self.blocks)
             if norms:
-                _restore_batchnorm_after_backward(norms, pytree.tree_leaves((args, kwargs)))
+                _restore_batchnorm_after_backward(
+                    norms, pytree.tree_leaves((args, kwargs)), self.blocks
+                )
             self.after_forward()
         if len(self.blocks) > 1:
             self.handed = out
