@@ -121,7 +121,13 @@ class Saved:
 class ModuleCall:
     """One call of a submodule during the forward, covering forward ops `first_op..last_op`.
     `escaped` are the ops of the call whose output storages outlived it outside its outputs: the
-    call wrote them into state (a cache, an attribute), which recomputing it would write again."""
+    call wrote them into state (a cache, an attribute), which recomputing it would write again.
+
+    How it was called (`remat.tracing.calls`), for regions that run several blocks: `arguments`,
+    beside `inputs`, the argument each input tensor was ("0", "hidden_states"; "" when nested in
+    one); `repeats`, the paths of the calls that returned after the last op before it began (the
+    previous block, and the containers that returned with it) that it was called like: the same
+    structure and non-tensor values in and out."""
 
     path: str
     type: str
@@ -130,10 +136,22 @@ class ModuleCall:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     escaped: tuple[int, ...] = ()
+    arguments: tuple[str, ...] = ()
+    output_path: tuple[int | str, ...] | None = None
+    repeats: tuple[str, ...] = ()
 
     @property
     def depth(self) -> int:
         return 0 if not self.path else self.path.count(".") + 1
+
+
+_CALL_TUPLES = ("inputs", "outputs", "escaped", "arguments", "repeats")
+
+
+def _call_fields(d: dict) -> dict:
+    if d.get("output_path") is not None:
+        d["output_path"] = tuple(d["output_path"])
+    return d
 
 
 @dataclass
@@ -252,6 +270,6 @@ class Graph:
             storages={s["id"]: Storage(**s) for s in d["storages"]},
             saved=[Saved(**s) for s in d["saved"]],
             nodes={n["id"]: Node(**n) for n in d["nodes"]},
-            modules=[ModuleCall(**tup(m, "inputs", "outputs", "escaped")) for m in d["modules"]],
+            modules=[ModuleCall(**_call_fields(tup(m, *_CALL_TUPLES))) for m in d["modules"]],
             info=d["info"],
         )

@@ -1,8 +1,17 @@
 """Realise a `Plan` on a live `nn.Module` with PyTorch's own mechanisms, and check it was.
 
 Each region becomes `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around the module
-(or run of consecutive blocks) it names; a region that keeps some ops gets a selective-checkpoint
-policy (`create_selective_checkpoint_contexts`) that marks exactly those ops MUST_SAVE. Ops are
+(or run of consecutive blocks) it names, called with whatever arguments the model passes (positional,
+keyword-only as diffusers calls its blocks, non-tensors) and returning whatever the block returns
+(a tensor, tuple, dict, dataclass). A run of blocks is entered through its first block's call and
+runs the later ones itself, each with the first one's arguments but the one the trace saw carry the
+previous block's output (`Region.carry_argument`), taken from where the trace saw the model take it
+(`Region.carry_output`: `h = block(hidden_states=h)[0]`); the later blocks' own calls get the run's
+output back. The planner joins only blocks called alike (`remat.tracing.calls`), so a run never
+calls a block with arguments the model would not.
+
+A region that keeps some ops gets a selective-checkpoint policy
+(`create_selective_checkpoint_contexts`) that marks exactly those ops MUST_SAVE. Ops are
 found by a stable key, (module path, aten op, occurrence of that op in that module within the
 region's call), read from a module stack that forward hooks keep: a real run that issues a few
 ops the trace did not (or the other way round) still keeps the planned ones. Every forward counts
@@ -18,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -27,8 +37,9 @@ from torch.utils.checkpoint import (
 from remat.errors import RematError, warn
 from remat.measuring.measure import measure
 from remat.planning.plans import Plan
-from remat.prediction.schedule import OpKey
+from remat.prediction.schedule import OpKey, Region
 from remat.tracing.caches import CachesOff
+from remat.tracing.calls import argument, pick, with_argument
 from remat.units import format_bytes
 
 _APPLIED = "_remat_applied"
@@ -138,12 +149,19 @@ def _batchnorms(modules: list[nn.Module]) -> list[nn.Module]:
     ]
 
 
-def _restore_batchnorm_after_backward(norms: list[nn.Module], args: tuple) -> None:
+def _restore_batchnorm_after_backward(
+    norms: list[nn.Module], args: list, blocks: list[nn.Module]
+) -> None:
     """Recomputation re-runs BatchNorm in training mode and updates its running statistics a
     second time. Snapshot them now, after the region's forward, and put them back once the
-    region's backward (and so its recomputation) is done: when its input's gradient arrives.
-    Nothing here may run inside recomputation, whose op stream must match the forward's."""
+    region's backward (and so its recomputation) is done: when its input's gradient arrives, or,
+    where no input needs one (a raw input, a frozen stem), when the gradient of one of its
+    parameters does (a leaf's hook runs once all its uses are done, so after the recomputation;
+    it comes off when it has run). Nothing here may run inside recomputation, whose op stream
+    must match the forward's."""
     anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if anchor is None:
+        anchor = next((p for m in blocks for p in m.parameters() if p.requires_grad), None)
     if anchor is None:
         return
     snapshot = [[b.detach().clone() for b in m.buffers()] for m in norms]
@@ -153,59 +171,98 @@ def _restore_batchnorm_after_backward(norms: list[nn.Module], args: tuple) -> No
             for m, buffers in zip(norms, snapshot, strict=True):
                 for b, old in zip(m.buffers(), buffers, strict=True):
                     b.copy_(old)
+        handle.remove()
         return grad
 
-    anchor.register_hook(restore)
+    handle = anchor.register_hook(restore)
 
 
 class _RegionForward:
-    """The `forward` of a region's first block: the region's blocks, x -> b0(x, *rest) ->
-    b1(., *rest) -> ..., under `torch.utils.checkpoint` (with the region's keep policy), each
-    block's path on the module stack: the recomputation calls `run` directly, outside
-    `__call__` and so outside the blocks' own hooks. After each forward it counts the region and
-    warns once per model when it kept fewer ops than planned."""
+    """The `forward` of a region's first block: called as the model calls that block (positional,
+    keyword or both), it runs the region's blocks under `torch.utils.checkpoint` (with the region's
+    keep policy), each later one with the same arguments but `carry_argument`, which takes the
+    previous block's output at `carry_output`, and returns the last block's output, whatever it is
+    (a tensor, a tuple, a dict, a dataclass). Each block's path goes on the module stack: the
+    recomputation calls `run` directly, outside `__call__` and so outside the blocks' own hooks.
+    After each forward it counts the region and warns once per model when it kept fewer ops than
+    planned."""
 
     def __init__(
         self,
         state: _Applied,
         check: RegionCheck,
         blocks: list[nn.Module],
-        paths: list[str],
+        region: Region,
         scope: list[str],
-        preserve_rng_state: bool,
     ):
         self.state, self.check = state, check
-        self.blocks, self.paths, self.scope = blocks, paths, scope
+        self.blocks, self.paths, self.scope = blocks, list(region.modules), scope
+        self.carry_output, self.carry_argument = region.carry_output, region.carry_argument
         self.context_fn = _KeepPolicy(check, scope) if check.expected else None
-        self.preserve_rng_state = preserve_rng_state
+        self.preserve_rng_state = region.random
+        #: the region's output, until the model has called its later blocks (`_PassThrough`)
+        self.handed: Any = None
 
-    def run(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
-        for path, block in zip(self.paths, self.blocks, strict=True):
+    @property
+    def name(self) -> str:
+        return self.paths[0] + (f" .. {self.paths[-1]}" if len(self.paths) > 1 else "")
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        out = None
+        for k, (path, block) in enumerate(zip(self.paths, self.blocks, strict=True)):
+            if k:
+                try:
+                    carried = pick(out, self.carry_output)
+                except (KeyError, IndexError, AttributeError, TypeError):
+                    raise RematError(
+                        f"plan region {self.name}: {self.paths[k - 1]} returned no "
+                        f"{self.carry_output!r} for {path} to take: the model runs differently "
+                        "from the step the plan was made on; make the plan again (remat.auto)"
+                    ) from None
+                args, kwargs = with_argument(args, kwargs, self.carry_argument, carried)
             own = self.state.forwards[block]
             self.scope.append(path)
             try:
-                x = (own or type(block).forward.__get__(block))(x, *rest, **kwargs)
+                out = (own or type(block).forward.__get__(block))(*args, **kwargs)
             finally:
                 self.scope.pop()
-        return x
+        return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.blocks) > 1:
+            self.require_carry_argument(args, kwargs, self.paths[0])
         if not torch.is_grad_enabled():
-            return self.run(*args, **kwargs)  # inference: nothing to save, no overhead
-        kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
-        out = checkpoint(
-            self.run,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=self.preserve_rng_state,
-            **kw,
-            **kwargs,
-        )
-        norms = _batchnorms(self.blocks)
-        if norms:
-            _restore_batchnorm_after_backward(norms, args)
-        self.after_forward()
+            out = self.run(*args, **kwargs)  # inference: nothing to save, no overhead
+        else:
+            kw = {"context_fn": self.context_fn} if self.context_fn is not None else {}
+            out = checkpoint(
+                self.run,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=self.preserve_rng_state,
+                **kw,
+                **kwargs,
+            )
+            norms = _batchnorms(self.blocks)
+            if norms:
+                _restore_batchnorm_after_backward(
+                    norms, pytree.tree_leaves((args, kwargs)), self.blocks
+                )
+            self.after_forward()
+        if len(self.blocks) > 1:
+            self.handed = out
         return out
+
+    def require_carry_argument(self, args: tuple, kwargs: dict[str, Any], path: str) -> Any:
+        try:
+            return argument(args, kwargs, self.carry_argument)
+        except KeyError:
+            raise RematError(
+                f"plan region {self.name}: {path} was called without argument "
+                f"{self.carry_argument!r}, which carries each block's output to the next: the "
+                "model calls it differently from the step the plan was made on; make the plan "
+                "again (remat.auto)"
+            ) from None
 
     def after_forward(self) -> None:
         check, state = self.check, self.state
@@ -287,18 +344,42 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         blocks = [named[p] for p in region.modules]
         for block in blocks:
             state.forwards[block] = vars(block).get("forward")
-        blocks[0].forward = _RegionForward(
-            state, check, blocks, list(region.modules), scope, region.random
-        )
-        for block in blocks[1:]:
-            block.forward = _pass_through
+        blocks[0].forward = first = _RegionForward(state, check, blocks, region, scope)
+        for k, block in enumerate(blocks[1:], start=1):
+            block.forward = _PassThrough(first, k)
     setattr(model, _APPLIED, state)
     return model
 
 
-def _pass_through(x, *args, **kwargs):
-    """The later blocks of a checkpointed segment: the segment's first block already ran them."""
-    return x
+class _PassThrough:
+    """The `forward` of a later block of a region: the region's first block ran it already. The
+    model calls it with what it took from the region's output, and gets that output back, so it
+    takes the same from it again and ends with the last block's output. A call with anything else
+    (the model runs differently from the traced step) is an error, not a skipped block."""
+
+    def __init__(self, region: _RegionForward, index: int):
+        self.region, self.index = region, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        region = self.region
+        path = region.paths[self.index]
+        given = region.require_carry_argument(args, kwargs, path)
+        handed = region.handed
+        try:
+            taken = pick(handed, region.carry_output)
+        except (KeyError, IndexError, AttributeError, TypeError):
+            taken = None
+        if handed is None or given is not taken:
+            raise RematError(
+                f"plan region {region.name}: {path} was called with an argument "
+                f"{region.carry_argument!r} that is not what the region's blocks made (the "
+                "region runs them all when its first block is called): the model runs "
+                "differently from the step the plan was made on; make the plan again "
+                "(remat.auto), or use a strategy whose regions hold one block (full, selective)"
+            )
+        if self.index == len(region.blocks) - 1:
+            region.handed = None
+        return handed
 
 
 def remove(model: nn.Module) -> nn.Module:

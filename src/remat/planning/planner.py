@@ -48,6 +48,38 @@ BLOCK_OPTIONS = ("store", "full", *(f"selective:{p}" for p in POLICIES))
 
 PlanPath = Literal["eager", "compile"]
 
+#: How a block hands its output to the next: (where it sits in the first's output, the argument of
+#: the second that takes it); `Region.carry_output` and `Region.carry_argument`.
+Carry = tuple[tuple[int | str, ...], str]
+
+
+def carry(a: ModuleCall, b: ModuleCall) -> Carry | str:
+    """How call `b` takes call `a`'s output where one checkpoint region can run both, else why
+    not (a sentence). The region calls `b` with `a`'s arguments but one, so: no op between them;
+    `a` returned one tensor (anywhere in a tuple, dict or dataclass) and `b` took it as an
+    argument of its own; `b` was called like `a` (`ModuleCall.repeats`: the same non-tensor
+    values in and out); and every other tensor argument is the same tensor in the same place."""
+    if a.last_op + 1 != b.first_op:
+        return "ops run between them"
+    if len(a.outputs) != 1 or a.output_path is None:
+        return f"{a.path} returns {len(a.outputs)} tensors, not one the next block takes"
+    if a.path not in b.repeats:
+        return "they are called with different non-tensor arguments or return different things"
+    if len(a.arguments) != len(a.inputs) or len(b.arguments) != len(b.inputs):
+        return "the trace did not record how they were called"
+    taken = [i for i, t in enumerate(b.inputs) if t == a.outputs[0] and b.arguments[i]]
+    if len(taken) != 1 or b.arguments[taken[0]] not in a.arguments:
+        return f"{b.path} does not take {a.path}'s output as one argument of its own"
+    i = taken[0]
+    name = b.arguments[i]
+    j = a.arguments.index(name)
+    if (
+        a.inputs[:j] + a.inputs[j + 1 :] != b.inputs[:i] + b.inputs[i + 1 :]
+        or a.arguments[:j] + a.arguments[j + 1 :] != b.arguments[:i] + b.arguments[i + 1 :]
+    ):
+        return f"{b.path} takes other tensors than {a.path} besides {name!r}"
+    return a.output_path, name
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -447,17 +479,29 @@ class Planner:
         return p
 
     @cached_property
+    def links(self) -> list[Carry | None]:
+        """How block b+1 takes block b's output where one region can run both (`carry`), else
+        None (an encoder's last layer and a decoder's first are not chained)."""
+        return [c if isinstance(c, tuple) else None for c in self._carries]
+
+    @cached_property
+    def chain_breaks(self) -> dict[str, str]:
+        """Why no region runs block b and b+1 together, by "b .. b+1" (module paths): what a
+        segment a strategy asked for is split at, so that it never fails at step time."""
+        return {
+            f"{a.path} .. {b.path}": c
+            for a, b, c in zip(self.blocks, self.blocks[1:], self._carries, strict=False)
+            if isinstance(c, str)
+        }
+
+    @cached_property
+    def _carries(self) -> list[Carry | str]:
+        return [carry(a, b) for a, b in zip(self.blocks, self.blocks[1:], strict=False)]
+
+    @property
     def chained(self) -> list[bool]:
-        """Whether block b+1 continues block b so that one region can run both: no op between
-        them, b's only output is b+1's first input, and their other tensor inputs are the same
-        (an encoder's last layer and a decoder's first are not chained)."""
-        return [
-            a.last_op + 1 == b.first_op
-            and len(a.outputs) == 1
-            and b.inputs[:1] == a.outputs
-            and b.inputs[1:] == a.inputs[1:]
-            for a, b in zip(self.blocks, self.blocks[1:], strict=False)
-        ]
+        """Whether block b+1 continues block b so that one region can run both."""
+        return [link is not None for link in self.links]
 
     def every_block(self, option: str = "full") -> tuple[Region, ...]:
         """One region per block, checkpointed with `option` (`full` or `selective:<policy>`)."""
@@ -465,12 +509,14 @@ class Planner:
 
     def block_regions(self, groups: list[list[int]], option: str = "full") -> tuple[Region, ...]:
         """One region per group of consecutive block indices, checkpointed with `option`; a group
-        that spans blocks that are not chained is split where the chain breaks."""
+        is split where the chain breaks, or where its blocks pass the chained tensor differently
+        (a region hands it on one way)."""
         split = []
         for group in groups:
             split.append([group[0]])
             for b in group[1:]:
-                if self.chained[b - 1]:
+                link = self.links[b - 1]
+                if link is not None and link == self.links[split[-1][0]]:
                     split[-1].append(b)
                 else:
                     split.append([b])
@@ -483,7 +529,11 @@ class Planner:
                 policy = POLICIES[option.split(":", 1)[1]]
                 keep = without_mutated(self.graph, ops, policy(self.graph, ops))
             modules = tuple(self.blocks[i].path for i in group)
-            out.append(make_region(self.graph, modules, first.first_op, last.last_op, keep))
+            link = self.links[group[0]] if len(group) > 1 else None
+            region = make_region(self.graph, modules, first.first_op, last.last_op, keep)
+            if link is not None:
+                region = replace(region, carry_output=link[0], carry_argument=link[1])
+            out.append(region)
         return tuple(out)
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:

@@ -144,6 +144,8 @@ class Plan:
                     keep=tuple(r["keep"]),
                     keep_keys=tuple(tuple(k) for k in r.get("keep_keys", ())),
                     random=bool(r.get("random", True)),
+                    carry_output=tuple(r.get("carry_output", ())),
+                    carry_argument=str(r.get("carry_argument", "0")),
                 )
                 for r in regions
             )

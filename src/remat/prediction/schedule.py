@@ -64,7 +64,10 @@ class Region:
     """A checkpoint region over forward ops `first_op..last_op` (one module call, or consecutive
     blocks), recomputed in backward except the ops named in `keep` (kept by the policy), which the
     real run finds by `keep_keys`. `random` says whether the region draws random numbers, and so
-    whether checkpoint must keep the RNG state to replay it."""
+    whether checkpoint must keep the RNG state to replay it. A region of several blocks calls each
+    later block with the first one's arguments but `carry_argument` (a positional index as digits,
+    or a keyword), which takes the previous block's output at `carry_output` (indices, keys or
+    attribute names into it; empty: the output itself)."""
 
     modules: tuple[str, ...]
     first_op: int
@@ -72,6 +75,8 @@ class Region:
     keep: tuple[str, ...] = ()
     keep_keys: tuple[OpKey, ...] = ()
     random: bool = True
+    carry_output: tuple[int | str, ...] = ()
+    carry_argument: str = "0"
 
     def covers(self, op_index: int | None) -> bool:
         return op_index is not None and self.first_op <= op_index <= self.last_op

@@ -30,8 +30,7 @@ import sys
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,16 +50,24 @@ from remat.device.targets import CPU, Target
 from remat.errors import TraceError
 from remat.graph import (
     Graph,
-    ModuleCall,
-    Node,
-    Op,
     Phase,
-    Saved,
-    Storage,
     StorageKind,
     Tensor,
 )
+from remat.tracing.calls import (
+    argument_names,
+    call_shape,
+    output_path,
+    output_tensors,
+)
 from remat.tracing.kernels import EXTRA_FLOPS, FAKE_KERNELS
+from remat.tracing.records import (
+    CallRecord,
+    NodeRecord,
+    OpRecord,
+    SavedRecord,
+    StorageRecord,
+)
 from remat.tracing.tensors import (
     dtype_name,
     is_wrapper_op,
@@ -76,97 +83,6 @@ _WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
 LOSS_SCOPE = "<loss>"
 BACKWARD_SCOPE = "<backward>"
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
-
-
-_Frozen = TypeVar("_Frozen")
-
-
-def _freeze(record: Any, cls: type[_Frozen]) -> _Frozen:
-    """`cls` built from the fields of `record` it has: a record may also carry trace-only state."""
-    return cls(**{f.name: getattr(record, f.name) for f in fields(cls)})
-
-
-@dataclass(slots=True)
-class _OpRecord:
-    """An `Op` being traced: `node` is set once autograd attaches the op's grad_fn."""
-
-    index: int
-    name: str
-    target: str
-    module: str
-    phase: Phase
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    flops: int
-    node: int | None
-
-    def freeze(self) -> Op:
-        return _freeze(self, Op)
-
-
-@dataclass(slots=True)
-class _StorageRecord:
-    """A `Storage` being traced: `released_after` is set when the program drops it."""
-
-    id: int
-    nbytes: int
-    kind: StorageKind
-    allocated_at: int | None
-    released_after: int | None = None
-
-    def freeze(self) -> Storage:
-        return _freeze(self, Storage)
-
-
-@dataclass(slots=True)
-class _NodeRecord:
-    """A `Node` being traced, plus the parameter it accumulates the gradient of (AccumulateGrad)."""
-
-    id: int
-    name: str
-    forward_op: int | None
-    param: str | None
-    released_after: int | None = None
-
-    def freeze(self) -> Node:
-        return _freeze(self, Node)
-
-
-@dataclass(slots=True)
-class _CallRecord:
-    """A `ModuleCall` being traced: `open` until the module returns."""
-
-    path: str
-    type: str
-    first_op: int
-    last_op: int
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...] = ()
-    escaped: tuple[int, ...] = ()
-    open: bool = True
-
-    def freeze(self) -> ModuleCall:
-        return _freeze(self, ModuleCall)
-
-
-@dataclass
-class _SavedRecord:
-    """What the pack hook keeps instead of the tensor: enough to rebuild it in backward."""
-
-    storage: int
-    tensor: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-    device: torch.device
-    storage_numel: int
-    payload: torch.UntypedStorage | None
-    node: int | None = None
-    phase: Phase = "forward"
-
-    def freeze(self) -> Saved:
-        return _freeze(self, Saved)
 
 
 class _Packed:
@@ -201,10 +117,10 @@ class Tracer(TorchDispatchMode):
         self.paused = False
         self.phase: Phase = "forward"
         self.scopes: list[str] = [""]
-        self.ops: list[_OpRecord] = []
+        self.ops: list[OpRecord] = []
         self.name_counts: dict[tuple[str, str], int] = defaultdict(int)
         # storages: id -> mutable record; address -> id; weak refs keep addresses unique
-        self.storages: dict[int, _StorageRecord] = {}
+        self.storages: dict[int, StorageRecord] = {}
         self.storage_by_cdata: dict[int, int] = {}
         self.weakrefs: dict[int, StorageWeakRef] = {}
         self.live: dict[int, int] = {}  # storage id -> its weak reference's cdata
@@ -215,7 +131,7 @@ class Tracer(TorchDispatchMode):
         # autograd nodes. A node carries its id in its metadata under a key of this trace only: a
         # node may outlive the trace (a persistent leaf's AccumulateGrad) and be seen by the next.
         # No reference to a node is kept: autograd frees a graph (and what it saved) as it would.
-        self.nodes: dict[int, _NodeRecord] = {}
+        self.nodes: dict[int, NodeRecord] = {}
         self.node_key = f"remat.node.{next(_TRACES)}"
         #: leaves the step accumulates gradients into that are not the traced parameters (a
         #: tensor attribute with requires_grad, an input, a leaf a custom Function's backward
@@ -236,13 +152,15 @@ class Tracer(TorchDispatchMode):
         #: replay, not the program's, and are not recorded. (base and replayed ids, call site)
         self.view_replay: tuple[set[int], tuple[int, int]] | None = None
         self.current_node: int | None = None
-        self.saved: dict[int, _SavedRecord] = {}
+        self.saved: dict[int, SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
-        self.modules: list[_CallRecord] = []
+        self.modules: list[CallRecord] = []
         #: the modules a custom Function's backward called (reversible layers recompute theirs)
         self.rerun_in_backward: set[str] = set()
         #: storages of `torch.get_rng_state()` copies the step keeps (`record_rng_state`)
         self.rng_states: set[int] = set()
+        #: the module calls that returned since the last op, and how many ops there were then
+        self.returned: tuple[int, list[CallRecord]] = (0, [])
         self.param_names: dict[int, str] = {}
         #: op index -> its kernel's scratch, measured on this machine (`remat.device.kernel_scratch`)
         self.kernel_scratch: dict[int, int] = {}
@@ -268,7 +186,7 @@ class Tracer(TorchDispatchMode):
         sid = next(self.ids)
         self.storage_by_cdata[cdata] = sid
         self.weakrefs[sid] = StorageWeakRef(t.untyped_storage())
-        self.storages[sid] = _StorageRecord(sid, storage_nbytes(t), kind, allocated_at)
+        self.storages[sid] = StorageRecord(sid, storage_nbytes(t), kind, allocated_at)
         if allocated_at is not None:
             self.live[sid] = self.weakrefs[sid].cdata
         return sid
@@ -356,7 +274,7 @@ class Tracer(TorchDispatchMode):
             variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
             if variable is not None and id(variable) not in self.param_names:
                 self.outside_leaves.setdefault(id(variable), (weakref.ref(variable), variable.grad))
-            self.nodes[nid] = _NodeRecord(
+            self.nodes[nid] = NodeRecord(
                 id=nid,
                 name=node.name(),
                 forward_op=forward_op,
@@ -573,7 +491,7 @@ class Tracer(TorchDispatchMode):
             if scratch:
                 self.kernel_scratch[index] = scratch
         self.ops.append(
-            _OpRecord(
+            OpRecord(
                 index=index,
                 name=f"{prefix}{sep}{short}_{count}",
                 target=str(func),
@@ -631,7 +549,7 @@ class Tracer(TorchDispatchMode):
             sid = self.tensors[tid].storage
             handle = next(self.ids)
             persistent = self.storages[sid].kind not in ("activation", "grad")
-            self.saved[handle] = _SavedRecord(
+            self.saved[handle] = SavedRecord(
                 storage=sid,
                 tensor=tid,
                 shape=tuple(inner.shape),
@@ -709,13 +627,20 @@ class Tracer(TorchDispatchMode):
                 self.rerun_in_backward.add(path)
                 return
             self.scopes.append(path)
+            shape = call_shape((args, kwargs))
+            at, returned = self.returned
             self.modules.append(
-                _CallRecord(
+                CallRecord(
                     path=path,
                     type=type(module).__name__,
                     first_op=len(self.ops),
                     last_op=len(self.ops) - 1,
                     inputs=self._tensor_ids((args, kwargs)),
+                    arguments=argument_names(args, kwargs),
+                    shape_in=shape,
+                    previous=[c for c in returned if c.shape_in == shape]
+                    if at == len(self.ops)
+                    else [],
                 )
             )
 
@@ -729,9 +654,15 @@ class Tracer(TorchDispatchMode):
             if self.phase == "backward":
                 return
             call = next(m for m in reversed(self.modules) if m.path == path and m.open)
-            call.outputs = self._tensor_ids(output)
+            call.outputs = self._tensor_ids(output_tensors(output))
             call.last_op = len(self.ops) - 1
             call.open = False
+            call.output_path = output_path(output)
+            call.shape_out = call_shape(output)
+            call.repeats = tuple(c.path for c in call.previous if c.shape_out == call.shape_out)
+            call.previous = []
+            at, returned = self.returned
+            self.returned = (len(self.ops), [*returned, call] if at == len(self.ops) else [call])
             call.escaped = self.escaped(call.first_op, call.last_op, call.outputs)
             if self.scopes[-1] == path:
                 self.scopes.pop()

@@ -17,12 +17,19 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
     n = len(planner.blocks)
     size = max(1, round(math.sqrt(n)))
     groups = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-    return planner.make_plan(
-        planner.block_regions(groups),
-        "sqrt",
-        budget_bytes,
-        f"{len(groups)} segments of {size} blocks (Chen et al. 2016)",
-    )
+    regions = planner.block_regions(groups)
+    reason = f"{len(groups)} segments of {size} blocks (Chen et al. 2016)"
+    if len(regions) > len(groups):
+        pairs = [
+            f"{planner.blocks[b - 1].path} .. {planner.blocks[b].path}"
+            for g in groups
+            for b in g[1:]
+        ]
+        why = next(
+            (f" ({p}: {planner.chain_breaks[p]})" for p in pairs if p in planner.chain_breaks), ""
+        )
+        reason += f", cut into {len(regions)} regions where blocks cannot share one{why}"
+    return planner.make_plan(regions, "sqrt", budget_bytes, reason)
 
 
 STRATEGY = register(
