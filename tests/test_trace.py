@@ -383,3 +383,34 @@ def test_a_model_that_returns_its_loss_is_trained_on_that_loss(device):
     assert [op.target for op in own.ops] == [op.target for op in explicit.ops]
     assert own.activation_bytes == explicit.activation_bytes > 0
     assert own.activation_bytes == _autograd_saved_bytes(model, x, labels)
+
+
+_RESIZED_LOSSES = {
+    "mse_loss": lambda out, target: nn.functional.mse_loss(out, target),
+    "smooth_l1_loss": lambda out, target: nn.functional.smooth_l1_loss(out, target, reduction="sum"),
+    "binary_cross_entropy": lambda out, target: nn.functional.binary_cross_entropy(
+        out.sigmoid(), target.sigmoid()
+    ),
+    "soft_margin_loss": lambda out, target: nn.functional.soft_margin_loss(out, target.sign()),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(_RESIZED_LOSSES))
+def test_a_reduced_loss_keeps_its_unreduced_buffer_as_the_real_kernel_does(loss):
+    """These kernels write the per-element losses and resize the result to 0-d: the loss the step
+    holds until backward has the inputs' storage (8 KiB here, not 4 B), on fake tensors too."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x, target = torch.randn(32, 64), torch.randn(32, 64)
+
+    def loss_fn(out):
+        return _RESIZED_LOSSES[loss](out, target)
+
+    fake = remat.trace(model, x, loss_fn=loss_fn)
+    real = remat.trace(model, x, loss_fn=loss_fn, device="cpu")
+    (resized,) = [op for op in fake.ops if op.target.startswith(f"aten.{loss}.")]
+    storage = fake.tensors[resized.outputs[0]].storage
+    assert fake.storages[storage].nbytes == 32 * 64 * 4
+    assert remat.estimate(fake).peak_bytes == remat.estimate(real).peak_bytes
+    plan = remat.auto(model, x, loss_fn=loss_fn, budget="100%")
+    measured = remat.measure(model, x, loss_fn=loss_fn)
+    assert plan.held_bytes == measured.held_bytes

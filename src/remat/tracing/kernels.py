@@ -64,3 +64,28 @@ def _fake_grouped_mm(
 FAKE_KERNELS: dict[str, tuple[torch.dtype, Callable[..., torch.Tensor]]] = {
     "_grouped_mm": (torch.bfloat16, _fake_grouped_mm),
 }
+
+
+#: Loss kernels whose real output is allocated at the inputs' (broadcast) shape and then resized to
+#: the reduced 0-d loss (mse_loss and smooth_l1_loss: their structured meta function, shared by CPU
+#: and CUDA; binary_cross_entropy, soft_margin_loss: their `_out` kernels), so the loss keeps the
+#: whole buffer's storage until it is dropped. Their meta kernels return a fresh 0-d tensor. The
+#: value is the position of the `reduction` argument (default mean; 0 is none: no resize).
+RESIZED_LOSSES: dict[str, int] = {
+    "mse_loss": 2,
+    "smooth_l1_loss": 2,
+    "binary_cross_entropy": 3,
+    "soft_margin_loss": 2,
+}
+
+
+def with_real_loss_storage(packet: str, args: tuple, kwargs: dict, out: Any) -> Any:
+    """`out` of a fake `RESIZED_LOSSES` kernel on the storage the real kernel leaves it on."""
+    at = RESIZED_LOSSES.get(packet)
+    if at is None:
+        return out
+    reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
+    if reduction == 0:
+        return out
+    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+    return out.new_empty(shape).resize_(())

@@ -60,7 +60,7 @@ from remat.tracing.calls import (
     output_path,
     output_tensors,
 )
-from remat.tracing.kernels import EXTRA_FLOPS, FAKE_KERNELS
+from remat.tracing.kernels import EXTRA_FLOPS, FAKE_KERNELS, with_real_loss_storage
 from remat.tracing.records import (
     CallRecord,
     NodeRecord,
@@ -463,7 +463,8 @@ class Tracer(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and t.is_floating_point()
             )
         ):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            return out if self.real else with_real_loss_storage(packet, args, kwargs, out)
         return fake_kernel(*args, **kwargs)
 
     def record(self, func, args, kwargs, out, call_site: tuple[int, int] | None = None) -> None:
