@@ -414,3 +414,18 @@ def test_a_reduced_loss_keeps_its_unreduced_buffer_as_the_real_kernel_does(loss)
     plan = remat.auto(model, x, loss_fn=loss_fn, budget="100%")
     measured = remat.measure(model, x, loss_fn=loss_fn)
     assert plan.held_bytes == measured.held_bytes
+
+
+def test_a_loss_target_that_is_the_input_is_one_storage_as_in_the_real_step():
+    """An autoencoder's loss reads its input from the loss function's closure: on fake tensors it
+    is still the input's storage, not a second copy (a VAE's images were counted twice)."""
+    model = nn.Sequential(nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 64))
+    images = torch.randn(32, 64)
+
+    def loss_fn(out):
+        return nn.functional.mse_loss(out, images)
+
+    fake = remat.trace(model, images, loss_fn=loss_fn)
+    real = remat.trace(model, images, loss_fn=loss_fn, device="cpu")
+    assert not [s for s in fake.storages.values() if s.kind == "constant"]
+    assert remat.estimate(fake).peak_bytes == remat.estimate(real).peak_bytes

@@ -375,9 +375,18 @@ def _trace_once(
         for n, t in state.items():
             tracer.tensor_id(t, "param" if n in params else "buffer")
         tracer.param_names = {id(t): n for n, t in leaves.items()}
-        for t in pytree.tree_leaves((call_args, call_kwargs)):
+        for t, traced in zip(
+            pytree.tree_leaves((args, kwargs)),
+            pytree.tree_leaves((call_args, call_kwargs)),
+            strict=True,
+        ):
             if isinstance(t, torch.Tensor):
-                tracer.tensor_id(t, "input")
+                tracer.tensor_id(traced, "input")
+                # the caller's tensor read from elsewhere (a loss function's target that is the
+                # input itself, as an autoencoder's) is the input's storage, not a constant
+                tracer.storage_by_cdata.setdefault(
+                    storage_key(local_tensor(t)), tracer.storage_id(traced, "input")
+                )
         hook_handles = tracer.install_module_hooks(module) if module is not None else []
         caches_off = CachesOff(module) if module is not None else None
         restored = _outside_grads_restored(tracer, (args, kwargs, call_args, call_kwargs))
