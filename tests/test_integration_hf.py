@@ -8,7 +8,6 @@ FSDP2 (two gloo processes): plan, then prepare; and the Trainer's callback on th
 from __future__ import annotations
 
 import importlib.util
-import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,15 +29,6 @@ def _example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def remat_log(caplog):
-    """The `remat` logger's records (it does not propagate to the root logger)."""
-    logger = logging.getLogger("remat")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_integration_trainer_callback_plans_from_the_batch_and_keeps_the_losses():

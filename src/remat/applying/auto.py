@@ -96,6 +96,16 @@ def auto(
             apply(model, previous)
         raise
     apply(model, chosen)
+    refused = {
+        name: why.removeprefix("refused: ")
+        for name, why in chosen.details.get("candidates", {}).items()
+        if why.startswith("refused: ")
+    }
+    if refused:
+        log.info(
+            "remat: auto left out %s",
+            "; ".join(f"{name}, which refused ({why})" for name, why in refused.items()),
+        )
     log.info(
         "remat: installed %s on %s: predicted peak %s%s, %s (remat.verify(model, *inputs) checks "
         "it)",
