@@ -154,12 +154,9 @@ class FirstStepCheck:
         self._made.__enter__()
 
     def after(self, model: nn.Module, args: tuple, output: Any) -> None:
-        made = self._made
+        made = self._stop()
         if made is None:
             return
-        made.__exit__(None, None, None)
-        for handle in self._scope_handles:
-            handle.remove()
         self._finish(model)
         counted = made.live_by_module()
         by_module = _compare(self.plan, counted, exclude=(LOSS,))
@@ -180,6 +177,20 @@ class FirstStepCheck:
             )
         if self._device is not None:
             after_backward(output, self._read_peak)
+
+    def abort(self) -> None:
+        """Stop counting a step that ended without a backward (an exception, a skipped batch): the
+        next training step is checked instead."""
+        self._stop()
+
+    def _stop(self) -> _Made | None:
+        made, self._made = self._made, None
+        if made is not None:
+            made.__exit__(None, None, None)
+        for handle in self._scope_handles:
+            handle.remove()
+        self._scope_handles = []
+        return made
 
     def _read_peak(self) -> None:
         assert self._device is not None and self.report is not None
@@ -206,7 +217,8 @@ class FirstStepCheck:
         )
 
     def _finish(self, model: nn.Module) -> None:
-        self.done, self._made = True, None
+        self.done = True
+        self._stop()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -219,7 +231,18 @@ def install(model: nn.Module, plan: Plan) -> FirstStepCheck:
         model.register_forward_pre_hook(check.before, with_kwargs=True),
         model.register_forward_hook(check.after, always_call=True),
     ]
+    vars(model)[_CHECK] = check
     return check
+
+
+def report(model: nn.Module) -> FirstStepReport | None:
+    """What the check of `model`'s first step found (`remat.auto`, the integrations), or None:
+    no check installed, or its step not run yet (or skipped: sharded parameters)."""
+    check = vars(model).get(_CHECK)
+    return None if check is None else check.report
+
+
+_CHECK = "_remat_first_step"
 
 
 def after_backward(output: Any, callback: Callable[[], None]) -> None:
@@ -354,12 +377,14 @@ def _cuda_device(model: nn.Module) -> torch.device | None:
 
 
 def _skipped(model: nn.Module) -> bool:
-    """Steps the check does not count: parameters that are DTensors (FSDP2 gathers, tensor
-    parallelism: what the plan of the bare or local step does not hold) and torch.compile's
-    tracing of the model."""
+    """Steps the check does not count: sharded parameters (DTensors of FSDP2 or tensor
+    parallelism, FSDP1's flat parameters: the step gathers what the plan of the bare or local
+    step does not hold) and torch.compile's tracing of the model."""
     if torch.compiler.is_compiling():
         return True
-    if any(is_traceable_wrapper_subclass(p) for p in model.parameters()):
-        log.debug("remat: first-step check skipped: the parameters are DTensors (FSDP or TP)")
-        return True
-    return False
+    sharded = any(is_traceable_wrapper_subclass(p) for p in model.parameters()) or any(
+        type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()
+    )
+    if sharded:
+        log.debug("remat: first-step check skipped: FSDP or tensor-parallel parameters")
+    return sharded
