@@ -119,6 +119,16 @@ def test_the_checked_step_has_the_gradients_of_an_unchecked_one():
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
+def test_a_trace_of_the_planned_model_is_not_its_first_step():
+    model, x = _sneaky(), torch.randn(256, 64)
+    remat.auto(model, x, strategy="store_all", budget="1TiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.trace(model, x)  # under remat's dispatch mode, on fake tensors
+    assert first_step.report(model) is None
+    assert len(_step(model, x)) == 1
+
+
 def test_a_planned_model_copied_before_its_first_step_checks_its_own():
     import copy
 

@@ -30,7 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 
 from remat.applying.eager import installed_plan
 from remat.errors import log, warn
@@ -135,6 +139,8 @@ class FirstStepCheck:
     def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.done or self._made is not None or not torch.is_grad_enabled():
             return
+        if _get_current_dispatch_mode_stack():
+            return  # a trace (remat.trace, fake tensors) runs the model: not a training step
         if installed_plan(model) is not self.plan or _skipped(model):
             self._finish(model)  # replaced, removed, sharded or compiled: nothing to check
             return
