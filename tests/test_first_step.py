@@ -67,7 +67,7 @@ def test_a_forward_that_saves_more_than_traced_warns_after_the_first_step_naming
     (warning,) = _step(model, x)
     message = str(warning.message)
     assert "the first training step of Sequential under plan store_all held" in message
-    assert "2: 64 KiB counted / 0 B predicted" in message  # sin's input, module '2'
+    assert "'2' 64 KiB counted / 0 B predicted" in message  # sin's input, in module '2'
     assert _check_of(model) is None  # the check took itself off
 
 
@@ -80,7 +80,7 @@ def test_a_plan_edited_to_claim_fewer_held_bytes_warns_naming_its_region():
     remat.apply(model, edited)
     check = first_step.install(model, edited)
     (warning,) = _step(model, *inputs)
-    assert f"h.1: 64 KiB counted / {claimed['h.1'] // 1024} KiB predicted" in str(warning.message)
+    assert f"'h.1' 64 KiB counted / {claimed['h.1'] // 1024} KiB predicted" in str(warning.message)
     assert check.report.warned
 
 

@@ -367,7 +367,8 @@ def _differences(by_module: tuple[tuple[str, int, int], ...]) -> str:
     if not over:
         return "no module holds more than predicted (the difference is outside the model's modules)"
     shown = "; ".join(
-        f"{n}: {format_bytes(c)} counted / {format_bytes(p)} predicted" for n, p, c in over[:_SHOWN]
+        f"'{n}' {format_bytes(c)} counted / {format_bytes(p)} predicted"
+        for n, p, c in over[:_SHOWN]
     )
     more = f" and {len(over) - _SHOWN} more" if len(over) > _SHOWN else ""
     return f"modules over their prediction: {shown}{more}"
