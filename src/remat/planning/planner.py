@@ -247,7 +247,15 @@ class Planner:
         budget that fits when the plan's predicted peak exceeds the budget."""
         chosen = get(strategy, "eager")
         budget_bytes = self.budget_bytes(budget)
-        p = self.solve(chosen, budget_bytes)
+        share = overhead_share(budget)
+        try:
+            p = self.solve(chosen, budget_bytes)
+        except InfeasibleBudget:
+            if strategy != "auto" or share is None:
+                raise
+            # A time budget is the peak of a plan on the frontier, which fits it; a budgeted
+            # solver need not answer at that tighter budget as it did where the frontier asked.
+            p = replace(self.within_overhead(share), budget_bytes=budget_bytes)
         if p.predicted_peak_bytes > budget_bytes:
             raise InfeasibleBudget(
                 f"strategy {strategy} predicts a peak of {format_bytes(p.predicted_peak_bytes)}, "
