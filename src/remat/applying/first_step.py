@@ -297,17 +297,18 @@ def check_compiled(
         name = type(model).__name__ if model is not None else getattr(call, "__name__", "?")
         largest = sorted((s for p in made for s in p.saved), key=lambda s: -s.bytes)[:_SHOWN]
         values = ", ".join(f"{s.name} {format_bytes(s.bytes)}" for s in largest)
-        if saved.nbytes > predicted * (1 + HELD_TOLERANCE):
+        over = saved.nbytes / max(predicted, 1) - 1
+        if over > HELD_TOLERANCE:
             warn(
                 f"remat: the first training step of compiled {name} saved "
-                f"{format_bytes(saved.nbytes)} for the backward, {saved.nbytes / max(predicted, 1) - 1:.1%} over the "
+                f"{format_bytes(saved.nbytes)} for the backward, {over:.1%} over the "
                 f"{format_bytes(predicted)} its {len(made)} compiled graph(s) predict (largest "
                 f"planned values: {values}; tensors saved outside the compiled graphs, at graph "
                 "breaks, are not in any plan). remat.measure(compiled, *inputs) measures a step "
                 "(check=False turns this check off)"
             )
         if device is not None:
-            budget = sum(p.budget_bytes or p.predicted_peak_bytes for p in made[:1])
+            budget = made[0].budget_bytes or made[0].predicted_peak_bytes
 
             def read_peak() -> None:
                 torch.cuda.synchronize(device)
