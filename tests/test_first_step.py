@@ -149,3 +149,10 @@ def test_a_compiled_plan_checks_its_first_step_against_what_autograd_saves():
     (warning,) = _step(checked, *inputs)
     assert "saved 1.79 MiB for the backward, 100.0% over" in str(warning.message)
     assert _step(checked, *inputs) == []  # once
+
+
+def test_compile_with_check_false_does_not_check(monkeypatch):
+    monkeypatch.setattr(first_step, "HELD_TOLERANCE", -1.0)  # every check warns
+    x = torch.randn(4, 8)
+    assert len(_step(remat.compile(nn.Linear(8, 8), compiler="aot_eager"), x)) == 1
+    assert _step(remat.compile(nn.Linear(8, 8), compiler="aot_eager", check=False), x) == []
