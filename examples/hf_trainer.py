@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import remat
+from remat.applying import first_step
 from remat.integrations.hf import RematCallback, enable
 from remat.units import format_bytes
 
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "equal": equal and verified,
         "plan": plan,
         "verified": verified,
+        "first_step": first_step.report(with_remat["model"]),  # the first step's own check
     }
 
 

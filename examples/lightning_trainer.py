@@ -184,8 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check = remat.verify(callback.step, *([(ids[:4],)] if measured else []))
     remat.remove(callback.step)
 
-    return report(f"{args.strategy} on {world} process(es)", baseline, with_remat, args.steps,
-                  callback.plan, check)  # fmt: skip
+    result = report(f"{args.strategy} on {world} process(es)", baseline, with_remat, args.steps,
+                    callback.plan, check)  # fmt: skip
+    result["first_step"] = callback.check.report  # the first step's check against the plan
+    return result
 
 
 def report(

@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 
@@ -17,3 +19,12 @@ def tuned_plans_kept_in_a_fresh_folder(tmp_path, monkeypatch):
     """`remat.applying.tune` keeps its results on disk: each test starts with none, and nothing is written
     to the user's ~/.cache."""
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))
+
+
+@pytest.fixture
+def remat_log(caplog):
+    """The `remat` logger's records (it does not propagate to the root logger)."""
+    logger = logging.getLogger("remat")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -249,6 +249,35 @@ def test_a_factory_that_raises_exits_2_naming_its_line(tmp_path, monkeypatch, ca
     assert "the factory raised KeyError" in err and "broken_models.py:2" in err
 
 
+@pytest.mark.parametrize("trace_device", ["meta", "cpu"])
+def test_a_forward_autograd_refuses_exits_2_in_one_line_without_a_fallback(
+    tmp_path, monkeypatch, capsys, trace_device
+):
+    """Issue 33: an in-place op on a parameter failed on fake tensors with advice to trace on
+    real ones (--trace-device cpu), which then exited 1 with a raw traceback. Real tensors raise
+    it too: one line, exit 2, naming the module and the line, and no fallback advice."""
+    (tmp_path / "inplace_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Scale(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = nn.Parameter(torch.ones(8))\n\n"
+        "    def forward(self, x):\n"
+        "        self.w.mul_(2)\n"
+        "        return x * self.w\n\n"
+        "def make():\n    return nn.Sequential(nn.Linear(8, 8), Scale()), (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["plan", "--model", "inplace_models:make", "--trace-device", trace_device]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "module '1'" in err and "inplace_models.py:10 `self.w.mul_(2)`" in err
+    assert "not trainable as written" in err and "torch.no_grad()" in err
+    assert "--trace-device" not in err and "device='cpu'" not in err
+
+
 def test_a_factory_from_the_current_folder_imports_and_titles_what_it_built(tmp_path, capsys):
     (tmp_path / "own_models.py").write_text(
         "import torch\nfrom torch import nn\n\n"

@@ -8,7 +8,6 @@ FSDP2 (two gloo processes): plan, then prepare; and the Trainer's callback on th
 from __future__ import annotations
 
 import importlib.util
-import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,19 +31,14 @@ def _example():
     return module
 
 
-@pytest.fixture
-def remat_log(caplog):
-    """The `remat` logger's records (it does not propagate to the root logger)."""
-    logger = logging.getLogger("remat")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
-def test_integration_trainer_callback_plans_from_the_batch_and_keeps_the_losses():
+def test_integration_trainer_callback_plans_from_the_batch_and_keeps_the_losses(recwarn):
     result = _example().main(["--steps", "3", "--seq", "32"])
     assert result["equal"] and result["verified"]
     assert result["plan"].regions  # it checkpointed something: the run tested something
+    first = result["first_step"]  # the Trainer's first step checked itself, and did not warn
+    assert first is not None and not first.warned
+    assert abs(first.held_bytes_counted / first.held_bytes_predicted - 1) < 0.01
+    assert not [w for w in recwarn if "first training step" in str(w.message)]
 
 
 def test_integration_trainer_with_hf_gradient_checkpointing_switches_it_off(remat_log):

@@ -40,10 +40,14 @@ def _planned_module(n_layer: int = 2, strategy: str = "full"):
     return module, chosen
 
 
-def test_integration_lightning_callback_keeps_the_losses_and_verifies():
+def test_integration_lightning_callback_keeps_the_losses_and_verifies(recwarn):
     result = _example().main(["--steps", "3"])
     assert result["equal"] and result["verified"]
     assert any(region.keep for region in result["plan"].regions)  # selective: ops matched
+    first = result["first_step"]  # the callback's check of the first step, which did not warn
+    assert first is not None and not first.warned  # (checkpoint's RNG states are not ops: 10 KB)
+    assert abs(first.held_bytes_counted / first.held_bytes_predicted - 1) < 0.01
+    assert not [w for w in recwarn if "first training step" in str(w.message)]
 
 
 def test_integration_lightning_fabric_setup_keeps_the_losses_and_verifies(monkeypatch):

@@ -13,6 +13,7 @@ from remat import Planner, models, plan
 from remat.errors import InfeasibleBudget
 from remat.planning.plans import Plan
 from remat.planning.solvers.mincut import cut_cost, mincut
+from remat.units import format_bytes
 
 
 def cos_cos(a, b, c, d):
@@ -203,3 +204,29 @@ def test_text_that_is_not_a_plan_is_a_plan_format_error():
     for text in ("{not json", "[1, 2]"):
         with pytest.raises(remat.PlanFormatError, match="not a plan"):
             Plan.from_json(text)
+
+
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+def test_a_budget_below_parameters_and_gradients_says_so_and_names_what_can_reach_it(optimizer):
+    """Issue 33: a 6-layer MLP at batch 64 under "50%" was refused with only the smallest budget;
+    its peak is parameters and gradients (and AdamW's state), which no recomputation removes.
+    The refusal now gives the numbers and the levers that do reach lower."""
+    model = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(6))
+    )
+    planner = Planner(remat.trace(model, torch.randn(64, 512)), optimizer=optimizer)
+    with pytest.raises(InfeasibleBudget) as err:
+        planner.plan("50%", "auto")
+    message, e = str(err.value), planner.estimate
+    assert f"parameters {format_bytes(e.param_bytes)}, their gradients" in message
+    assert f"optimizer state {format_bytes(e.optimizer_state_bytes)}" in message
+    assert "recomputation only removes activations" in message
+    assert "bf16" in message and "remat fit --shard" in message
+    assert ("8-bit optimizer" in message) == (optimizer is not None)
+
+
+def test_a_budget_below_what_activations_need_names_no_precision_lever(gpt2_planner):
+    with pytest.raises(InfeasibleBudget) as err:
+        gpt2_planner.plan("1%", "auto")
+    assert "That peak holds parameters" in str(err.value)
+    assert "bf16" not in str(err.value)  # activations are most of GPT-2's peak at 8 x 1024

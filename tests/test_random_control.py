@@ -113,3 +113,22 @@ def test_hugging_face_layerdrop_is_found_on_fake_tensors_and_plans_verify():
     remat.apply(model, plan)
     report = remat.verify(model, loss_fn=lambda out: out.loss, **inputs)
     assert report.ok, report
+
+
+@pytest.mark.filterwarnings("ignore:remat. the step's ops depend on random draws")
+def test_auto_leaves_out_a_strategy_that_refuses_and_says_why(remat_log):
+    """Issue 33: sqrt refuses a step that skips blocks at random (its runs of blocks could not skip
+    one), and that refusal used to end `auto` itself, from the frontier a `+10%` budget resolves
+    on. Now auto's plan lists it as refused and picks among the rest; a time budget is always
+    feasible (store-all qualifies)."""
+    torch.manual_seed(0)
+    model, x = LayerDropNet(python_draws=True), _x()
+    with pytest.raises(remat.StrategyRefused, match="skips blocks at random") as refusal:
+        remat.Planner(remat.trace(model, x)).plan("1TiB", "sqrt")
+    assert isinstance(refusal.value, InfeasibleBudget) and refusal.value.strategy == "sqrt"
+    plan = remat.auto(model, x, budget="+10%")
+    assert plan.details["candidates"]["sqrt"].startswith("refused: ")
+    assert "sqrt refused (strategy 'sqrt' checkpoints runs of several blocks" in plan.reason
+    assert "auto left out sqrt, which refused" in remat_log.text
+    assert all(len(region.modules) == 1 for region in plan.regions)
+    assert remat.verify(model, x).ok

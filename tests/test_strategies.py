@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import remat
 from remat import models
 from remat.answers.cli import build_parser
 from remat.planning import strategies
+from remat.planning.strategies import Strategy
 
 EVERY_OTHER = '''
 """Checkpoint every other block: a strategy written outside remat, in one file."""
@@ -136,3 +138,34 @@ def test_first_k_checkpoints_the_fewest_first_blocks_that_fit():
     fewer = planner.make_plan(planner.block_regions([[b] for b in range(k - 1)]), "x", budget, "")
     assert fewer.predicted_peak_bytes > budget
     assert get("first_k").lowest_peak(planner).predicted_peak_bytes <= plan.predicted_peak_bytes
+
+
+def test_a_time_budget_is_feasible_whatever_a_solver_answers_at_the_peak_it_resolves_to():
+    """Issue 33: a time budget ("+10%") resolves to the peak of a plan on the frontier, found by
+    a strategy at some budget; asked again at that peak, a budgeted solver may answer otherwise
+    (here: only at generous budgets). `auto` then takes the frontier's plan, never raising."""
+    model, inputs = models.build("mlp-chain-6", batch=64, device="cpu", tiny=True)
+    planner = remat.Planner(remat.trace(model, *inputs))
+    lowest = planner.lowest_peak()
+
+    def only_when_generous(p, budget_bytes):
+        if budget_bytes < planner.estimate.peak_bytes:
+            raise remat.InfeasibleBudget(
+                "tight", budget_bytes=budget_bytes, min_feasible_bytes=None
+            )
+        # a plan below every other strategy's lowest peak, at no recompute
+        plan = p.make_plan(p.every_block("full"), "generous", budget_bytes, "a solver's answer")
+        return dataclasses.replace(
+            plan, predicted_peak_bytes=lowest.predicted_peak_bytes - 1, recompute_seconds=0.0
+        )
+
+    strategies.register(
+        Strategy(name="generous", summary="answers only at generous budgets",
+                 solve=only_when_generous, budgeted=True, needs_blocks=True)
+    )  # fmt: skip
+    try:
+        plan = planner.plan("+10%", "auto")
+    finally:
+        strategies.unregister("generous")
+    assert plan.strategy == "auto (generous)"
+    assert plan.budget_bytes == plan.predicted_peak_bytes == lowest.predicted_peak_bytes - 1

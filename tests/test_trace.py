@@ -387,7 +387,9 @@ def test_a_model_that_returns_its_loss_is_trained_on_that_loss(device):
 
 _RESIZED_LOSSES = {
     "mse_loss": lambda out, target: nn.functional.mse_loss(out, target),
-    "smooth_l1_loss": lambda out, target: nn.functional.smooth_l1_loss(out, target, reduction="sum"),
+    "smooth_l1_loss": lambda out, target: nn.functional.smooth_l1_loss(
+        out, target, reduction="sum"
+    ),
     "binary_cross_entropy": lambda out, target: nn.functional.binary_cross_entropy(
         out.sigmoid(), target.sigmoid()
     ),

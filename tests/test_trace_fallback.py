@@ -118,7 +118,10 @@ def test_custom_op_whose_fake_impl_raises_is_a_trace_error():
     assert any("picky_scale" in op.target for op in graph.ops)
 
 
-def test_errors_on_real_tensors_propagate_unchanged():
+def test_errors_on_real_tensors_say_the_step_is_not_trainable_naming_module_op_and_line():
+    """A step that fails on real tensors is the model's own error: a TraceError (one line in the
+    CLI, issue 33) naming module, op and line, the original chained, no fallback offered."""
+
     class Wrong(nn.Module):
         def __init__(self):
             super().__init__()
@@ -127,9 +130,36 @@ def test_errors_on_real_tensors_propagate_unchanged():
         def forward(self, x):
             return x @ self.w  # (2, 4) @ (3, 5): the user's bug
 
-    with pytest.raises(RuntimeError) as err:
-        remat.trace(Wrong(), torch.randn(2, 4), device="cpu")
-    assert not isinstance(err.value, TraceError)
+    with pytest.raises(TraceError) as err:
+        remat.trace(nn.Sequential(Wrong()), torch.randn(2, 4), device="cpu")
+    message = str(err.value)
+    assert "module '0'" in message and "in op aten.mm.default" in message
+    assert "`return x @ self.w" in message and "not trainable as written" in message
+    assert "mat1 and mat2 shapes cannot be multiplied" in message
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert (err.value.module, err.value.op) == ("0", "aten.mm.default")
+    assert not err.value.fake_tensor_failure
+
+
+def test_autograds_own_refusal_on_fake_tensors_offers_no_real_trace(recwarn):
+    """An in-place op on a parameter that requires grad is refused by autograd before any kernel:
+    real tensors raise it too, so `auto` does not retry on them (issue 33)."""
+
+    class Bumped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            self.w.add_(1)
+            return x * self.w
+
+    model = nn.Sequential(nn.Linear(4, 4), Bumped())
+    with pytest.raises(TraceError, match="not trainable as written") as err:
+        remat.auto(model, torch.randn(2, 4))
+    assert "module '1'" in str(err.value) and "`self.w.add_(1)`" in str(err.value)
+    assert not err.value.fake_tensor_failure and "device='cpu'" not in str(err.value)
+    assert not [w for w in recwarn if "real CPU tensors instead" in str(w.message)]
 
 
 def _tiny_moe(model_type: str, **fields):

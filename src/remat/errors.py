@@ -7,6 +7,7 @@ written against the older `except ValueError` still catches them:
     ├── UnknownModelError     a model spec that cannot be built
     ├── TraceError            a training step that cannot be traced
     ├── InfeasibleBudget      no plan fits the budget
+    │   └── StrategyRefused   a strategy that cannot plan this step at any budget
     ├── StatefulModuleError   a module to recompute writes state
     ├── PlanFormatError       a plan JSON that cannot be read
     ├── NoBlocksError         a per-block strategy on a model without repeated blocks
@@ -64,6 +65,16 @@ class InfeasibleBudget(RematError):
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+
+
+class StrategyRefused(InfeasibleBudget):
+    """Raised when a strategy cannot plan this step at any budget (sqrt's runs of several blocks
+    where LayerDrop skips blocks); `strategy` names it. `auto` leaves such a strategy out, saying
+    why, and picks among the rest."""
+
+    def __init__(self, message: str, *, strategy: str, budget_bytes: int):
+        super().__init__(message, budget_bytes=budget_bytes, min_feasible_bytes=None)
+        self.strategy = strategy
 
 
 class StatefulModuleError(RematError):

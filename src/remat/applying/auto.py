@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from remat.applying import first_step
 from remat.applying.eager import apply, installed_plan, refuse_double_checkpointing, remove
 from remat.applying.tune import tune as fastest
 from remat.applying.tune import with_measured_overheads
@@ -27,6 +28,7 @@ def auto(
     optimizer: str | None = None,
     trace_device: str | None = None,
     tune: bool = False,
+    check: bool = True,
     **kwargs: Any,
 ) -> Plan:
     """Trace one step of `model(*example_inputs, **kwargs)`, plan under `budget` and apply the
@@ -43,7 +45,12 @@ def auto(
     experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
     tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start.
     `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200).
-    On a model that already has a plan, the new plan replaces it, made as for the bare model."""
+    On a model that already has a plan, the new plan replaces it, made as for the bare model.
+
+    `check=True`: the first training step after this checks itself, once
+    (`remat.applying.first_step`): where the bytes it holds for the backward are more than 2% over
+    the plan's, or (CUDA) its peak is over the budget, a `RematWarning` names the modules that
+    differ."""
     # Plan the bare model: a plan already installed would be traced as part of the step. Should
     # tracing or planning fail, the model keeps the plan it had.
     previous = installed_plan(model)
@@ -96,6 +103,18 @@ def auto(
             apply(model, previous)
         raise
     apply(model, chosen)
+    if check:
+        first_step.install(model, chosen)
+    refused = {
+        name: why.removeprefix("refused: ")
+        for name, why in chosen.details.get("candidates", {}).items()
+        if why.startswith("refused: ")
+    }
+    if refused:
+        log.info(
+            "remat: auto left out %s",
+            "; ".join(f"{name}, which refused ({why})" for name, why in refused.items()),
+        )
     log.info(
         "remat: installed %s on %s: predicted peak %s%s, %s (remat.verify(model, *inputs) checks "
         "it)",

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
+from remat.applying.first_step import check_compiled
 from remat.device.cost import DeviceProfile, get_profile
 from remat.errors import RematError
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
@@ -624,6 +625,7 @@ def compile(
     profile: str | DeviceProfile = "cpu",
     compiler: str = "inductor",
     peak_model: str | None = None,
+    check: bool = True,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """`torch.compile(model)` with remat's partitioner (see `backend`). The decisions appear, one
@@ -634,7 +636,11 @@ def compile(
     from the first call. That call raises the remat error itself, attributes intact, `from`
     dynamo's `BackendCompilerFailed` rather than wrapped in it. The result is still torch's
     compiled module (an `OptimizedModule`: same parameters, state_dict keys, attributes and
-    train/eval); only its `forward` is wrapped."""
+    train/eval); only its `forward` is wrapped.
+
+    `check=True`: the first training call counts what autograd saves against the plans' held
+    bytes and, on CUDA, the allocator's peak against the budget, once, warning where they differ
+    (`remat.applying.first_step.check_compiled`)."""
     chosen = backend(
         budget=budget,
         strategy=strategy,
@@ -646,8 +652,12 @@ def compile(
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)
     if isinstance(compiled, nn.Module):
         compiled.forward = _raising_remat_errors(compiled.forward)
+        if check:
+            compiled.forward = check_compiled(compiled.forward, chosen.plans, model)
     else:  # a function: torch.compile returned a function
         compiled = _raising_remat_errors(compiled)
+        if check:
+            compiled = check_compiled(compiled, chosen.plans, None)
     compiled.remat_backend = chosen
     return compiled
 

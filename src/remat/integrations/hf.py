@@ -59,8 +59,9 @@ def enable(
     `accelerator.prepare`: its FSDP2 plugin's activation checkpointing is refused, and so is a
     plan with a region FSDP cannot run (one that continues into a layer accelerate will shard on
     its own). A model already sharded with FSDP2 is planned as its bare model. With FSDP,
-    `kwargs` may be `strategy`, `profile` and `optimizer` (the planner's); otherwise any of
-    `remat.auto`'s."""
+    `kwargs` may be `strategy`, `profile`, `optimizer` (the planner's) and `check`; otherwise any
+    of `remat.auto`'s. `check=True` (the default): the first training step checks itself against
+    the plan and warns naming the modules that differ (`remat.applying.first_step`)."""
     _switch_off_hf_checkpointing(model)
     if accelerator is not None:
         check_accelerator(accelerator)
@@ -160,9 +161,12 @@ def _plan_for_fsdp(
     strategy: str = "auto",
     profile: str = "cpu",
     optimizer: str | None = None,
+    check: bool = True,
 ) -> Plan:
     """Trace the bare model on fake tensors, plan, refuse a plan with a region FSDP cannot run
-    and install it."""
+    and install it (with the first step's check, which skips a step whose parameters are FSDP's
+    DTensors: `remat.applying.first_step`)."""
+    from remat.applying import first_step
     from remat.applying.eager import apply, remove
     from remat.planning.planner import plan
     from remat.tracing.trace import trace
@@ -174,6 +178,8 @@ def _plan_for_fsdp(
     chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
     _refuse_regions_fsdp_cannot_run(chosen, model, units)
     apply(model, chosen)
+    if check:
+        first_step.install(model, chosen)
     log.info(
         "remat: installed %s on %s under FSDP2 (planned as the bare model, one rank's batch): "
         "predicted peak %s unsharded%s (remat.verify(model) checks the kept ops after a step)",
@@ -211,7 +217,8 @@ class RematCallback(_callback_base()):  # type: ignore[misc]
     device) and installs the plan before the first step (`on_train_begin`); `plan` is then the
     plan. The batch is drawn without moving the random stream the Trainer shuffles with. Under
     FSDP2 the Trainer has sharded the model already: it is planned as the bare model (`enable`);
-    FSDP's own activation checkpointing is refused by name."""
+    FSDP's own activation checkpointing is refused by name. The Trainer's first step checks
+    itself against the plan, once (`check=False` among `auto_kwargs` turns that off)."""
 
     def __init__(self, budget: int | str = DEFAULT_BUDGET, **auto_kwargs: Any):
         self.budget = budget

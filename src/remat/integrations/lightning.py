@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from remat.applying.eager import installed_plan
+from remat.applying.first_step import FirstStepCheck
 from remat.errors import RematError
 from remat.planning.plans import DEFAULT_BUDGET, Plan
 
@@ -160,13 +161,22 @@ class RematCallback(_base()):  # type: ignore[misc]
     A plan `plan(self)` made in `configure_model` during this fit is taken as it is (the way
     with tensor parallelism). `plan` is then the plan and `step` the planned `TrainingStep`
     (`remat.verify(callback.step)` checks it after a step). The batch is drawn without moving
-    the random stream Lightning shuffles with."""
+    the random stream Lightning shuffles with.
 
-    def __init__(self, budget: int | str = DEFAULT_BUDGET, **auto_kwargs: Any):
+    `check=True`: the first training step checks itself against the plan, from the batch's
+    start to `on_before_backward` (its forward and loss: what the plan holds) and, on CUDA, to
+    the end of its backward, warning where they differ (`remat.applying.first_step`; `check`
+    is the first step's `FirstStepCheck`, with its `report` after the step)."""
+
+    def __init__(self, budget: int | str = DEFAULT_BUDGET, check: bool = True, **auto_kwargs: Any):
         self.budget = budget
-        self.auto_kwargs = auto_kwargs
+        # Lightning calls training_step, not the TrainingStep's forward: the callback's hooks
+        # bound the step, not auto's forward hooks
+        self.auto_kwargs = {**auto_kwargs, "check": False}
         self.plan: Plan | None = None
         self.step: TrainingStep | None = None
+        self.check: FirstStepCheck | None = None
+        self._checks = check
         self._earlier: Plan | None = None  # the module's plan from before this fit
 
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
@@ -201,6 +211,24 @@ class RematCallback(_base()):  # type: ignore[misc]
         self.step = vars(pl_module)[_STEP]
         self.plan = installed_plan(self.step)
         _check_installed(self.step, self.plan, "configure_model")
+        if self._checks:
+            self.check = FirstStepCheck(self.step, self.plan)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, i: int) -> None:
+        if self.check is not None and self.step is not None:
+            self.check.before(self.step, (), {})
+
+    def on_before_backward(self, trainer: Any, pl_module: nn.Module, loss: torch.Tensor) -> None:
+        if self.check is not None and self.step is not None:
+            self.check.after(self.step, (), loss)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: nn.Module, *args: Any) -> None:
+        if self.check is not None:
+            self.check.abort()  # a step that returned no loss: the next one is checked
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        if self.check is not None:
+            self.check.abort()
 
 
 def fabric_setup(

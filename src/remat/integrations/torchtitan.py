@@ -46,6 +46,7 @@ import torch
 import tyro
 from torch import nn
 
+from remat.applying import first_step
 from remat.applying.eager import apply as install
 from remat.applying.eager import checkpointed_elsewhere, installed_plan
 from remat.errors import RematError, log, warn
@@ -102,6 +103,11 @@ class RematAC(ActivationCheckpointing):
         profile: str = ""
         """remat's cost profile for recompute time (cpu, a100, h100, ...); "" for the target's."""
 
+        check: bool = True
+        """Check the first training step against the plan, once, warning where the bytes it
+        holds or (CUDA) its peak differ (`remat.applying.first_step`; skipped where the
+        parameters are DTensors, as under FSDP and tensor parallelism)."""
+
         _training: Annotated[tuple[int, int, str] | None, tyro.conf.Suppress] = None
         """training's (local_batch_size, seq_len, mixed_precision_param), set by the
         Trainer.Config of `trainer_config` each time it is made (after the command line)."""
@@ -146,6 +152,8 @@ class RematAC(ActivationCheckpointing):
             )
         self.plan = plan(graph, budget=config.budget, strategy=config.strategy, profile=profile)
         install(model, self.plan)
+        if config.check:
+            first_step.install(model, self.plan)
         model.register_forward_pre_hook(_ShapeCheck(batch, seq), with_kwargs=True)
         regions = len(self.plan.regions)
         log.info(

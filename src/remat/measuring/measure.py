@@ -48,10 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Measurement",
+    "SavedStorages",
     "calibrate_profile",
     "cpu_peak_bytes",
     "measure",
     "saved_tensor_bytes",
+    "storage_keys",
     "time_steps",
 ]
 
@@ -176,7 +178,7 @@ def measure(
             ),
             target,
         )
-        saved = _SavedStorages(excluded=_storage_keys(chain(params, model.buffers())))
+        saved = SavedStorages(excluded=storage_keys(chain(params, model.buffers())))
         if target.type == "cuda":
             retained, peak = _cuda_memory_step(step, saved, target)
         else:
@@ -263,7 +265,7 @@ def saved_tensor_bytes(
             not a scalar requiring grad.
     """
     _measured_device(model, None, chain(_tensors(inputs), _tensors(kwargs)))
-    saved = _SavedStorages(excluded=_storage_keys(chain(model.parameters(), model.buffers())))
+    saved = SavedStorages(excluded=storage_keys(chain(model.parameters(), model.buffers())))
     with torch.enable_grad(), saved.hooks():
         _forward(model, inputs, kwargs, loss_fn)
     return saved.nbytes
@@ -468,7 +470,7 @@ def _forward(
     return out, loss
 
 
-class _SavedStorages:
+class SavedStorages:
     """Pack hook that sums the bytes of each distinct storage autograd saves.
 
     A storage is recognised by identity (storages keep one Python object while they live), so a
@@ -501,7 +503,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _cpu_memory_step(step: _TrainingStep, saved: _SavedStorages) -> tuple[int, int]:
+def _cpu_memory_step(step: _TrainingStep, saved: SavedStorages) -> tuple[int, int]:
     """Run `step` under the profiler; return (retained, peak) bytes allocated within it."""
 
     def run() -> None:
@@ -558,7 +560,7 @@ def _cpu_allocations(events: list[Any]) -> list[tuple[int, int]]:
 
 
 def _cuda_memory_step(
-    step: _TrainingStep, saved: _SavedStorages, device: torch.device
+    step: _TrainingStep, saved: SavedStorages, device: torch.device
 ) -> tuple[int, int]:
     """Run `step` between the allocator's counters; return (retained, peak) above the start."""
     torch.cuda.synchronize(device)
@@ -687,7 +689,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[_StorageKey]:
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[_StorageKey]:
     storages = [_local(t).untyped_storage() for t in tensors]
     return {(s.device, s.data_ptr()) for s in storages}
 

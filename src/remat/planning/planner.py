@@ -22,7 +22,13 @@ from remat.device.cost import (
     get_profile,
     op_seconds_all,
 )
-from remat.errors import InfeasibleBudget, NoBlocksError, RematError, UnknownStrategyError
+from remat.errors import (
+    InfeasibleBudget,
+    NoBlocksError,
+    RematError,
+    StrategyRefused,
+    UnknownStrategyError,
+)
 from remat.graph import Graph, ModuleCall
 from remat.planning.plans import (
     DEFAULT_BUDGET,
@@ -284,7 +290,15 @@ class Planner:
         budget that fits when the plan's predicted peak exceeds the budget."""
         chosen = get(strategy, "eager")
         budget_bytes = self.budget_bytes(budget)
-        p = self.solve(chosen, budget_bytes)
+        share = overhead_share(budget)
+        try:
+            p = self.solve(chosen, budget_bytes)
+        except InfeasibleBudget:
+            if strategy != "auto" or share is None:
+                raise
+            # A time budget is the peak of a plan on the frontier, which fits it; a budgeted
+            # solver need not answer at that tighter budget as it did where the frontier asked.
+            p = replace(self.within_overhead(share), budget_bytes=budget_bytes)
         if p.predicted_peak_bytes > budget_bytes:
             raise InfeasibleBudget(
                 f"strategy {strategy} predicts a peak of {format_bytes(p.predicted_peak_bytes)}, "
@@ -329,7 +343,7 @@ class Planner:
                     plans.append(self._runs_with_skipped_blocks(s.lowest_peak(self)))
                 elif not s.budgeted:
                     plans.append(self.solve(s, 0))
-            except InfeasibleBudget:
+            except RematError:  # a strategy that refuses this step: the others still answer
                 continue
         return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
 
@@ -348,11 +362,14 @@ class Planner:
                 plans.append(self.solve(auto, int(low + (high - low) * k / max(steps - 1, 1))))
             except InfeasibleBudget:
                 continue
-        named = [
-            self.solve(s, high)
-            for s in available("eager")
-            if not s.budgeted and s.appliable and (self.blocks or not s.needs_blocks)
-        ]
+        named = []
+        for s in available("eager"):
+            if s.budgeted or not s.appliable or (s.needs_blocks and not self.blocks):
+                continue
+            try:
+                named.append(self.solve(s, high))
+            except RematError:  # a fixed strategy that refuses this step (LayerDrop and sqrt)
+                continue
         frontier, best = [], None
         for p in sorted(
             [*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds)
@@ -409,12 +426,12 @@ class Planner:
         runs = [r.modules for r in plan.regions if len(r.modules) > 1]
         if not runs:
             return plan
-        raise InfeasibleBudget(
+        raise StrategyRefused(
             f"strategy {plan.strategy!r} checkpoints runs of several blocks ({', '.join(runs[0])}), "
             "and this step skips blocks at random (LayerDrop): a run cannot skip one of its "
             "blocks. Use a strategy whose regions hold one block (full, selective, milp, auto)",
+            strategy=plan.strategy,
             budget_bytes=plan.budget_bytes or 0,
-            min_feasible_bytes=None,
         )
 
     # -- the strategy author's API -------------------------------------------------------------
@@ -545,7 +562,7 @@ class Planner:
                 f"{strategy}: {format_bytes(budget_bytes)} is below what the end of the step needs "
                 f"once every activation is gone ({format_bytes(self.floor_bytes)}: parameters, "
                 "their gradients, the embedding-gradient accumulation); no recomputation can go "
-                "lower",
+                f"lower. {self.what_the_peak_holds(self.floor_bytes)}",
                 budget_bytes=budget_bytes,
                 min_feasible_bytes=self.floor_bytes,
             )
@@ -639,6 +656,34 @@ class Planner:
                 post=max(live[stops[0] :], default=0),
             )
         return out
+
+    def what_the_peak_holds(self, peak_bytes: int) -> str:
+        """What a peak of `peak_bytes` (the lowest a plan reaches) is made of, for an error that
+        refuses a budget below it; where parameters, gradients and optimizer state are most of it,
+        that recomputation cannot reach lower and what can (precision, an 8-bit optimizer,
+        sharding)."""
+        e = self.estimate
+        fixed = e.param_bytes + e.grad_bytes + e.optimizer_state_bytes
+        rest = max(peak_bytes - fixed - e.input_bytes - e.buffer_bytes, 0)
+        held = (
+            f"parameters {format_bytes(e.param_bytes)}, their gradients "
+            f"{format_bytes(e.grad_bytes)}, optimizer state {format_bytes(e.optimizer_state_bytes)}"
+            + (f" ({self.optimizer})" if self.optimizer else " (no optimizer given)")
+            + f", inputs and buffers {format_bytes(e.input_bytes + e.buffer_bytes)}, activations "
+            f"and temporaries {format_bytes(rest)} (store-all saves "
+            f"{format_bytes(e.activation_bytes)} of activations)"
+        )
+        if 2 * fixed < peak_bytes:
+            return f"That peak holds {held}"
+        levers = ["lower precision (bf16 parameters and gradients take half)"]
+        if e.optimizer_state_bytes:
+            levers.append("an 8-bit optimizer (AdamW's state in a quarter)")
+        levers.append("sharding over GPUs with FSDP (`remat fit --shard N` finds the ranks)")
+        return (
+            f"That peak holds {held}: parameters, gradients and optimizer state are "
+            f"{fixed / peak_bytes:.0%} of it, and recomputation only removes activations, so no "
+            f"plan goes lower. What can: {', '.join(levers[:-1])} or {levers[-1]}"
+        )
 
     @cached_property
     def floor_bytes(self) -> int:

@@ -22,6 +22,8 @@ PlanStatus = Literal["fixed", "optimal", "feasible"]
 PlanPath = Literal["eager", "compile"]
 #: Plan JSON's `format`; 1 is every plan written before the field existed.
 PLAN_FORMAT = 2
+#: `Plan.held_by_module`'s key for what checkpoint's frames keep (RNG states, BatchNorm snapshots)
+CHECKPOINT_FRAMES = "<checkpoint frames>"
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class Plan:
     saved: tuple[SavedTensor, ...] = ()
     recomputed: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
+    #: `held_bytes` by the module whose op allocated them (its path; the loss's ops: `<loss>`;
+    #: what checkpoint's frames keep, RNG states and BatchNorm snapshots: `<checkpoint frames>`),
+    #: for the first step's check (`remat.applying.first_step`) to name the modules that differ
+    held_by_module: dict[str, int] = field(default_factory=dict)
 
     @property
     def recompute_flops_share(self) -> float:
@@ -158,6 +164,7 @@ class Plan:
             raise PlanFormatError(f"plan field 'saved': {e}", field="saved") from None
         d["recomputed"] = tuple(_field(d, "recomputed", list, []))
         d.setdefault("details", {})
+        d.setdefault("held_by_module", {})  # plans written before the field: totals only
         for name, kind in _SCALARS.items():
             _field(d, name, kind)
         for name, allowed in (("status", PlanStatus), ("path", PlanPath)):
@@ -254,6 +261,7 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "appliable": bool,
     "status": str,
     "details": dict,
+    "held_by_module": dict,
 }
 _MISSING = object()
 
@@ -367,6 +375,17 @@ def build_plan(
         producer = graph.producer_op(sid)
         if producer is not None and producer.name not in recomputed_set:
             saved.append(SavedTensor(producer.name, producer.target, graph.storages[sid].nbytes))
+    end_of_forward = sim.schedule.index(("op", len(graph.forward_ops) - 1))
+    held_by_module: dict[str, int] = {}
+    for sid, death in sim.deaths.items():
+        op = graph.ops[graph.storages[sid].allocated_at]
+        if death > end_of_forward and op.phase == "forward":
+            held_by_module[op.module] = (
+                held_by_module.get(op.module, 0) + graph.storages[sid].nbytes
+            )
+    frames = sim.held_bytes - sum(held_by_module.values())
+    if frames:
+        held_by_module[CHECKPOINT_FRAMES] = frames
     return Plan(
         strategy=strategy,
         budget_bytes=budget_bytes,
@@ -383,4 +402,5 @@ def build_plan(
         saved=tuple(saved),
         recomputed=tuple(recomputed),
         details=details or {},
+        held_by_module=held_by_module,
     )

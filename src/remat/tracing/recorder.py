@@ -166,6 +166,8 @@ class Tracer(TorchDispatchMode):
         self.kernel_scratch: dict[int, int] = {}
         #: the innermost module whose call an exception left (its forward hook still runs)
         self.failed_in: str | None = None
+        #: the op an exception left on real tensors (fake tensors' failures are TraceErrors)
+        self.failed_op: str | None = None
         #: Collectives run on gloo (a CPU process group), which allocates beyond their outputs.
         self.gloo = _process_group_backend() == "gloo" and not target.is_cuda
         #: An op on DTensors is seen twice: first to run it again with this mode on the stack, then
@@ -366,7 +368,8 @@ class Tracer(TorchDispatchMode):
             raise
         except Exception as e:
             if self.real:
-                raise  # the op failed on the real tensors: the user's own error, unchanged
+                self.failed_op = str(func)  # trace.py says the step is not trainable as written
+                raise
             module = self.scope()[0] or "<root>"
             first_line = (str(e).strip().splitlines() or [""])[0].rstrip(".")
             if isinstance(e, _DATA_DEPENDENT):

@@ -106,10 +106,44 @@ def _rng_states_recorded(tracer: Tracer, on_cpu: bool) -> Iterator[None]:
         torch.get_rng_state = original
 
 
-def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
-    """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
-    Python check on a tensor): a TraceError naming the module, the last op traced before it and
-    the line of the model's code that raised, so that `auto` can trace on real tensors."""
+def _step_failure(tracer: Tracer, error: Exception) -> TraceError:
+    """What a failure of the traced step means. On fake tensors, unless autograd itself refused
+    (`_AUTOGRAD_REFUSALS`, which real tensors raise too): a limit of fake tensors, so that `auto`
+    can trace on the real CPU tensors (`_fake_step_failure`). On real tensors, or where autograd
+    refused: the step is not trainable as written, and no other trace would help."""
+    if not tracer.real and not any(r in str(error) for r in _AUTOGRAD_REFUSALS):
+        return _fake_step_failure(tracer, error)
+    module, where, after, first_line = _failure_site(tracer, error)
+    op = tracer.failed_op
+    advice = next((a for r, a in _AUTOGRAD_REFUSALS.items() if r in str(error) and a), "")
+    return TraceError(
+        f"the step fails in module '{module}'{where}"
+        + (f", in op {op}" if op else f", {after}")
+        + f" ({type(error).__name__}: {first_line}), and real tensors raise this too: the "
+        "model's forward (or its backward) is not trainable as written; fix the model there"
+        + (f" ({advice})" if advice else ""),
+        op=op,
+        module=module,
+    )
+
+
+#: autograd's own refusals (raised before any kernel, so fake and real tensors alike) and the fix
+_AUTOGRAD_REFUSALS = {
+    "a leaf Variable that requires grad is being used in an in-place operation": "change a "
+    "parameter under `with torch.no_grad():`, or compute a new tensor instead (`w = self.w + 1`)",
+    "a view of a leaf Variable that requires grad is being used in an in-place operation": "change "
+    "a parameter under `with torch.no_grad():`, or compute a new tensor instead",
+    "has been modified by an inplace operation": "an in-place op overwrote a tensor the backward "
+    "needs: use its out-of-place form (`x = x.relu()`, not `x.relu_()`)",
+    "is a view and is being modified inplace": "clone the view before changing it in place",
+    "does not require grad and does not have a grad_fn": "the loss does not depend on a "
+    "parameter that requires grad",
+    "Trying to backward through the graph a second time": "",
+}
+
+
+def _failure_site(tracer: Tracer, error: Exception) -> tuple[str, str, str, str]:
+    """(module, ` at file:line `code``, what ran before, the error's first line) of a failure."""
     module = tracer.failed_in if tracer.failed_in is not None else tracer.scopes[-1]
     module = module or "<root>"
     last_op = tracer.ops[-1].target if tracer.ops else None
@@ -121,6 +155,15 @@ def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
         where = f" at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
     first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
     after = f"after op {last_op}" if last_op else "before its first op"
+    return module, where, after, first_line
+
+
+def _fake_step_failure(tracer: Tracer, error: Exception) -> TraceError:
+    """A failure of the step on fake tensors outside any op (a module cast or moved in forward, a
+    Python check on a tensor): a TraceError naming the module, the last op traced before it and
+    the line of the model's code that raised, so that `auto` can trace on real tensors."""
+    module, where, after, first_line = _failure_site(tracer, error)
+    last_op = tracer.ops[-1].target if tracer.ops else None
     return TraceError(
         f"the step fails on fake tensors in module '{module}'{where}, {after} "
         f"({type(error).__name__}: {first_line}). Trace on real tensors at a size that fits in "
@@ -433,10 +476,8 @@ def _trace_once(
         except Exception as e:
             if _raised_by_remat(e):
                 error = tracer.internal_error(e, tracer.last_op())
-            elif real:
-                raise  # the step failed on the real tensors: the user's own error, unchanged
             else:
-                error = _fake_step_failure(tracer, e)
+                error = _step_failure(tracer, e)
             error.random_reads = forced.reads
             raise error from e
         finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from remat.errors import InfeasibleBudget
+from remat.errors import InfeasibleBudget, RematError, StrategyRefused
 from remat.planning.strategies import Strategy, available, get, register
 from remat.units import format_bytes
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 def solve(planner: Planner, budget_bytes: int) -> Plan:
     candidates: list[Plan] = []
+    #: strategy -> what became of it: fits, over the budget, or refused and why
+    outcomes: dict[str, str] = {}
+    refused: dict[str, str] = {}
     for strategy in available("eager"):
         if strategy.name == "auto" or not strategy.appliable:
             continue
@@ -27,17 +30,33 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
             continue
         try:
             p = planner.solve(strategy, budget_bytes)
-        except InfeasibleBudget:
+        except StrategyRefused as e:  # this step, at any budget: the others still answer
+            refused[strategy.name] = _first_sentence(e)
+        except InfeasibleBudget as e:
+            outcomes[strategy.name] = f"no plan within the budget: {_first_sentence(e)}"
             continue
-        if p.predicted_peak_bytes <= budget_bytes:
-            candidates.append(p)
+        except RematError as e:  # any other refusal of one candidate ends only that candidate
+            refused[strategy.name] = _first_sentence(e)
+        else:
+            peak = format_bytes(p.predicted_peak_bytes)
+            if p.predicted_peak_bytes <= budget_bytes:
+                candidates.append(p)
+                recompute = f"+{p.recompute_seconds * 1e3:.3g} ms recompute"
+                outcomes[strategy.name] = f"fits: peak {peak}, {recompute}"
+            else:
+                outcomes[strategy.name] = f"over the budget: peak {peak}"
+            continue
+        outcomes[strategy.name] = f"refused: {refused[strategy.name]}"
+    left_out = "; ".join(f"{name} refused ({why})" for name, why in refused.items())
     if not candidates:
-        smallest = planner.lowest_peak().predicted_peak_bytes
+        smallest = planner.lowest_peak()
         raise InfeasibleBudget(
             f"no strategy fits {format_bytes(budget_bytes)}; the smallest feasible budget is "
-            f"{format_bytes(smallest)} ({smallest} bytes)",
+            f"{format_bytes(smallest.predicted_peak_bytes)} ({smallest.predicted_peak_bytes} bytes)"
+            f". {planner.what_the_peak_holds(smallest.predicted_peak_bytes)}"
+            + (f" ({left_out})" if left_out else ""),
             budget_bytes=budget_bytes,
-            min_feasible_bytes=smallest,
+            min_feasible_bytes=smallest.predicted_peak_bytes,
         )
     best = min(candidates, key=lambda p: (p.recompute_seconds, p.predicted_peak_bytes))
     others = ", ".join(
@@ -48,8 +67,16 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
         strategy=f"auto ({best.strategy})",
         # a choice among candidates: "optimal" only where the chosen one was proved so
         status="feasible" if best.status == "fixed" else best.status,
-        reason=f"fastest that fits: {best.reason}" + (f"; other fits: {others}" if others else ""),
+        reason=f"fastest that fits: {best.reason}"
+        + (f"; other fits: {others}" if others else "")
+        + (f"; {left_out}" if left_out else ""),
+        details={**best.details, "candidates": outcomes},
     )
+
+
+def _first_sentence(error: Exception) -> str:
+    """The part of a strategy's error that says why (its advice follows the first '. ')."""
+    return str(error).split(". ")[0].rstrip(".")
 
 
 def solve_compiled(joint: JointContext, budget_bytes: int | None) -> SaveSet:
