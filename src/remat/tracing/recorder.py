@@ -157,10 +157,28 @@ class _SavedRecord:
     device: torch.device
     storage_numel: int
     payload: torch.UntypedStorage | None
+    forward_op: int | None
+    packed_after: int | None
     node: int | None = None
+    released_after: int | None = None
 
     def freeze(self) -> Saved:
         return _freeze(self, Saved)
+
+
+class _Packed:
+    """What autograd holds for a save: the record's key, the tensor itself for a parameter or
+    buffer, the rewrapper of a wrapper subclass. Its death is when autograd let go of the save
+    (its node ran, or was destroyed unrun with the forward's tensors): it reports that to
+    `freed`, which the tracer reads at its next event."""
+
+    __slots__ = ("key", "direct", "rewrap", "freed")
+
+    def __init__(self, key: int, direct: Any, rewrap: Any, freed: list[int]):
+        self.key, self.direct, self.rewrap, self.freed = key, direct, rewrap, freed
+
+    def __del__(self) -> None:
+        self.freed.append(self.key)
 
 
 class Tracer(TorchDispatchMode):
@@ -184,7 +202,6 @@ class Tracer(TorchDispatchMode):
         self.ids = itertools.count()
         # autograd nodes
         self.nodes: dict[int, _NodeRecord] = {}
-        self.node_objs: list[Any] = []
         self.pending_grad_fn: list[tuple[int, torch.Tensor, Any]] = []
         #: After an op writes a view in place, autograd replays the view to give it its new
         #: grad_fn, through this mode on fake tensors (not on real ones): view ops on the written
@@ -193,6 +210,7 @@ class Tracer(TorchDispatchMode):
         self.view_replay: tuple[set[int], tuple[int, int]] | None = None
         self.current_node: int | None = None
         self.saved: dict[int, _SavedRecord] = {}
+        self.freed_saves: list[int] = []  # keys of saves autograd let go of since the last event
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
         self.modules: list[_CallRecord] = []
         self.param_names: dict[int, str] = {}
@@ -262,6 +280,9 @@ class Tracer(TorchDispatchMode):
         for sid in [s for s, cdata in self.live.items() if expired(cdata)]:
             self.storages[sid].released_after = last
             del self.live[sid]
+        while self.freed_saves:
+            rec = self.saved[self.freed_saves.pop()]
+            rec.released_after, rec.payload = last, None
 
     def resolve_grad_fns(self) -> None:
         """Attribute the last forward op's outputs' `grad_fn`. Autograd attaches it only after the
@@ -292,7 +313,6 @@ class Tracer(TorchDispatchMode):
         if "remat.node" not in meta:
             nid = next(self.ids)
             meta["remat.node"] = nid
-            self.node_objs.append(node)
             variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
             self.nodes[nid] = _NodeRecord(
                 id=nid,
@@ -482,6 +502,7 @@ class Tracer(TorchDispatchMode):
             sid = self.tensors[tid].storage
             handle = next(self.ids)
             persistent = self.storages[sid].kind not in ("activation", "grad")
+            last = len(self.ops) - 1
             self.saved[handle] = _SavedRecord(
                 storage=sid,
                 tensor=tid,
@@ -492,13 +513,30 @@ class Tracer(TorchDispatchMode):
                 device=inner.device,
                 storage_numel=storage_nbytes(inner) // inner.element_size(),
                 payload=inner.untyped_storage().clone() if self.real and not persistent else None,
+                forward_op=self.saving_op() if self.phase == "forward" else None,
+                packed_after=last if self.phase == "forward" else None,
             )
-            return (handle, t, None) if persistent else (handle, None, rewrapper(t))
+            if persistent:
+                return _Packed(handle, t, None, self.freed_saves)
+            return _Packed(handle, None, rewrapper(t), self.freed_saves)
         finally:
             self.paused = False
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        handle, direct, rewrap = packed
+    def saving_op(self) -> int:
+        """The forward op whose node is saving now. Autograd saves an op's inputs before its
+        kernel runs (and so before it is recorded) and its outputs after: the op recorded last
+        when it ran in the module running now, else the next one (the first of this call)."""
+        last = len(self.ops) - 1
+        call = next((m for m in reversed(self.modules) if m.open), None)
+        in_this_call = call is None or last >= call.first_op
+        return (
+            last
+            if last >= 0 and self.ops[last].module == self.scopes[-1] and in_this_call
+            else last + 1
+        )
+
+    def unpack(self, packed: _Packed) -> torch.Tensor:
+        handle, direct, rewrap = packed.key, packed.direct, packed.rewrap
         self.before_event()
         self.paused = True
         try:
