@@ -22,18 +22,21 @@ import torch
 from torch import fx
 from torch._ops import HigherOrderOperator
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from remat.device import kernel_scratch
 from remat.tracing.tensors import storage_key
 
 
 class _Generated(BaseException):
-    """Carries inductor's wrapper source out of the compile (a BaseException, so no `except
-    Exception` on the way wraps it)."""
+    """Carries inductor's wrapper source, and the strides it gave the graph's outputs, out of the
+    compile (a BaseException, so no `except Exception` on the way wraps it)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, output_strides: list[tuple[int, ...] | None]):
         super().__init__()
         self.source = source
+        self.output_strides = output_strides
 
 
 def wrapper_source(
@@ -44,8 +47,9 @@ def wrapper_source(
     static_input_idxs: Sequence[int],
     user_visible_outputs: int,
     donated_inputs: Sequence[int] = (),
-) -> str:
-    """Inductor's Python wrapper for `gm`: lowered, fused, scheduled and code-generated as
+) -> tuple[str, list[tuple[int, ...] | None]]:
+    """Inductor's Python wrapper for `gm`, and the strides it gives each output (None where not
+    a tensor of static strides): lowered, fused, scheduled and code-generated as
     `torch.compile`'s forward and backward compilers do (the same static inputs and user-visible
     outputs, whose strides it keeps), stopped before any kernel is compiled. `gm` is changed (inductor's post-grad passes
     run on it): pass a graph of your own. `donated_inputs`: the backward's inputs AOTAutograd
@@ -56,7 +60,7 @@ def wrapper_source(
 
     def generate_only(self: GraphLowering) -> None:
         wrapper, _kernels = self.codegen()
-        raise _Generated(wrapper.value)
+        raise _Generated(wrapper.value, [_static_stride(out) for out in self.graph_outputs or ()])
 
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     output.meta["user_visible_output_idxs"] = [
@@ -74,8 +78,17 @@ def wrapper_source(
                 static_input_idxs=list(static_input_idxs),
             )
         except _Generated as generated:
-            return generated.source
+            return generated.source, generated.output_strides
     raise RuntimeError("inductor generated no wrapper for this graph")
+
+
+def _static_stride(out: Any) -> tuple[int, ...] | None:
+    """The stride inductor gave a graph output (a layout it may have changed: a convolution's
+    input and weight are saved channels-last on the CPU), None where it is not static."""
+    try:
+        return tuple(int(s) for s in out.get_layout().stride)
+    except (AttributeError, TypeError, NotImplementedError):
+        return None
 
 
 class _NoOp:
@@ -113,12 +126,14 @@ class Replay:
 
 
 class _Allocations(TorchDispatchMode):
-    """Counts every new storage an op returns and every storage that dies, by weak reference."""
+    """Counts every new storage an op returns and every storage that dies, by weak reference.
+    `on_cpu`: the graph runs on the CPU, whose convolutions are oneDNN's (`_cpu_convolution`)."""
 
     supports_higher_order_operators = True  # the RNG-state operators of `_rng_operator`
 
-    def __init__(self, inputs: Sequence[torch.Tensor]):
+    def __init__(self, inputs: Sequence[torch.Tensor], on_cpu: bool = False):
         super().__init__()
+        self.on_cpu = on_cpu
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
         for t in inputs:
             self._track(t)
@@ -140,17 +155,44 @@ class _Allocations(TorchDispatchMode):
                 self.now -= nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        scratch = 0
         if isinstance(func, HigherOrderOperator):
             out = _rng_operator(func, args, kwargs or {})
             if out is NotImplemented:
                 return NotImplemented
+        elif self.on_cpu and func._overloadpacket.__name__ in kernel_scratch.MEASURED_ON_CPU:
+            out, scratch = _cpu_convolution(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
+            scratch = kernel_scratch_bytes(func, args)
         self._collect()
         for t in _tensors(out):
             self.now += self._track(t)
-        self.peak = max(self.peak, self.now + kernel_scratch_bytes(func, args))
+        self.peak = max(self.peak, self.now + scratch)
         return out
+
+
+def _cpu_convolution(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """A CPU convolution (forward or backward) on meta tensors: its outputs in the layout the CPU
+    kernel gives them (the meta kernel knows oneDNN's channels-last rule only for CPU tensors, and
+    inductor asserts the layout it planned), and the scratch the kernel allocates inside itself,
+    measured on this machine at inductor's own shapes and strides (`remat.device.kernel_scratch`,
+    as the eager trace measures it): its weight and input reorders, and in backward a weight-sized
+    buffer per thread."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def on_cpu(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+    with FakeTensorMode():
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, on_cpu, (args, kwargs))
+        fake_out = func(*fake_args, **fake_kwargs)
+    out = pytree.tree_map_only(torch.Tensor, to_meta, fake_out)
+    scratch = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, list(_tensors(out)))
+    return out, scratch or 0
 
 
 def _rng_operator(func: HigherOrderOperator, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -195,10 +237,11 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def replay(source: str, args: list[torch.Tensor | Any]) -> Replay:
+def replay(source: str, args: list[torch.Tensor | Any], on_cpu: bool = False) -> Replay:
     """Run inductor's wrapper `source` on meta tensors `args` with every kernel a no-op and
     count its bytes. The wrapper clears `args`: an input the caller holds no other reference to
-    dies where inductor frees (or reuses) it, as it does at run time."""
+    dies where inductor frees (or reuses) it, as it does at run time. `on_cpu`: the graph runs on
+    the CPU, so extern kernels with CPU scratch (convolutions) are measured here."""
     from torch._inductor import async_compile
 
     scope: dict[str, Any] = {"__name__": "remat_inductor_replay"}
@@ -208,7 +251,7 @@ def replay(source: str, args: list[torch.Tensor | Any]) -> Replay:
     scope["empty_strided_cuda"] = _meta_empty
     scope["empty_strided_xpu"] = _meta_empty
     scope["reinterpret_tensor"] = _reinterpret
-    counter = _Allocations([a for a in args if isinstance(a, torch.Tensor)])
+    counter = _Allocations([a for a in args if isinstance(a, torch.Tensor)], on_cpu)
     with counter, torch.no_grad():
         outputs = scope["call"](args)
         counter._collect()
@@ -303,21 +346,27 @@ def step_peak(
     static_input_idxs: Sequence[int],
     loss_bytes: int = 0,
     hold_tangents: bool = False,
+    on_cpu: bool | None = None,
 ) -> StepPeak:
     """Inductor's forward and backward wrappers for these graphs, replayed on meta tensors as one
     training step: parameters and inputs held throughout, the forward's user outputs until the
     step ends, saved activations and tangents only by the backward's argument list (so they die
-    where inductor frees them, as AOTAutograd hands them over)."""
+    where inductor frees them, as AOTAutograd hands them over). `on_cpu`: the step runs on the
+    CPU, whose convolutions' scratch is measured here (`replay`); None: where the graphs'
+    inputs are."""
     fw_inputs = _placeholder_values(forward)
     bw_inputs = _placeholder_values(backward)
-    fw_source = wrapper_source(
+    if on_cpu is None:
+        on_cpu = all(v.device.type == "cpu" for v in fw_inputs if isinstance(v, torch.Tensor))
+    fw_source, fw_strides = wrapper_source(
         _fresh(forward),
         fw_inputs,
         is_backward=False,
         static_input_idxs=static_input_idxs,
         user_visible_outputs=num_fwd_outputs,
     )
-    bw_source = wrapper_source(
+    bw_inputs = _as_saved(forward, backward, bw_inputs, fw_strides)
+    bw_source, _ = wrapper_source(
         _fresh(backward),
         bw_inputs,
         is_backward=True,
@@ -336,6 +385,7 @@ def step_peak(
             num_fwd_outputs,
             loss_bytes,
             hold_tangents,
+            on_cpu,
         )
 
 
@@ -349,6 +399,7 @@ def _replay_step(
     num_fwd_outputs: int,
     loss_bytes: int,
     hold_tangents: bool,
+    on_cpu: bool,
 ) -> StepPeak:
     fw_out = _output_values(forward)
     primal_keys = {storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
@@ -357,7 +408,7 @@ def _replay_step(
     args, bases = _meta_arguments(fw_inputs)
     persistent = sum(b.nbytes for b in bases.values())
     held: list[Any] = list(args)  # parameters and inputs outlive the step
-    fw = replay(fw_source, args)
+    fw = replay(fw_source, args, on_cpu)
     del held, bases
 
     args, bases = _meta_arguments(bw_inputs)
@@ -376,9 +427,34 @@ def _replay_step(
         )
     ]
     del bases
-    bw = replay(bw_source, args)
+    bw = replay(bw_source, args, on_cpu)
     del held
     return StepPeak(persistent, fw, tangents, loss_bytes, bw)
+
+
+def _as_saved(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    bw_inputs: list[Any],
+    fw_strides: list[tuple[int, ...] | None],
+) -> list[Any]:
+    """The backward's inputs with the strides the compiled forward gave the values it saves, as
+    AOTAutograd restrides them before the backward is compiled (inductor may change a saved
+    value's layout: on the CPU a convolution's input and weight are saved channels-last, and
+    the backward's convolution then runs, and allocates, on those)."""
+    output = next(reversed(forward.graph.find_nodes(op="output"))).args[0]
+    stride_of = {
+        n.name: stride
+        for n, stride in zip(output, fw_strides, strict=False)
+        if isinstance(n, fx.Node) and stride is not None
+    }
+    restrided = []
+    for n, v in zip(_placeholders(backward), bw_inputs, strict=True):
+        stride = stride_of.get(n.name)
+        if isinstance(v, torch.Tensor) and stride is not None and tuple(v.stride()) != stride:
+            v = v.as_strided(v.shape, stride, v.storage_offset())
+        restrided.append(v)
+    return restrided
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
