@@ -43,7 +43,8 @@ class PatchHead(nn.Module):
 def test_a_conv_patch_embedding_compiled_by_remat_peaks_where_predicted():
     """Was 2.04x the prediction: inductor asserts the channels-last layout the CPU convolution
     returns, which the meta kernel did not give (so the plan fell back to the op-by-op count),
-    and the backward convolution's scratch (a weight-sized buffer per thread) was not counted."""
+    and the backward convolution's scratch (a weight-sized buffer per thread) was not counted.
+    The held bytes were the joint graph's save set, without inductor's layout copies."""
     torch.manual_seed(0)
     model, x = PatchHead(), torch.randn(8, 3, 32, 32)
     reference = gradients(model, (x,))
@@ -52,6 +53,8 @@ def test_a_conv_patch_embedding_compiled_by_remat_peaks_where_predicted():
     (plan,) = plans_of(compiled)
     assert plan.details["peak_model"] == "inductor"
     assert measured.peak_bytes == plan.predicted_peak_bytes
+    # what autograd holds: inductor's channels-last copies of the input and the weight
+    assert measured.activation_bytes == plan.held_bytes
     got = gradients(compiled, (x,))
     for name, g in reference.items():
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6)

@@ -118,11 +118,14 @@ class Replay:
     highest point, `end_bytes` when it returns (its outputs, less the inputs it freed).
     `shared_output_bytes`: outputs whose storage an earlier output already has (inductor returns
     one buffer for several equal gradients; autograd's AccumulateGrad copies each one it cannot
-    steal, so every leaf's `.grad` ends in a storage of its own)."""
+    steal, so every leaf's `.grad` ends in a storage of its own). `output_storages`: each
+    output's (storage key, storage bytes), None where it is not a tensor; a key names the same
+    storage as an argument's while the caller still holds that argument."""
 
     peak_bytes: int
     end_bytes: int
     shared_output_bytes: int = 0
+    output_storages: tuple[tuple[int, int] | None, ...] = ()
 
 
 class _Allocations(TorchDispatchMode):
@@ -262,8 +265,12 @@ def replay(source: str, args: list[torch.Tensor | Any], on_cpu: bool = False) ->
         if key in seen:
             shared += t.nbytes
         seen.add(key)
+    storages = tuple(
+        (storage_key(o), o.untyped_storage().nbytes()) if isinstance(o, torch.Tensor) else None
+        for o in outputs
+    )
     del outputs
-    return Replay(peak_bytes=counter.peak, end_bytes=counter.now, shared_output_bytes=shared)
+    return Replay(counter.peak, counter.now, shared, storages)
 
 
 def _meta_empty(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -288,6 +295,10 @@ class StepPeak:
     tangent_bytes: int
     loss_bytes: int
     backward: Replay
+    #: what autograd saves for the compiled graph, as `remat.measure` counts it: the distinct
+    #: storages the forward returns for backward, parameters and buffers left out (inductor's
+    #: own layout copies in, such as a convolution's channels-last input and weight)
+    saved_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -383,6 +394,7 @@ def step_peak(
             fw_inputs,
             bw_inputs,
             num_fwd_outputs,
+            static_input_idxs,
             loss_bytes,
             hold_tangents,
             on_cpu,
@@ -397,6 +409,7 @@ def _replay_step(
     fw_inputs: list[Any],
     bw_inputs: list[Any],
     num_fwd_outputs: int,
+    static_input_idxs: Sequence[int],
     loss_bytes: int,
     hold_tangents: bool,
     on_cpu: bool,
@@ -408,7 +421,11 @@ def _replay_step(
     args, bases = _meta_arguments(fw_inputs)
     persistent = sum(b.nbytes for b in bases.values())
     held: list[Any] = list(args)  # parameters and inputs outlive the step
+    static = {storage_key(held[i]) for i in static_input_idxs if isinstance(held[i], torch.Tensor)}
     fw = replay(fw_source, args, on_cpu)
+    saved = {
+        s for s in fw.output_storages[num_fwd_outputs:] if s is not None and s[0] not in static
+    }
     del held, bases
 
     args, bases = _meta_arguments(bw_inputs)
@@ -429,7 +446,7 @@ def _replay_step(
     del bases
     bw = replay(bw_source, args, on_cpu)
     del held
-    return StepPeak(persistent, fw, tangents, loss_bytes, bw)
+    return StepPeak(persistent, fw, tangents, loss_bytes, bw, sum(n for _, n in saved))
 
 
 def _as_saved(
