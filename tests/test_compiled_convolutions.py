@@ -88,3 +88,17 @@ def test_the_compiled_estimate_of_a_convnet_equals_the_measured_compiled_step():
     torch._dynamo.reset()
     measured = remat.measure(torch.compile(model, fullgraph=True), x).peak_bytes
     assert measured == pytest.approx(predicted, rel=0.03)
+
+
+@pytest.mark.slow
+def test_a_convnet_compiled_by_remat_frees_inductors_weight_copies_in_backward():
+    """The channels-last copy of a conv weight that inductor saves is the backward's to free
+    (`del primals_n` after the conv's backward), unlike the weight itself: counted as held to the
+    end of the step, the plan was 8% over the measured peak here (15% on a tiny diffusers UNet)."""
+    torch.manual_seed(0)
+    model, x = ConvMix(), torch.randn(4, 3, 32, 32)
+    compiled = remat.compile(model, budget="100%", strategy="auto")
+    measured = remat.measure(compiled, x)
+    (plan,) = plans_of(compiled)
+    assert measured.peak_bytes == plan.predicted_peak_bytes
+    assert measured.activation_bytes == plan.held_bytes

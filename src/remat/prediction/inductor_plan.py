@@ -422,9 +422,17 @@ def _replay_step(
     persistent = sum(b.nbytes for b in bases.values())
     held: list[Any] = list(args)  # parameters and inputs outlive the step
     static = {storage_key(held[i]) for i in static_input_idxs if isinstance(held[i], torch.Tensor)}
+    arg_keys = {storage_key(a) for a in held if isinstance(a, torch.Tensor)}
     fw = replay(fw_source, args, on_cpu)
     saved = {
         s for s in fw.output_storages[num_fwd_outputs:] if s is not None and s[0] not in static
+    }
+    # saved values the compiled forward copied (a parameter or input inductor saves
+    # channels-last for a convolution): the backward frees the copy, unlike the value itself
+    copied = {
+        n.name
+        for n, s in zip(_output_nodes(forward), fw.output_storages, strict=False)
+        if n is not None and s is not None and s[0] not in arg_keys
     }
     del held, bases
 
@@ -439,7 +447,8 @@ def _replay_step(
         for a, v, n in zip(args, bw_inputs, _placeholders(backward), strict=True)
         if isinstance(v, torch.Tensor)
         and (
-            storage_key(v) in primal_keys | user_keys
+            (storage_key(v) in primal_keys and n.name not in copied)
+            or storage_key(v) in user_keys
             or (hold_tangents and n.name.startswith("tangents"))
         )
     ]
@@ -480,6 +489,11 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _placeholder_values(gm: fx.GraphModule) -> list[Any]:
     return [n.meta.get("val") for n in _placeholders(gm)]
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node | None]:
+    output = next(reversed(gm.graph.find_nodes(op="output")))
+    return [a if isinstance(a, fx.Node) else None for a in output.args[0]]
 
 
 def _output_values(gm: fx.GraphModule) -> list[Any]:
