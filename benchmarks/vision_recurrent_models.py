@@ -5,7 +5,7 @@ Eager: for the zoo's resnet18, resnet50, convnext-t and vit-b-16 (tiny) and Hugg
 lowest feasible): the strategy `auto` chose, bytes held for the backward and the peak, measured /
 predicted (`remat.verify`), and whether the gradients equal the unplanned model's bit for bit.
 Compiled (`--compiled`): `remat.compile(model, budget="100%")`, the measured step's peak against
-the plan's, for conv nets. Writes markdown tables.
+the plan's, for conv nets (a tiny diffusers UNet among them). Writes markdown tables.
 
     python benchmarks/vision_recurrent_models.py [--compiled] [MODEL ...]
 """
@@ -45,8 +45,46 @@ class PatchHead(nn.Module):
         return self.head(self.embed(x).flatten(2).transpose(1, 2).relu()).mean()
 
 
+class _NoisePrediction(nn.Module):
+    """A diffusers UNet trained as Stable Diffusion is: MSE of the predicted noise."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, latents, timesteps, text, noise):
+        predicted = self.unet(latents, timesteps, encoder_hidden_states=text).sample
+        return nn.functional.mse_loss(predicted, noise)
+
+
+def _unet() -> tuple[nn.Module, tuple]:
+    """A tiny `UNet2DConditionModel` (two levels, one cross-attention level, 8x8 latents)."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    inputs = (
+        torch.randn(2, 4, 8, 8),
+        torch.tensor([10, 500]),
+        torch.randn(2, 7, 32),
+        torch.randn(2, 4, 8, 8),
+    )
+    return _NoisePrediction(unet), inputs
+
+
 def _build(name: str) -> tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
+    if name == "unet":
+        model, inputs = _unet()
+        return model, inputs, {"loss_fn": lambda out: out}
     if name in RECURRENT:
         model, inputs = build_for_training("rwkv", batch=2, seq=RECURRENT[name])
         return model, (), {"loss_fn": lambda out: out.loss, **inputs}
@@ -103,7 +141,14 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     if args.compiled:
-        names = args.models or ["patch-head", "vit-b-16", "resnet18", "resnet50", "convnext-t"]
+        names = args.models or [
+            "patch-head",
+            "vit-b-16",
+            "resnet18",
+            "resnet50",
+            "convnext-t",
+            "unet",
+        ]
         lines = ["| model | peak model | peak measured / predicted |", "|---|---|---|"]
         make = compiled_rows
     else:
