@@ -40,6 +40,7 @@ class PatchHead(nn.Module):
         return self.head(self.embed(x).flatten(2).transpose(1, 2).relu()).mean()
 
 
+@pytest.mark.slow
 def test_a_conv_patch_embedding_compiled_by_remat_peaks_where_predicted():
     """Was 2.04x the prediction: inductor asserts the channels-last layout the CPU convolution
     returns, which the meta kernel did not give (so the plan fell back to the op-by-op count),
