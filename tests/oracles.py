@@ -197,7 +197,10 @@ def store_all_timeline(graph: Graph, base_bytes: int) -> list[int]:
     for sv in graph.saved:
         node = graph.nodes.get(sv.node) if sv.node is not None else None
         if sv.storage in death:
-            held = end if node is None or node.released_after is None else node.released_after
+            if node is None:  # no node unpacked it: held until autograd was seen to let go
+                held = end if sv.released_after is None else sv.released_after
+            else:
+                held = end if node.released_after is None else node.released_after
             death[sv.storage] = max(death[sv.storage], held)
     return [
         base_bytes

@@ -28,6 +28,8 @@ PUBLISHED_PARAMS = {
     "llama-3.1-8b": 8.030e9,
     "llama-3.1-70b": 70.55e9,
     "resnet50": 25.557e6,
+    "resnet18": 11.690e6,  # torchvision's resnet18
+    "convnext-t": 28.589e6,  # torchvision's convnext_tiny
     "vit-b-16": 86.57e6,
 }
 

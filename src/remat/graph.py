@@ -107,14 +107,22 @@ class Node:
 
 @dataclass(frozen=True)
 class Saved:
-    """Autograd saved a tensor of `storage` for `node` (None when the saving node never ran).
+    """Autograd saved a tensor of `storage` for `node` (None when no node unpacked it: its node
+    never ran, or ran without reading it), made by forward op `forward_op`, packed right after op
+    `packed_after` (a checkpoint region's replay stops there when this is its last save).
+    `released_after`: when autograd let go of it, for a save no node unpacked (its node destroyed
+    with the forward's tensors that led to it, or done with it); None: held to the end of the step.
     `phase` "backward": saved by autograd run inside a custom Function's backward (a reversible
-    layer's recomputation), held only until that nested backward has used it."""
+    layer's recomputation), held only until that nested backward has used it. Graphs from before
+    these were recorded have None in `forward_op`, `packed_after` and `released_after`."""
 
     storage: int
     tensor: int
     node: int | None
     phase: Phase = "forward"
+    forward_op: int | None = None
+    packed_after: int | None = None
+    released_after: int | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -344,6 +344,8 @@ class _InductorPeaks:
         self.partition_kwargs = partition_kwargs
         self.jg = jg
         self.cache: dict[tuple[str, ...], int] = {}
+        #: save set (its nodes' names) -> the bytes autograd saves for it under inductor
+        self.saved_bytes: dict[frozenset[str], int] = {}
 
     def __call__(
         self, graph: Graph, problem: JointProblem, saved: set[int], recomputed: list[int]
@@ -368,6 +370,7 @@ class _InductorPeaks:
             except Exception as err:  # noqa: BLE001 - any failure means: no inductor plan here
                 raise _UnreadablePlan(f"{type(err).__name__}: {err}") from err
             self.cache[names] = step.peak_bytes
+            self.saved_bytes[frozenset(names)] = step.saved_bytes
         return self.cache[names]
 
 
@@ -418,6 +421,11 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
                     nodes, plan = decision(peaks)
                     plan.details["peak_model"] = "inductor"
                     plan.details["inductor_plans_read"] = len(peaks.cache)
+                    # what inductor's forward saves: its layout copies (a convolution's
+                    # channels-last input and weight) instead of the values they copy
+                    held = peaks.saved_bytes.get(frozenset(n.name for n in nodes))
+                    if held is not None:
+                        plan = replace(plan, held_bytes=held)
                 except _UnreadablePlan as unreadable:
                     warnings.warn(
                         f"remat could not read inductor's buffer plan ({unreadable}); this "

@@ -3,7 +3,7 @@
 `name` is one of three forms:
 
 - a preset with published shapes (`preset_names()`), e.g. "gpt2", "llama-3.1-8b", "resnet50",
-  "vit-b-16", "megatron-gpt", or "mlp-chain-N" for any N >= 1;
+  "resnet18", "convnext-t", "vit-b-16", "megatron-gpt", or "mlp-chain-N" for any N >= 1;
 - "pkg.module:factory", a function of yours returning (model, inputs), see `factory`;
 - "hf:<model_type>", a Hugging Face transformers architecture built offline, see `hf`;
 - "hf:<org>/<name>", a Hugging Face model of a config shipped with remat (`hf.shipped_names()`),
@@ -29,7 +29,18 @@ import torch
 from torch import nn
 
 from remat.errors import RematError, UnknownModelError
-from remat.models import factory, frameworks, gpt, hf, llama, megatron, mlp, resnet, vit
+from remat.models import (
+    convnext,
+    factory,
+    frameworks,
+    gpt,
+    hf,
+    llama,
+    megatron,
+    mlp,
+    resnet,
+    vit,
+)
 from remat.models.preset import Preset
 
 __all__ = ["PRESETS", "Preset", "build", "parse_overrides", "preset_names"]
@@ -38,6 +49,7 @@ PRESETS: dict[str, Preset] = {
     **gpt.PRESETS,
     **llama.PRESETS,
     **resnet.PRESETS,
+    **convnext.PRESETS,
     **vit.PRESETS,
     **mlp.PRESETS,
     **megatron.PRESETS,

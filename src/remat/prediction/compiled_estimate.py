@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from remat.device.targets import get_target
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.prediction.estimate import (
@@ -92,11 +93,12 @@ def _own_loss_output(forward: fx.GraphModule) -> bool:
     return isinstance(first, torch.Tensor) and first.dim() == 0
 
 
-def _capturing_backend(outside_loss: bool) -> Callable[..., Any]:
+def _capturing_backend(outside_loss: bool, on_cpu: bool) -> Callable[..., Any]:
     """A torch.compile backend: inductor's `compile_fx` with torch's default partitioner, whose
     forward and backward graphs are replayed (`step_peak`), then `_Captured` is raised.
     `outside_loss`: the user reduces the outputs to a loss outside the graph (the scalar loss
-    and its seed gradient live outside it), unless the graph returns its own 0-dim loss."""
+    and its seed gradient live outside it), unless the graph returns its own 0-dim loss.
+    `on_cpu`: the step runs on the CPU, whose convolutions' scratch the replay measures."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -118,6 +120,7 @@ def _capturing_backend(outside_loss: bool) -> Callable[..., Any]:
                     kwargs.get("static_lifetime_input_indices") or [],
                     loss,
                     hold_tangents=own_loss or not outside_loss,
+                    on_cpu=on_cpu,
                 )
             )
 
@@ -135,14 +138,19 @@ def _capturing_backend(outside_loss: bool) -> Callable[..., Any]:
 
 
 def _compiled_step(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, outside_loss: bool, what: str
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    outside_loss: bool,
+    what: str,
+    on_cpu: bool = True,
 ) -> StepPeak:
     """The step peak of `torch.compile(fn, fullgraph=True)` on these (fake) arguments; `what`
-    names `fn` in errors."""
+    names `fn` in errors; `on_cpu`: the step runs on the CPU (`_capturing_backend`)."""
     from torch._functorch import config as functorch_config
 
     compiled = torch.compile(
-        fn, backend=_capturing_backend(outside_loss), fullgraph=True, dynamic=False
+        fn, backend=_capturing_backend(outside_loss, on_cpu), fullgraph=True, dynamic=False
     )
     try:
         with functorch_config.patch(enable_autograd_cache=False):
@@ -219,6 +227,8 @@ def estimate_compiled(
             f"ac={ac!r} checkpoints each block before compiling it: it needs compile='blocks'"
         )
     optimizer = resolve_optimizer(optimizer, graph)
+    # on a GPU target the buffers are the CPU backend's, but not the CPU kernels' scratch
+    on_cpu = not get_target(graph.info.get("target")).is_cuda
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_model, fake_args, fake_kwargs = _fake_copy(model, args, kwargs, mode)
@@ -230,7 +240,12 @@ def estimate_compiled(
         with mixed:
             if compile == "whole":
                 step = _compiled_step(
-                    fake_model, fake_args, fake_kwargs, True, f"model {type(model).__name__}"
+                    fake_model,
+                    fake_args,
+                    fake_kwargs,
+                    True,
+                    f"model {type(model).__name__}",
+                    on_cpu,
                 )
                 memory = OPTIMIZER_MEMORY[optimizer]
                 trainable = trainable_param_bytes(graph), trainable_param_elements(graph)
@@ -244,7 +259,14 @@ def estimate_compiled(
                 # them (remat.tracing.hfcompat, as the fake trace does); dynamo traces them itself
                 with hfcompat.as_real_run(kwargs):
                     fb_peak, step_bytes, graphs, blocks = _blocks_peak(
-                        graph, fake_model, fake_args, fake_kwargs, mode, optimizer, ac == "full"
+                        graph,
+                        fake_model,
+                        fake_args,
+                        fake_kwargs,
+                        mode,
+                        optimizer,
+                        ac == "full",
+                        on_cpu,
                     )
     finally:
         torch._dynamo.reset()
@@ -297,6 +319,7 @@ def _blocks_peak(
     mode: FakeTensorMode,
     optimizer: Optimizer,
     checkpoint: bool = False,
+    on_cpu: bool = True,
 ) -> tuple[int, int, int, int]:
     """(forward/backward peak, optimizer step bytes, graphs compiled, blocks compiled) of the step
     with each of `graph.blocks` compiled on its own.
@@ -340,7 +363,9 @@ def _blocks_peak(
     for key, (path, module, block_args, block_kwargs) in calls.items():
         torch._dynamo.reset()
         compiled = _Checkpointed(module) if checkpoint else module
-        steps[key] = _compiled_step(compiled, block_args, block_kwargs, False, f"block {path}")
+        steps[key] = _compiled_step(
+            compiled, block_args, block_kwargs, False, f"block {path}", on_cpu
+        )
     of_block = {path: steps[key] for path, key in key_of.items()}
 
     state = OPTIMIZER_MEMORY[optimizer].state_bytes(

@@ -22,18 +22,21 @@ import torch
 from torch import fx
 from torch._ops import HigherOrderOperator
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from remat.device import kernel_scratch
 from remat.tracing.tensors import storage_key
 
 
 class _Generated(BaseException):
-    """Carries inductor's wrapper source out of the compile (a BaseException, so no `except
-    Exception` on the way wraps it)."""
+    """Carries inductor's wrapper source, and the strides it gave the graph's outputs, out of the
+    compile (a BaseException, so no `except Exception` on the way wraps it)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, output_strides: list[tuple[int, ...] | None]):
         super().__init__()
         self.source = source
+        self.output_strides = output_strides
 
 
 def wrapper_source(
@@ -44,8 +47,9 @@ def wrapper_source(
     static_input_idxs: Sequence[int],
     user_visible_outputs: int,
     donated_inputs: Sequence[int] = (),
-) -> str:
-    """Inductor's Python wrapper for `gm`: lowered, fused, scheduled and code-generated as
+) -> tuple[str, list[tuple[int, ...] | None]]:
+    """Inductor's Python wrapper for `gm`, and the strides it gives each output (None where not
+    a tensor of static strides): lowered, fused, scheduled and code-generated as
     `torch.compile`'s forward and backward compilers do (the same static inputs and user-visible
     outputs, whose strides it keeps), stopped before any kernel is compiled. `gm` is changed (inductor's post-grad passes
     run on it): pass a graph of your own. `donated_inputs`: the backward's inputs AOTAutograd
@@ -56,7 +60,7 @@ def wrapper_source(
 
     def generate_only(self: GraphLowering) -> None:
         wrapper, _kernels = self.codegen()
-        raise _Generated(wrapper.value)
+        raise _Generated(wrapper.value, [_static_stride(out) for out in self.graph_outputs or ()])
 
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     output.meta["user_visible_output_idxs"] = [
@@ -74,8 +78,17 @@ def wrapper_source(
                 static_input_idxs=list(static_input_idxs),
             )
         except _Generated as generated:
-            return generated.source
+            return generated.source, generated.output_strides
     raise RuntimeError("inductor generated no wrapper for this graph")
+
+
+def _static_stride(out: Any) -> tuple[int, ...] | None:
+    """The stride inductor gave a graph output (a layout it may have changed: a convolution's
+    input and weight are saved channels-last on the CPU), None where it is not static."""
+    try:
+        return tuple(int(s) for s in out.get_layout().stride)
+    except (AttributeError, TypeError, NotImplementedError):
+        return None
 
 
 class _NoOp:
@@ -105,20 +118,25 @@ class Replay:
     highest point, `end_bytes` when it returns (its outputs, less the inputs it freed).
     `shared_output_bytes`: outputs whose storage an earlier output already has (inductor returns
     one buffer for several equal gradients; autograd's AccumulateGrad copies each one it cannot
-    steal, so every leaf's `.grad` ends in a storage of its own)."""
+    steal, so every leaf's `.grad` ends in a storage of its own). `output_storages`: each
+    output's (storage key, storage bytes), None where it is not a tensor; a key names the same
+    storage as an argument's while the caller still holds that argument."""
 
     peak_bytes: int
     end_bytes: int
     shared_output_bytes: int = 0
+    output_storages: tuple[tuple[int, int] | None, ...] = ()
 
 
 class _Allocations(TorchDispatchMode):
-    """Counts every new storage an op returns and every storage that dies, by weak reference."""
+    """Counts every new storage an op returns and every storage that dies, by weak reference.
+    `on_cpu`: the graph runs on the CPU, whose convolutions are oneDNN's (`_cpu_convolution`)."""
 
     supports_higher_order_operators = True  # the RNG-state operators of `_rng_operator`
 
-    def __init__(self, inputs: Sequence[torch.Tensor]):
+    def __init__(self, inputs: Sequence[torch.Tensor], on_cpu: bool = False):
         super().__init__()
+        self.on_cpu = on_cpu
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
         for t in inputs:
             self._track(t)
@@ -140,17 +158,44 @@ class _Allocations(TorchDispatchMode):
                 self.now -= nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        scratch = 0
         if isinstance(func, HigherOrderOperator):
             out = _rng_operator(func, args, kwargs or {})
             if out is NotImplemented:
                 return NotImplemented
+        elif self.on_cpu and func._overloadpacket.__name__ in kernel_scratch.MEASURED_ON_CPU:
+            out, scratch = _cpu_convolution(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
+            scratch = kernel_scratch_bytes(func, args)
         self._collect()
         for t in _tensors(out):
             self.now += self._track(t)
-        self.peak = max(self.peak, self.now + kernel_scratch_bytes(func, args))
+        self.peak = max(self.peak, self.now + scratch)
         return out
+
+
+def _cpu_convolution(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """A CPU convolution (forward or backward) on meta tensors: its outputs in the layout the CPU
+    kernel gives them (the meta kernel knows oneDNN's channels-last rule only for CPU tensors, and
+    inductor asserts the layout it planned), and the scratch the kernel allocates inside itself,
+    measured on this machine at inductor's own shapes and strides (`remat.device.kernel_scratch`,
+    as the eager trace measures it): its weight and input reorders, and in backward a weight-sized
+    buffer per thread."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def on_cpu(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+    with FakeTensorMode():
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, on_cpu, (args, kwargs))
+        fake_out = func(*fake_args, **fake_kwargs)
+    out = pytree.tree_map_only(torch.Tensor, to_meta, fake_out)
+    scratch = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, list(_tensors(out)))
+    return out, scratch or 0
 
 
 def _rng_operator(func: HigherOrderOperator, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -195,10 +240,11 @@ def _tensors(out: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def replay(source: str, args: list[torch.Tensor | Any]) -> Replay:
+def replay(source: str, args: list[torch.Tensor | Any], on_cpu: bool = False) -> Replay:
     """Run inductor's wrapper `source` on meta tensors `args` with every kernel a no-op and
     count its bytes. The wrapper clears `args`: an input the caller holds no other reference to
-    dies where inductor frees (or reuses) it, as it does at run time."""
+    dies where inductor frees (or reuses) it, as it does at run time. `on_cpu`: the graph runs on
+    the CPU, so extern kernels with CPU scratch (convolutions) are measured here."""
     from torch._inductor import async_compile
 
     scope: dict[str, Any] = {"__name__": "remat_inductor_replay"}
@@ -208,7 +254,7 @@ def replay(source: str, args: list[torch.Tensor | Any]) -> Replay:
     scope["empty_strided_cuda"] = _meta_empty
     scope["empty_strided_xpu"] = _meta_empty
     scope["reinterpret_tensor"] = _reinterpret
-    counter = _Allocations([a for a in args if isinstance(a, torch.Tensor)])
+    counter = _Allocations([a for a in args if isinstance(a, torch.Tensor)], on_cpu)
     with counter, torch.no_grad():
         outputs = scope["call"](args)
         counter._collect()
@@ -219,8 +265,12 @@ def replay(source: str, args: list[torch.Tensor | Any]) -> Replay:
         if key in seen:
             shared += t.nbytes
         seen.add(key)
+    storages = tuple(
+        (storage_key(o), o.untyped_storage().nbytes()) if isinstance(o, torch.Tensor) else None
+        for o in outputs
+    )
     del outputs
-    return Replay(peak_bytes=counter.peak, end_bytes=counter.now, shared_output_bytes=shared)
+    return Replay(counter.peak, counter.now, shared, storages)
 
 
 def _meta_empty(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -245,6 +295,10 @@ class StepPeak:
     tangent_bytes: int
     loss_bytes: int
     backward: Replay
+    #: what autograd saves for the compiled graph, as `remat.measure` counts it: the distinct
+    #: storages the forward returns for backward, parameters and buffers left out (inductor's
+    #: own layout copies in, such as a convolution's channels-last input and weight)
+    saved_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -303,21 +357,27 @@ def step_peak(
     static_input_idxs: Sequence[int],
     loss_bytes: int = 0,
     hold_tangents: bool = False,
+    on_cpu: bool | None = None,
 ) -> StepPeak:
     """Inductor's forward and backward wrappers for these graphs, replayed on meta tensors as one
     training step: parameters and inputs held throughout, the forward's user outputs until the
     step ends, saved activations and tangents only by the backward's argument list (so they die
-    where inductor frees them, as AOTAutograd hands them over)."""
+    where inductor frees them, as AOTAutograd hands them over). `on_cpu`: the step runs on the
+    CPU, whose convolutions' scratch is measured here (`replay`); None: where the graphs'
+    inputs are."""
     fw_inputs = _placeholder_values(forward)
     bw_inputs = _placeholder_values(backward)
-    fw_source = wrapper_source(
+    if on_cpu is None:
+        on_cpu = all(v.device.type == "cpu" for v in fw_inputs if isinstance(v, torch.Tensor))
+    fw_source, fw_strides = wrapper_source(
         _fresh(forward),
         fw_inputs,
         is_backward=False,
         static_input_idxs=static_input_idxs,
         user_visible_outputs=num_fwd_outputs,
     )
-    bw_source = wrapper_source(
+    bw_inputs = _as_saved(forward, backward, bw_inputs, fw_strides)
+    bw_source, _ = wrapper_source(
         _fresh(backward),
         bw_inputs,
         is_backward=True,
@@ -334,8 +394,10 @@ def step_peak(
             fw_inputs,
             bw_inputs,
             num_fwd_outputs,
+            static_input_idxs,
             loss_bytes,
             hold_tangents,
+            on_cpu,
         )
 
 
@@ -347,8 +409,10 @@ def _replay_step(
     fw_inputs: list[Any],
     bw_inputs: list[Any],
     num_fwd_outputs: int,
+    static_input_idxs: Sequence[int],
     loss_bytes: int,
     hold_tangents: bool,
+    on_cpu: bool,
 ) -> StepPeak:
     fw_out = _output_values(forward)
     primal_keys = {storage_key(v) for v in fw_inputs if isinstance(v, torch.Tensor)}
@@ -357,7 +421,19 @@ def _replay_step(
     args, bases = _meta_arguments(fw_inputs)
     persistent = sum(b.nbytes for b in bases.values())
     held: list[Any] = list(args)  # parameters and inputs outlive the step
-    fw = replay(fw_source, args)
+    static = {storage_key(held[i]) for i in static_input_idxs if isinstance(held[i], torch.Tensor)}
+    arg_keys = {storage_key(a) for a in held if isinstance(a, torch.Tensor)}
+    fw = replay(fw_source, args, on_cpu)
+    saved = {
+        s for s in fw.output_storages[num_fwd_outputs:] if s is not None and s[0] not in static
+    }
+    # saved values the compiled forward copied (a parameter or input inductor saves
+    # channels-last for a convolution): the backward frees the copy, unlike the value itself
+    copied = {
+        n.name
+        for n, s in zip(_output_nodes(forward), fw.output_storages, strict=False)
+        if n is not None and s is not None and s[0] not in arg_keys
+    }
     del held, bases
 
     args, bases = _meta_arguments(bw_inputs)
@@ -371,14 +447,40 @@ def _replay_step(
         for a, v, n in zip(args, bw_inputs, _placeholders(backward), strict=True)
         if isinstance(v, torch.Tensor)
         and (
-            storage_key(v) in primal_keys | user_keys
+            (storage_key(v) in primal_keys and n.name not in copied)
+            or storage_key(v) in user_keys
             or (hold_tangents and n.name.startswith("tangents"))
         )
     ]
     del bases
-    bw = replay(bw_source, args)
+    bw = replay(bw_source, args, on_cpu)
     del held
-    return StepPeak(persistent, fw, tangents, loss_bytes, bw)
+    return StepPeak(persistent, fw, tangents, loss_bytes, bw, sum(n for _, n in saved))
+
+
+def _as_saved(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    bw_inputs: list[Any],
+    fw_strides: list[tuple[int, ...] | None],
+) -> list[Any]:
+    """The backward's inputs with the strides the compiled forward gave the values it saves, as
+    AOTAutograd restrides them before the backward is compiled (inductor may change a saved
+    value's layout: on the CPU a convolution's input and weight are saved channels-last, and
+    the backward's convolution then runs, and allocates, on those)."""
+    output = next(reversed(forward.graph.find_nodes(op="output"))).args[0]
+    stride_of = {
+        n.name: stride
+        for n, stride in zip(output, fw_strides, strict=False)
+        if isinstance(n, fx.Node) and stride is not None
+    }
+    restrided = []
+    for n, v in zip(_placeholders(backward), bw_inputs, strict=True):
+        stride = stride_of.get(n.name)
+        if isinstance(v, torch.Tensor) and stride is not None and tuple(v.stride()) != stride:
+            v = v.as_strided(v.shape, stride, v.storage_offset())
+        restrided.append(v)
+    return restrided
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -387,6 +489,11 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _placeholder_values(gm: fx.GraphModule) -> list[Any]:
     return [n.meta.get("val") for n in _placeholders(gm)]
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node | None]:
+    output = next(reversed(gm.graph.find_nodes(op="output")))
+    return [a if isinstance(a, fx.Node) else None for a in output.args[0]]
 
 
 def _output_values(gm: fx.GraphModule) -> list[Any]:

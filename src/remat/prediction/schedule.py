@@ -212,23 +212,31 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
         node = graph.nodes.get(node_id) if node_id is not None else None
         return end if node is None or node.released_after is None else node.released_after
 
-    def region_of_node(node_id: int | None) -> int:
-        node = graph.nodes.get(node_id) if node_id is not None else None
-        if node is None or node.forward_op is None or node.forward_op >= end:
-            return -1
-        return region_of_op[node.forward_op]
+    def released(sv: Saved) -> int:
+        """When autograd lets go of a save: after its node has run; a save no node unpacked
+        when the trace saw it go (its node destroyed unrun with the forward's tensors that led
+        to it: a loop's last state update, an output the loss does not use), else at the end."""
+        if sv.node is None:
+            return end if sv.released_after is None else sv.released_after
+        return release(sv.node)
 
-    # Saves made by nodes outside every region are held by autograd until their node has run.
+    def region_of_save(sv: Saved) -> int:
+        node = graph.nodes.get(sv.node) if sv.node is not None else None
+        op = sv.forward_op if node is None else node.forward_op
+        return -1 if op is None or op >= end else region_of_op[op]
+
+    # Saves made by nodes outside every region are held by autograd until it lets go of them.
     # Inside a region, checkpoint's pack hook swaps every save for a holder: the frame refills the
-    # holders in backward, by replaying the region, and hands each value over at its node.
+    # holders still alive in backward, by replaying the region, and hands each value over at its
+    # node; a save whose node never runs leaves nothing to refill (its holder died with it).
     autograd_holds: dict[int, int] = {}
     region_saves: dict[int, list[tuple[int, Saved]]] = defaultdict(list)  # in pack order
     for pack, sv in enumerate(graph.saved):
-        r = region_of_node(sv.node)
+        r = region_of_save(sv)
         if r != -1:
             region_saves[r].append((pack, sv))
         elif graph.storages[sv.storage].allocated_at is not None:
-            autograd_holds[sv.storage] = max(autograd_holds.get(sv.storage, -1), release(sv.node))
+            autograd_holds[sv.storage] = max(autograd_holds.get(sv.storage, -1), released(sv))
 
     first_backward_op: dict[int, int] = {}
     for op in graph.backward_ops:
@@ -239,21 +247,26 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
     replays = []
     for r, reg in enumerate(regions):
         saves = [sv for _, sv in region_saves.get(r, ())]
-        holders: dict[int, int] = {}
         trigger = None
         for sv in saves:
-            holders[sv.storage] = max(holders.get(sv.storage, -1), release(sv.node))
+            if sv.node is None:
+                continue  # never unpacked: it triggers nothing
             # A node that ran without issuing an op unpacked right after the op before its end.
             start = first_backward_op.get(sv.node, release(sv.node) + 1)
             if start < end:
                 trigger = start if trigger is None else min(trigger, start)
+        holders: dict[int, int] = {}
+        for sv in saves:
+            if trigger is not None and released(sv) >= trigger:
+                holders[sv.storage] = max(holders.get(sv.storage, -1), released(sv))
         stop_at = _early_stop(graph, saves[-1]) if saves else None
         replayed = () if trigger is None else range(reg.first_op, stop_at + 1)
         replays.append(
             RegionReplay(
                 region=reg,
                 holders=holders,
-                frame_until=max((release(sv.node) for sv in saves), default=end),
+                # the frame lives while any of its holders does, unpacked or not
+                frame_until=max((released(sv) for sv in saves), default=end),
                 frame_inputs=_frame_inputs(graph, calls.get((reg.modules[0], reg.first_op))),
                 overhead_bytes=(rng_bytes * reg.random + batchnorm_snapshot_bytes(graph, reg)),
                 trigger=trigger,
@@ -266,8 +279,12 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
 
 
 def _early_stop(graph: Graph, last_save: Saved) -> int:
-    """The forward op a replay stops after: the one whose node made the region's last save,
-    after its kernel when the save is one of its outputs, before it when it is an input."""
+    """The forward op a replay stops after: the one recorded last before the region's last save
+    was packed (checkpoint counts packs, unpacked or not). Without that record (older graphs), the
+    op whose node made the save, after its kernel when the save is one of its outputs, before it
+    when it is an input."""
+    if last_save.packed_after is not None:
+        return last_save.packed_after
     op = graph.ops[graph.nodes[last_save.node].forward_op]
     return op.index if last_save.tensor in op.outputs else op.index - 1
 

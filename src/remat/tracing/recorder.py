@@ -315,6 +315,8 @@ class Tracer(TorchDispatchMode):
             return
         rec = self.saved[handle]
         rec.payload = None
+        if rec.node is None:  # no node read it: it died with its node, unrun, or unread
+            rec.released_after = len(self.ops) - 1
         node = self.nodes.get(rec.node) if rec.node is not None else None
         if node is not None and node.released_after is not None:
             node.released_after = max(node.released_after, len(self.ops) - 1)
@@ -553,6 +555,7 @@ class Tracer(TorchDispatchMode):
             sid = self.tensors[tid].storage
             handle = next(self.ids)
             persistent = self.storages[sid].kind not in ("activation", "grad")
+            forward = self.phase == "forward"
             self.saved[handle] = SavedRecord(
                 storage=sid,
                 tensor=tid,
@@ -564,12 +567,27 @@ class Tracer(TorchDispatchMode):
                 storage_numel=storage_nbytes(inner) // inner.element_size(),
                 payload=inner.untyped_storage().clone() if self.real and not persistent else None,
                 phase=self.phase,
+                forward_op=self.saving_op() if forward else None,
+                packed_after=len(self.ops) - 1 if forward else None,
             )
             if persistent:
                 return _Packed(self, handle, t, None)
             return _Packed(self, handle, None, rewrapper(t))
         finally:
             self.paused = False
+
+    def saving_op(self) -> int:
+        """The forward op whose node is saving now. Autograd saves an op's inputs before its
+        kernel runs (and so before it is recorded) and its outputs after: the op recorded last
+        when it ran in the module running now, else the next one (the first of this call)."""
+        last = len(self.ops) - 1
+        call = next((m for m in reversed(self.modules) if m.open), None)
+        in_this_call = call is None or last >= call.first_op
+        return (
+            last
+            if last >= 0 and self.ops[last].module == self.scopes[-1] and in_this_call
+            else last + 1
+        )
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
         handle, direct, rewrap = packed.handle, packed.direct, packed.rewrap

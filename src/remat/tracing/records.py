@@ -105,6 +105,9 @@ class SavedRecord:
     payload: torch.UntypedStorage | None
     node: int | None = None
     phase: Phase = "forward"
+    forward_op: int | None = None
+    packed_after: int | None = None
+    released_after: int | None = None
 
     def freeze(self) -> Saved:
         return freeze_record(self, Saved)
