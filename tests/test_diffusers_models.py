@@ -14,9 +14,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from planned_steps import sweep_three_budgets
 
 import remat
-from remat.answers.bench import gradients
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -31,39 +31,11 @@ from remat.models.diffusion import (  # noqa: E402
 )
 
 
-def _check(model, plan, inputs, loss_fn, reference) -> None:
-    got = gradients(model, (), loss_fn=loss_fn, **inputs)
-    assert got.keys() == reference.keys()
-    for name, g in reference.items():
-        assert torch.equal(got[name], g), (plan.strategy, name)
-    v = remat.verify(model, loss_fn=loss_fn, **inputs)
-    assert v.kept_ops_matched == v.kept_ops_expected, [r.missing for r in v.regions]
-    assert v.held_ratio == pytest.approx(1, abs=0.02), (plan.strategy, v)
-    assert v.peak_ratio == pytest.approx(1, abs=0.03), (plan.strategy, v)
-    assert v.ok
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_auto_on_diffusers_models_at_three_budgets(name):
     model, inputs, loss_fn = build_for_training(name)
-    reference = gradients(model, (), loss_fn=loss_fn, **inputs)
-    first = remat.auto(model, budget="100%", loss_fn=loss_fn, **inputs)
-    _check(model, first, inputs, loss_fn, reference)
-    remat.remove(model)
-
-    graph = remat.trace(model, loss_fn=loss_fn, **inputs)
-    with pytest.raises(remat.InfeasibleBudget) as infeasible:
-        remat.plan(graph, budget=1)
-    lowest = infeasible.value.min_feasible_bytes
-    for budget in ((lowest + first.predicted_peak_bytes) // 2, lowest):
-        plan = remat.plan(graph, budget=budget, strategy="auto")
-        assert plan.predicted_peak_bytes <= budget
-        remat.apply(model, plan)
-        _check(model, plan, inputs, loss_fn, reference)
-        remat.remove(model)
-    assert plan.regions, "the lowest feasible budget needs recomputation"
-    assert not [m for m in model.modules() if "forward" in vars(m)]
+    sweep_three_budgets(model, loss_fn=loss_fn, **inputs)
 
 
 def _train(unet, batches, steps: int) -> list[torch.Tensor]:

@@ -12,10 +12,10 @@ import warnings
 
 import pytest
 import torch
+from planned_steps import sweep_three_budgets
 from torch import nn
 
 import remat
-from remat.answers.bench import gradients
 
 pytest.importorskip("transformers")
 from remat.models.hf import build_for_training  # noqa: E402
@@ -27,44 +27,19 @@ def _loss(out):
     return out.loss
 
 
-def _check(model: nn.Module, plan: remat.Plan, inputs: dict, reference: dict) -> None:
-    got = gradients(model, (), loss_fn=_loss, **inputs)
-    for name, g in reference.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-7, msg=name)
-    v = remat.verify(model, loss_fn=_loss, **inputs)
-    assert v.kept_ops_matched == v.kept_ops_expected, [r.missing for r in v.regions]
-    assert v.held_ratio == pytest.approx(1, abs=0.02), (plan.strategy, v)
-    assert v.peak_ratio == pytest.approx(1, abs=0.05), (plan.strategy, v)
-    assert v.ok
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", MODELS)
 def test_auto_on_hugging_face_models_with_default_config(model_type):
     model, inputs = build_for_training(model_type, batch=2, seq=64)
-    reference = gradients(model, (), loss_fn=_loss, **inputs)
     store_all_saved = remat.measure(model, loss_fn=_loss, **inputs).activation_bytes
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = remat.auto(model, budget="100%", loss_fn=_loss, **inputs)
+        # float rounding, not bits: some architectures' kernels reorder sums under recomputation
+        sweep_three_budgets(
+            model, loss_fn=_loss, peak_tolerance=0.05, bit_identical=False, **inputs
+        )
     said = [str(w.message) for w in caught if issubclass(w.category, remat.RematWarning)]
     assert not any("real CPU tensors" in s for s in said), said  # fake tensors, MoE included
-    _check(model, first, inputs, reference)
-    remat.remove(model)
-
-    graph = remat.trace(model, loss_fn=_loss, **inputs)
-    with pytest.raises(remat.InfeasibleBudget) as infeasible:
-        remat.plan(graph, budget=1)
-    lowest = infeasible.value.min_feasible_bytes
-    for budget in ((lowest + first.predicted_peak_bytes) // 2, lowest):
-        plan = remat.plan(graph, budget=budget, strategy="auto")
-        assert plan.predicted_peak_bytes <= budget
-        remat.apply(model, plan)
-        _check(model, plan, inputs, reference)
-        remat.remove(model)
-    assert plan.regions, "the lowest feasible budget needs recomputation"
-    assert not [m for m in model.modules() if "forward" in vars(m)]
     assert remat.measure(model, loss_fn=_loss, **inputs).activation_bytes == store_all_saved
 
 

@@ -5,17 +5,13 @@ gradients against an unplanned copy's, bit for bit."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
+from planned_steps import sweep_three_budgets
 from torch import nn
 
 import remat
 from remat import models
-from remat.answers.bench import gradients
 
 
 class Scan(nn.Module):
@@ -111,42 +107,6 @@ def test_saves_of_an_output_the_loss_does_not_use_are_held_while_the_program_kee
 
 
 # -- the sweep: three budgets per model, each checked on a real step --------------------------------
-def _check(model: nn.Module, plan: remat.Plan, inputs: tuple, kwargs: dict, reference: dict):
-    loss_fn = kwargs["loss_fn"]
-    got = gradients(model, inputs, **kwargs)
-    assert got.keys() == reference.keys()
-    for name, g in reference.items():
-        assert torch.equal(got[name], g), (plan.strategy, name)  # bit for bit
-    v = remat.verify(
-        model, *inputs, loss_fn=loss_fn, **{k: a for k, a in kwargs.items() if k != "loss_fn"}
-    )
-    assert v.kept_ops_matched == v.kept_ops_expected, [r.missing for r in v.regions]
-    assert v.held_ratio == pytest.approx(1, abs=0.02), (plan.strategy, v)
-    assert v.peak_ratio == pytest.approx(1, abs=0.03), (plan.strategy, v)
-
-
-def _sweep(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor], **kwargs):
-    """`remat.auto` at 100%, then plans at halfway to the lowest feasible budget and at it: each
-    installed, stepped, verified and its gradients compared with an unplanned copy's."""
-    kwargs["loss_fn"] = loss_fn
-    reference = gradients(copy.deepcopy(model), inputs, **kwargs)
-    first = remat.auto(model, *inputs, budget="100%", **kwargs)
-    _check(model, first, inputs, kwargs, reference)
-    remat.remove(model)
-    graph = remat.trace(model, *inputs, **kwargs)
-    with pytest.raises(remat.InfeasibleBudget) as infeasible:
-        remat.plan(graph, budget=1)
-    lowest = infeasible.value.min_feasible_bytes
-    plan = first
-    for budget in ((lowest + first.predicted_peak_bytes) // 2, lowest):
-        plan = remat.plan(graph, budget=budget, strategy="auto")
-        assert plan.predicted_peak_bytes <= budget
-        remat.apply(model, plan)
-        _check(model, plan, inputs, kwargs, reference)
-        remat.remove(model)
-    assert plan.regions, "the lowest feasible budget needs recomputation"
-
-
 def _own_loss(out: torch.Tensor) -> torch.Tensor:
     return out
 
@@ -161,13 +121,13 @@ def test_vision_nets_plan_step_and_verify_at_three_budgets(name, batch):
     statistics restored after recomputation), depthwise 7x7 convs, conv patch embeddings."""
     torch.manual_seed(0)
     model, inputs = models.build(name, batch=batch, device="cpu", tiny=True)
-    _sweep(model, inputs, _own_loss)
+    sweep_three_budgets(model, inputs, loss_fn=_own_loss)
 
 
 def test_a_recurrent_net_plans_step_and_verifies_at_three_budgets():
     """A loop over time steps inside each block (`Scan`), at three budgets."""
     torch.manual_seed(0)
-    _sweep(ScanNet(), (torch.randn(4, 24, 32),), _own_loss)
+    sweep_three_budgets(ScanNet(), (torch.randn(4, 24, 32),), loss_fn=_own_loss)
 
 
 @pytest.mark.slow
@@ -177,4 +137,4 @@ def test_hugging_face_rwkv_plans_steps_and_verifies_at_three_budgets():
     from remat.models.hf import build_for_training
 
     model, inputs = build_for_training("rwkv", batch=2, seq=16)
-    _sweep(model, (), lambda out: out.loss, **inputs)
+    sweep_three_budgets(model, loss_fn=lambda out: out.loss, **inputs)
