@@ -431,3 +431,30 @@ def test_a_loss_target_that_is_the_input_is_one_storage_as_in_the_real_step():
     real = remat.trace(model, images, loss_fn=loss_fn, device="cpu")
     assert not [s for s in fake.storages.values() if s.kind == "constant"]
     assert remat.estimate(fake).peak_bytes == remat.estimate(real).peak_bytes
+
+
+class _BroadcastsWrongly(nn.Module):
+    def forward(self, x):
+        return x + torch.ones(3)
+
+
+class _CallsAModuleWhileHandlingAnError(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fallback = nn.Linear(8, 8)
+        self.late = _BroadcastsWrongly()
+
+    def forward(self, x):
+        try:
+            raise ValueError("a probe the model handles itself")
+        except ValueError:
+            x = self.fallback(x)  # returns normally while that exception is being handled
+        return self.late(x)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_failure_names_the_module_it_left_not_one_called_inside_an_except_block(device):
+    """Hugging Face's Swin named its patch embedding for a failure in its attention."""
+    with pytest.raises(remat.TraceError) as failure:
+        remat.trace(_CallsAModuleWhileHandlingAnError(), torch.randn(4, 8), device=device)
+    assert failure.value.module == "late", str(failure.value)

@@ -166,6 +166,9 @@ class Tracer(TorchDispatchMode):
         self.kernel_scratch: dict[int, int] = {}
         #: the innermost module whose call an exception left (its forward hook still runs)
         self.failed_in: str | None = None
+        #: per open module call, the exception being handled when it began: a module called
+        #: inside an `except` block returns normally with that exception still in sys.exc_info()
+        self.handling: list[BaseException | None] = []
         #: the op an exception left on real tensors (fake tensors' failures are TraceErrors)
         self.failed_op: str | None = None
         #: Collectives run on gloo (a CPU process group), which allocates beyond their outputs.
@@ -642,6 +645,7 @@ class Tracer(TorchDispatchMode):
 
     def _enter(self, path: str) -> Callable:
         def hook(module, args, kwargs):
+            self.handling.append(sys.exc_info()[1])
             self.before_event()
             if self.phase == "backward":
                 # a custom Function's backward runs the module again (reversible layers): not a
@@ -670,7 +674,9 @@ class Tracer(TorchDispatchMode):
 
     def _exit(self, path: str) -> Callable:
         def hook(module, args, kwargs, output):
-            if self.failed_in is None and sys.exc_info()[1] is not None:
+            handled_at_entry = self.handling.pop() if self.handling else None
+            leaving = sys.exc_info()[1]
+            if self.failed_in is None and leaving is not None and leaving is not handled_at_entry:
                 self.failed_in = path
             self.before_event()
             if self.phase == "backward":
