@@ -329,15 +329,22 @@ def resolve_budget(budget: int | str, fixed_bytes: int, store_all_peak: int) -> 
             raise BudgetError(f"budget {budget!r}: a share must be between 0% and 1000%")
         return fixed_bytes + int(share * (store_all_peak - fixed_bytes))
     nbytes = parse_bytes(budget)
+    try:
+        number = float(budget.strip()) if isinstance(budget, str) else None
+    except ValueError:
+        number = None  # written with a unit
     if nbytes < 1:
-        try:
-            fraction = float(str(budget).strip())
-        except ValueError:
-            fraction = 0.0
-        hint = f"; did you mean {fraction:.0%}?" if 0 < fraction <= 1 else ""
+        hint = f"; did you mean {number:.0%}?" if number is not None and 0 < number <= 1 else ""
         raise BudgetError(
             f"budget {budget!r} is {nbytes} bytes: give a positive size (e.g. 2GiB) or a share of "
             f"store-all's peak (e.g. 50%){hint}"
+        )
+    if number is not None and nbytes < 1024:
+        # a bare number this small is a share written without its %, not a step's memory
+        share = f" did you mean {budget.strip()}%?" if number <= 1000 else ""
+        raise BudgetError(
+            f"budget {budget!r} is {nbytes} bytes, less than any training step holds:{share} "
+            "Write a share with its % (50%) and a size with its unit (50MiB)"
         )
     return nbytes
 
