@@ -110,6 +110,13 @@ def test_plan_json_has_the_documented_fields(capsys, tmp_path):
     ):
         assert key in out
     assert out["predicted_peak_bytes"] <= out["budget_bytes"]
+    # what --json prints is a plan too: the same as --out wrote, less its details
+    printed, written = (
+        remat.Plan.from_json(json.dumps(out)),
+        remat.Plan.from_json(out_file.read_text()),
+    )
+    assert printed.regions == written.regions and printed.held_bytes == written.held_bytes
+    assert printed.predicted_peak_bytes == written.predicted_peak_bytes
     assert {"name", "op", "bytes"} <= set(out["saved"][0])
     assert {row["strategy"] for row in out["comparison"]} >= {"store_all", "full", "sqrt", "milp"}
     from remat.planning.plans import Plan

@@ -22,6 +22,9 @@ PlanStatus = Literal["fixed", "optimal", "feasible"]
 PlanPath = Literal["eager", "compile"]
 #: Plan JSON's `format`; 1 is every plan written before the field existed.
 PLAN_FORMAT = 2
+#: what `remat plan --json` writes beside the plan's own fields (the question asked, the other
+#: strategies' rows, a derived share): `Plan.from_json` reads such a file as the plan it holds
+ANSWER_FIELDS = ("model", "batch", "seq", "dtype", "budget", "comparison", "recompute_flops_share")
 #: `Plan.held_by_module`'s key for what checkpoint's frames keep (RNG states, BatchNorm snapshots)
 CHECKPOINT_FRAMES = "<checkpoint frames>"
 
@@ -126,6 +129,8 @@ class Plan:
             d.setdefault("path", extra.get("path", "eager"))
             d.setdefault("appliable", extra.get("appliable", d["path"] == "eager"))
             d.setdefault("status", "feasible")  # not recorded: it fitted, nothing more is known
+        for key in ANSWER_FIELDS:  # `remat plan --json` writes the plan among these: read past
+            d.pop(key, None)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
