@@ -338,6 +338,7 @@ def test_an_output_in_a_missing_folder_exits_2_before_any_work(args, capsys, mon
         (["plan", "--budget", "0.5"], "did you mean 50%?"),
         (["plan", "--budget", "50"], "did you mean 50%?"),  # a share without its %, not 50 bytes
         (["plan", "--profile", "tpu-v9"], "tpu-v9"),
+        (["fit", "--model", "gpt2", "--gpu", "h100"], "--seq 1024"),  # fit's default seq is 4096
         (["plan", "--model", "mlp-chain-8", "--tiny", "--strategy", "full", "--budget", "1%"], ""),
     ],
 )

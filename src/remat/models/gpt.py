@@ -103,8 +103,10 @@ class GPT(nn.Module):
 def _check_seq(config: GPTConfig, seq: int) -> GPTConfig:
     if seq > config.block_size:
         raise RematError(
-            f"seq={seq} exceeds block_size={config.block_size} learned positions; "
-            f"pass block_size={seq} to build a model with more"
+            f"seq={seq} exceeds GPT-2's {config.block_size} learned positions (block_size): ask "
+            f"for a shorter sequence (CLI: --seq {config.block_size}; `remat fit` defaults to "
+            f"4096) or build more positions (CLI: --set block_size={seq}; Python: "
+            f"models.build(..., block_size={seq}))"
         )
     return config
 
