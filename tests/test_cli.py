@@ -446,3 +446,16 @@ def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys, tmp_path):
     page = tmp_path / "fit.html"
     assert main([*fit_args, *layout[:-1], "--html", str(page)]) == 0
     assert "one rank of tp 2 + sp, pp 2" in page.read_text()
+
+
+def test_ctrl_c_ends_in_one_line_and_exit_130(monkeypatch, capsys):
+    """A Ctrl-C in `fit` printed a 38-line traceback from wherever it landed."""
+    import remat.answers.cli as cli
+
+    def interrupted(args, console):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_fit", interrupted)
+    assert main(["fit", "--model", "gpt2", "--seq", "1024", "--gpu", "h100"]) == 130
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == ["interrupted: remat fit stopped before it finished"]

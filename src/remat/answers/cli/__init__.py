@@ -342,3 +342,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "infeasible budget" if isinstance(e, InfeasibleBudget) else "error"
         err.print(f"[red]{kind}:[/red] {escape(str(e))}")
         return exit_code(e)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+        err.print(f"interrupted: remat {args.command} stopped before it finished")
+        return 130
