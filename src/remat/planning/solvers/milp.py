@@ -423,7 +423,7 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
     if run.optimal:
         why = (
             f"the least recompute that fits, proved optimal by the MILP solver (HiGHS): "
-            f"{_time(seconds)} a step within"
+            f"{_time(seconds)} of recompute a step (not the step's time) within"
         )
     else:
         why = (
