@@ -459,3 +459,19 @@ def test_ctrl_c_ends_in_one_line_and_exit_130(monkeypatch, capsys):
     assert main(["fit", "--model", "gpt2", "--seq", "1024", "--gpu", "h100"]) == 130
     said = capsys.readouterr().err.strip().splitlines()
     assert said == ["interrupted: remat fit stopped before it finished"]
+
+
+def test_plan_says_how_to_apply_it_and_that_line_runs(capsys, tmp_path):
+    """`remat plan` never said how to use its plan; the line it prints now applies it."""
+    out_file = tmp_path / "plan.json"
+    assert (
+        main(["plan", "--model", "gpt2", "--tiny", "--budget", "70%", "--out", str(out_file)]) == 0
+    )
+    said = capsys.readouterr().out.splitlines()
+    (line,) = [s.strip() for s in said if s.strip().startswith("remat.apply(")]
+    assert line == f'remat.apply(model, remat.Plan.from_json(open("{out_file}").read()))'
+    from remat import models
+
+    model, inputs = models.build("gpt2", tiny=True)
+    exec(line, {"remat": remat, "model": model})
+    assert remat.installed_plan(model).regions == remat.Plan.from_json(out_file.read_text()).regions

@@ -116,8 +116,16 @@ def show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> i
         for r in chosen.regions
     )
     console.print(f"checkpoint regions: {escape(regions) or 'none'}")
+    saved = args.out or "plan.json"
+    apply_line = f'remat.apply(model, remat.Plan.from_json(open("{saved}").read()))'
     if args.out:
-        console.print(f"plan written to {escape(args.out)}")
+        console.print(
+            f"plan written to {escape(args.out)}; to use it in the training script:", soft_wrap=True
+        )
+    elif chosen.regions:
+        console.print(f"to use it: --out {escape(saved)}, then in the training script:")
+    if args.out or chosen.regions:
+        console.print(f"  {escape(apply_line)}", soft_wrap=True, highlight=False)
     if args.plot:
         console.print(f"frontier plotted to {escape(args.plot)}")
     if args.html:
