@@ -246,6 +246,11 @@ def test_a_row_whose_rounds_disagree_is_marked_noisy_with_advice_to_rerun():
     assert row.noisy and row.rounds == tuple(rounds)
     text = _render(bench_table([table_rows()[0], row], title="t"), width=200)
     assert "!" in text and "noisy" in text and "re-run" in text
+    # several noisy rows: the advice once, naming each (bench --compile repeated it 14 times)
+    other = replace(row, strategy="full")
+    text = _render(bench_table([table_rows()[0], row, other], title="t"), width=200)
+    assert text.count("re-run") == 1
+    assert f"{row.strategy} (" in text and "full (" in text
 
 
 def test_gradient_column_is_relative_and_every_row_over_the_budget_is_named():

@@ -249,6 +249,7 @@ def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
     mib = 2**20
     notes = Text()
     over: list[str] = []
+    noisy: list[str] = []  # said once under the table, not once a row
     for r in rows:
         note = r.note
         if budget_bytes is not None:  # the caption names every row over the budget, once
@@ -264,12 +265,7 @@ def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
         noise = "~" if getattr(r, "within_noise", None) and r.strategy != "store_all" else ""
         if getattr(r, "noisy", False):
             noise = "!" + noise
-            notes.append(f"\n{r.strategy}: ", style="bold")
-            notes.append(
-                f"noisy: its rounds took {_ms(low)}-{_ms(high)} ms, more than 1.5x apart; the "
-                "machine was busy: re-run with more --steps on an idle machine before reading "
-                "its ratio"
-            )
+            noisy.append(f"{r.strategy} ({_ms(low)}-{_ms(high)} ms)")
         t.add_row(
             r.strategy,
             f"{r.held_bytes / mib:.1f}",
@@ -299,6 +295,14 @@ def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:
             else []
         ),
         notes,
+        *(
+            [
+                "\nnoisy rounds, more than 1.5x apart (the machine was busy: re-run with more "
+                f"--steps on an idle machine before reading their ratios): {', '.join(noisy)}"
+            ]
+            if noisy
+            else []
+        ),
     )
     return t
 
