@@ -118,6 +118,7 @@ def test_sections_figures_and_chosen_plan(report):
     assert "live memory over one training step" in text
     assert "inside one block: h.0 (of 2)" in text
     assert f"{planner.graph.info['param_count']:,}" in text
+    assert '<div class="fact budget fits">' in text  # green: the chosen plan fits
 
 
 def test_json_block_matches_the_planner(report):
@@ -184,6 +185,7 @@ def test_no_blocks_and_nothing_fits(tmp_path):
     d = data_block(text)
     assert d["chosen"] is None and "smallest feasible budget" in d["nothing_fits"]
     assert "No plan fits the budget of 100 B." in text
+    assert '<div class="fact budget over">' in text  # crimson only when nothing fits
     assert [t["label"] for t in d["timelines"]] == ["store_all"]
     assert text.count("<svg") >= 3
     assert 'id="fit"' not in text and 'id="bench"' not in text

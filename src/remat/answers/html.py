@@ -53,7 +53,8 @@ nav a { color: var(--muted); margin-right: 12px; }
 .fact { background: var(--soft); border: 1px solid var(--line); border-radius: 6px; padding: 8px 10px; }
 .fact .k { font-size: 12px; color: var(--muted); }
 .fact .v { font-size: 18px; font-weight: 600; font-variant-numeric: tabular-nums; }
-.fact.budget .v { color: crimson; }
+.fact.budget.fits .v { color: seagreen; }
+.fact.budget.over .v { color: crimson; }
 .chosen { border-left: 4px solid var(--accent); background: #eef7f0; padding: 10px 14px;
   border-radius: 0 6px 6px 0; margin: 12px 0; }
 .chosen.none { border-color: crimson; background: #fbeeee; }
@@ -331,7 +332,10 @@ def _header(
         (
             "usable for the step (live)" if advice else "budget",
             format_bytes(budget_bytes),
-            "budget",
+            # its colour says whether the chosen plan fits (it was crimson whatever the answer)
+            "budget fits"
+            if chosen is not None and chosen.predicted_peak_bytes <= budget_bytes
+            else "budget over",
         ),
         ("predicted step", _seconds(planner.step_seconds), ""),
         ("blocks", str(len(planner.blocks)) if planner.blocks else "none", ""),
