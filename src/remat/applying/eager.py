@@ -131,7 +131,7 @@ class _LeaveScope:
         self.scope.pop()
 
 
-def _scope_hooks(model: nn.Module, scope: list[str]) -> list[Any]:
+def scope_hooks(model: nn.Module, scope: list[str]) -> list[Any]:
     """Keep `scope[-1]` equal to the path of the innermost module running."""
     handles = []
     for path, module in model.named_modules():
@@ -335,7 +335,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         plan=plan,
         checks=[],
         caches=CachesOff(model),
-        handles=_scope_hooks(model, scope) if selective else [],
+        handles=scope_hooks(model, scope) if selective else [],
         forwards={},
     )
     for region in plan.regions:

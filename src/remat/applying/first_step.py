@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
-from remat.applying.eager import installed_plan
+from remat.applying.eager import installed_plan, scope_hooks
 from remat.errors import log, warn
 from remat.measuring.measure import SavedStorages, storage_keys
 from remat.planning.plans import CHECKPOINT_FRAMES, Plan
@@ -93,22 +93,6 @@ class _Made(TorchDispatchMode):
         return dict(live)
 
 
-class _Enter:
-    def __init__(self, scope: list[str], path: str):
-        self.scope, self.path = scope, path
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        self.scope.append(self.path)
-
-
-class _Leave:
-    def __init__(self, scope: list[str]):
-        self.scope = scope
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.scope.pop()
-
-
 class FirstStepCheck:
     """Forward pre-hook and hook on a planned model (`install`): the first training forward runs
     counted, and the step's backward, on CUDA, ends with the allocator's peak read. The hooks are
@@ -145,12 +129,7 @@ class FirstStepCheck:
             self._finish(model)  # replaced, removed, sharded or compiled: nothing to check
             return
         scope = [""]
-        for path, module in model.named_modules():
-            if path:
-                self._scope_handles.append(module.register_forward_pre_hook(_Enter(scope, path)))
-                self._scope_handles.append(
-                    module.register_forward_hook(_Leave(scope), always_call=True)
-                )
+        self._scope_handles = scope_hooks(model, scope)
         self._device = _cuda_device(model)
         if self._device is not None:
             torch.cuda.synchronize(self._device)
