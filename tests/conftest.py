@@ -28,3 +28,11 @@ def remat_log(caplog):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each test compiles from scratch: past dynamo's recompile limit a model silently runs eager."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

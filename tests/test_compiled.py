@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from compiled_support import needs_cxx
 from hypothesis import given, settings
 from test_mincut import build, specs
 from torch import nn
@@ -29,13 +29,7 @@ from remat.planning.solvers.saveset import cheapest_save_set, describe_save_set
 
 BANDWIDTH = 1e9
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from scratch: past dynamo's recompile limit a model silently runs eager."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _build(name: str, batch: int = 2, seq: int = 32, **overrides):
@@ -48,13 +42,6 @@ def _assert_close(got: dict, ref: dict) -> None:
     assert len(got) == len(ref)
     for g, r in zip(got.values(), ref.values(), strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()) + 1e-7)
-
-
-#: Inductor compiles C++ kernels on CPU; without a compiler only the aot_eager tests can run.
-needs_cxx = pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="inductor needs a C++ compiler on CPU",
-)
 
 
 # -- the min-cut article's example, under inductor ---------------------------------------------------

@@ -4,10 +4,9 @@ them, are in the compiled path's peak as they are in eager's. A few tiny nets, o
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
+from compiled_support import needs_cxx
 from torch import nn
 
 import remat
@@ -15,17 +14,7 @@ from remat.answers.bench import gradients
 from remat.applying.compiled import plans_of
 from remat.models import convnext, resnet
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="inductor needs a C++ compiler on CPU",
-)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [needs_cxx, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 class PatchHead(nn.Module):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 import pytest
 import torch
+from compiled_support import needs_cxx
 from torch import nn
 
 import remat
@@ -18,17 +18,7 @@ from remat import models
 from remat.answers.cli import main
 from remat.errors import RematError
 
-needs_cxx = pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="inductor needs a C++ compiler on CPU",
-)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _llama():
