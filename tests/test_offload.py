@@ -1,0 +1,80 @@
+"""Offload, the third choice: the link data, the prediction of the hooks' step against a measured
+one, and the MILP's choice among keep, recompute and offload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat import Planner, models
+from remat.answers.bench import gradients
+from remat.applying.offload import install
+from remat.device import gpus, host_link
+from remat.planning.offload import block_offload
+from remat.prediction.schedule import simulate
+
+
+def test_every_catalogued_gpu_has_a_host_link_with_a_source():
+    for name in gpus.GPUS:
+        link = host_link.host_link(name)
+        assert link.source and link.host_to_device_bytes_per_s > 0
+    assert host_link.host_link("h100-80gb").name == "pcie5-x16"
+    assert host_link.host_link("a100-80gb").name == "pcie4-x16"
+    assert host_link.host_link("some-new-gpu").name == host_link.DEFAULT_LINK
+
+
+def test_ranks_on_one_link_split_its_bandwidth():
+    link = host_link.LINKS["nvlink-c2c-gb200"]
+    assert link.per_rank(1) == (176e9, 176e9)
+    assert link.per_rank() == (88e9, 88e9)  # both GPUs of a Grace copy at once
+    with pytest.raises(remat.RematError, match="ranks_on_link"):
+        link.per_rank(0)
+
+
+def _offloaded_step(name: str, seq: int, checkpointed: list[int]):
+    """Predicted and measured (peak drop, host bytes) of offloading every block not checkpointed,
+    against the same plan without offload, and whether gradients stayed bit-identical."""
+    torch.manual_seed(0)
+    model, inputs = models.build(name, device="cpu", tiny=True, batch=2, seq=seq)
+    graph = remat.trace(model, *inputs)
+    reference = gradients(model, inputs)
+    planner = Planner(graph)
+    regions = planner.block_regions([[b] for b in checkpointed], "full")
+    offloaded = [b for i, b in enumerate(graph.blocks) if i not in checkpointed]
+    offload = block_offload(graph, regions, offloaded, 1024, in_flight=False)
+    predicted_drop = (
+        simulate(graph, regions).peak_bytes - simulate(graph, regions, offload=offload).peak_bytes
+    )
+    remat.apply(model, planner.make_plan(regions, "full", None, "test"))
+    before = remat.measure(model, *inputs).peak_bytes
+    offloader, handles = install(model, tuple(b.path for b in offloaded), 1024)
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(gradients(model, inputs).values(), reference.values(), strict=True)
+    )
+    after = remat.measure(model, *inputs).peak_bytes
+    for handle in handles:
+        handle.remove()
+    return (
+        predicted_drop,
+        before - after,
+        offload.host_bytes(graph),
+        offloader.offloaded_bytes,
+        same,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "seq", "checkpointed"), [("gpt2", 256, []), ("hf:llama", 128, [0])]
+)
+def test_offloaded_peak_drop_and_host_bytes_are_the_predicted_ones(name, seq, checkpointed):
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    predicted, measured, host_predicted, host_measured, same = _offloaded_step(
+        name, seq, checkpointed
+    )
+    assert predicted > 0
+    assert measured == pytest.approx(predicted, rel=0.02)
+    assert host_measured == pytest.approx(host_predicted, rel=0.02)
+    assert same, "gradients changed under offload"
