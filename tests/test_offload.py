@@ -78,3 +78,75 @@ def test_offloaded_peak_drop_and_host_bytes_are_the_predicted_ones(name, seq, ch
     assert measured == pytest.approx(predicted, rel=0.02)
     assert host_measured == pytest.approx(host_predicted, rel=0.02)
     assert same, "gradients changed under offload"
+
+
+def _random_problem(rng, blocks: int, host_budget: int | None):
+    from remat.planning.solvers import milp
+
+    options = []
+    for _ in range(blocks):
+        kept = rng.randint(50, 200)
+        saved = rng.randint(10, kept)  # what offload moves to host
+        options.append(
+            (
+                milp.BlockOption("store", kept, kept + rng.randint(0, 80), 0.0),
+                milp.BlockOption("full", rng.randint(0, 10), kept + 40, rng.uniform(1, 5)),
+                milp.BlockOption(
+                    "offload",
+                    kept - saved,
+                    kept + rng.randint(0, 80),
+                    rng.choice([0.0, rng.uniform(0, 4)]),
+                    host_bytes=saved,
+                    prefetch_bytes=saved,
+                ),
+            )
+        )
+    return milp.BlockProblem(tuple(options), fixed_bytes=100, host_budget_bytes=host_budget)
+
+
+def test_milp_with_offload_matches_brute_force():
+    """Keep, recompute or offload per block: the MILP's least added seconds within the device and
+    host budgets is the least any choice reaches, and its peak counts the prefetched bytes."""
+    import itertools
+    import math
+    import random
+
+    from remat.errors import InfeasibleBudget
+    from remat.planning.solvers import milp
+
+    rng = random.Random(34)
+    for trial in range(40):
+        problem = _random_problem(rng, rng.randint(2, 5), rng.choice([None, rng.randint(0, 400)]))
+        choices = list(itertools.product(*(range(len(b)) for b in problem.options)))
+        peaks = [milp.block_peak_bytes(problem, c) for c in choices]
+        budget = rng.randint(min(peaks), max(peaks))
+        host = problem.host_budget_bytes
+        fits = [
+            c
+            for c, peak in zip(choices, peaks, strict=True)
+            if peak <= budget and (host is None or milp.block_host_bytes(problem, c) <= host)
+        ]
+        if not fits:
+            with pytest.raises(InfeasibleBudget):
+                milp.milp(problem, budget)
+            continue
+        best = min(
+            math.fsum(problem.options[b][k].recompute_seconds for b, k in enumerate(c))
+            for c in fits
+        )
+        result = milp.milp(problem, budget)
+        assert result.recompute_seconds == pytest.approx(best, abs=1e-9), trial
+        assert result.peak_bytes <= budget
+        assert host is None or milp.block_host_bytes(problem, result.choice) <= host
+
+
+def test_prefetched_bytes_count_in_the_next_blocks_backward():
+    from remat.planning.solvers import milp
+
+    offload = milp.BlockOption("offload", 0, 100, 0.0, host_bytes=100, prefetch_bytes=100)
+    store = milp.BlockOption("store", 100, 100, 0.0)
+    problem = milp.BlockProblem(((offload, store), (store,)))
+    # block 1's backward holds block 0's prefetched copy beside its own 100 bytes
+    assert milp.block_peak_bytes(problem, (0, 0)) == 200
+    assert milp.block_peak_bytes(problem, (1, 0)) == 200  # kept instead: the same bytes
+    assert milp.block_host_bytes(problem, (0, 0)) == 100
