@@ -150,3 +150,47 @@ def test_prefetched_bytes_count_in_the_next_blocks_backward():
     assert milp.block_peak_bytes(problem, (0, 0)) == 200
     assert milp.block_peak_bytes(problem, (1, 0)) == 200  # kept instead: the same bytes
     assert milp.block_host_bytes(problem, (0, 0)) == 100
+
+
+def test_at_full_checkpointings_peak_an_offloading_plan_costs_less_and_runs_as_predicted():
+    """The planner's MILP with offload: at full checkpointing's predicted peak it picks offload
+    where copies cost less than recompute, `auto` picks among plans with and without it, and the
+    applied plan's measured peak is its predicted one, gradients bit-identical."""
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", device="cpu", tiny=True, batch=4, seq=256)
+    graph = remat.trace(model, *inputs)
+    reference = gradients(model, inputs)
+    full = Planner(graph).plan("1TiB", "full")
+    planner = Planner(graph, offload=remat.OffloadSettings(min_bytes=1024))
+    chosen = planner.plan(full.predicted_peak_bytes, "auto")
+    assert chosen.offload, chosen
+    assert chosen.predicted_peak_bytes <= full.predicted_peak_bytes
+    assert chosen.added_seconds < full.added_seconds
+    assert chosen.host_bytes > 0
+    assert remat.Plan.from_json(chosen.to_json()) == chosen
+    remat.apply(model, chosen)
+    assert gradients(model, inputs).keys() == reference.keys()
+    assert all(torch.equal(a, reference[k]) for k, a in gradients(model, inputs).items())
+    assert remat.measure(model, *inputs).peak_bytes == pytest.approx(
+        chosen.predicted_peak_bytes, rel=0.02
+    )
+    remat.remove(model)
+
+
+def test_a_host_cap_limits_what_the_planner_offloads():
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", device="cpu", tiny=True, batch=4, seq=256)
+    graph = remat.trace(model, *inputs)
+    budget = Planner(graph).plan("1TiB", "full").predicted_peak_bytes
+    free = Planner(graph, offload=remat.OffloadSettings(min_bytes=1024)).plan(budget, "milp")
+    cap = free.host_bytes // 2
+    capped = Planner(graph, offload=remat.OffloadSettings(min_bytes=1024, host_budget_bytes=cap))
+    p = capped.plan(budget, "milp")
+    assert p.host_bytes <= cap < free.host_bytes
+
+
+def test_gpu_settings_take_the_link_and_the_gpus_memory_as_host_cap():
+    settings = remat.OffloadSettings.for_profile("h100")
+    assert settings.link is not None and settings.link.name == "pcie5-x16"
+    assert settings.host_budget_bytes == gpus.get_gpu("h100").capacity_bytes
+    assert remat.OffloadSettings.for_profile("cpu").link is None

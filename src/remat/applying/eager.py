@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.applying.offload import install as install_offload
 from remat.errors import RematError, warn
 from remat.measuring.measure import measure
 from remat.planning.plans import Plan
@@ -74,6 +75,8 @@ class _Applied:
     #: module -> the instance `forward` it had before the plan, or None (its class's)
     forwards: dict[nn.Module, Any]
     warned: bool = False
+    #: the plan's offloading hooks (`remat.applying.offload.Offloader`), when it offloads
+    offloader: Any = None
 
 
 class _KeepPolicy:
@@ -347,6 +350,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         blocks[0].forward = first = _RegionForward(state, check, blocks, region, scope)
         for k, block in enumerate(blocks[1:], start=1):
             block.forward = _PassThrough(first, k)
+    if plan.offload:  # the offloaded blocks' saves go to host memory (remat.applying.offload)
+        state.offloader, handles = install_offload(model, plan.offload, plan.offload_min_bytes)
+        state.handles.extend(handles)
     setattr(model, _APPLIED, state)
     return model
 

@@ -18,12 +18,62 @@ forward drops them, back at their node's first backward op.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from remat.device.host_link import HostLink, transfer_seconds
+from remat.device import gpus
+from remat.device.host_link import MIN_OFFLOAD_BYTES, HostLink, host_link, transfer_seconds
 from remat.graph import Graph, ModuleCall
 from remat.prediction.schedule import Offload, Region
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What offload may do: the smallest storage worth a copy, the pinned host memory a rank may
+    take (None: no cap), the link its copies take (None: a CPU step, copies synchronous) and how
+    many ranks share that link (None: as many as it serves)."""
+
+    min_bytes: int = MIN_OFFLOAD_BYTES
+    host_budget_bytes: int | None = None
+    link: HostLink | None = None
+    ranks_on_link: int | None = None
+
+    @property
+    def link_name(self) -> str:
+        return self.link.name if self.link else "none (synchronous copies on the CPU)"
+
+    @classmethod
+    def for_profile(
+        cls,
+        profile: object,
+        host_memory_bytes: int | None = None,
+        min_bytes: int = MIN_OFFLOAD_BYTES,
+        ranks_on_link: int | None = None,
+    ) -> OffloadSettings:
+        """The settings of the GPU whose cost profile is `profile` (its name or a
+        `DeviceProfile`): its link, and by default as much host memory as the GPU has
+        (`remat.device.host_link.HOST_MEMORY_SOURCE`). The CPU profile has no link and no cap."""
+        name = getattr(profile, "name", profile)
+        gpu = next((g for g in gpus.GPUS.values() if g.profile == name or g.name == name), None)
+        if name == "cpu" or gpu is None and not isinstance(name, str):
+            return cls(min_bytes, host_memory_bytes, None, ranks_on_link)
+        link = host_link(gpu.name if gpu is not None else str(name))
+        cap = host_memory_bytes
+        if cap is None and gpu is not None:
+            cap = gpu.capacity_bytes
+        return cls(min_bytes, cap, link, ranks_on_link)
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """A plan's offload: the saves and their windows, the blocks by path, the minimum size the
+    hooks apply, and the copy seconds no compute hides."""
+
+    offload: Offload
+    blocks: tuple[str, ...]
+    min_bytes: int
+    exposed_seconds: float
 
 
 def offloaded_saves(
@@ -121,3 +171,87 @@ def copy_cost(
 
 #: A memcpy between two host buffers: about 10 GB/s on one core of a server CPU (STREAM copy).
 CPU_COPY_BYTES_PER_S = 10e9
+
+
+def block_costs(
+    graph: Graph,
+    blocks: Sequence[ModuleCall],
+    op_seconds: Sequence[float],
+    settings: OffloadSettings,
+) -> list[OffloadCost]:
+    """Per block, what offloading its saves alone costs: its host bytes (each storage once), and
+    the copies against the windows that hide them, the next block's forward and its backward."""
+    settings = settings or OffloadSettings()
+    forward = [sum(op_seconds[b.first_op : b.last_op + 1]) for b in blocks]
+    backward = [0.0] * len(blocks)
+    block_of_op = {i: k for k, b in enumerate(blocks) for i in range(b.first_op, b.last_op + 1)}
+    for op in graph.backward_ops:
+        node = graph.nodes.get(op.node) if op.node is not None else None
+        k = block_of_op.get(node.forward_op) if node is not None else None
+        if k is not None:
+            backward[k] += op_seconds[op.index]
+    out = []
+    for k, block in enumerate(blocks):
+        saves = offloaded_saves(graph, (), [block], settings.min_bytes)
+        host = sum(graph.storages[sid].nbytes for sid in {graph.saved[i].storage for i in saves})
+        nxt = k + 1 < len(blocks)
+        out.append(
+            copy_cost(
+                host,
+                settings.link,
+                forward[k + 1] if nxt else 0.0,
+                backward[k + 1] if nxt else 0.0,
+                settings.ranks_on_link,
+            )
+        )
+    return out
+
+
+# -- what the planner (`remat.planning.planner.Planner`, passed as `planner`) asks of offload ----
+def settings_for(profile: Any, offload: OffloadSettings | bool | None) -> OffloadSettings | None:
+    """`offload=` as the API takes it: True means the settings of `profile`'s GPU."""
+    if offload is True:
+        return OffloadSettings.for_profile(profile)
+    return offload or None
+
+
+def settings_of(planner: Any) -> OffloadSettings:
+    return planner.offload or OffloadSettings()
+
+
+def choose(planner: Any, regions: Sequence[Region], indices: Iterable[int]) -> OffloadChoice:
+    """The plan's offload of these block indices, with the link's windows and exposed seconds."""
+    settings = settings_of(planner)
+    indices = tuple(indices)
+    offload = block_offload(
+        planner.graph,
+        regions,
+        [planner.blocks[b] for b in indices],
+        settings.min_bytes,
+        in_flight=settings.link is not None,
+        all_blocks=planner.blocks,
+    )
+    return OffloadChoice(
+        offload,
+        tuple(planner.blocks[b].path for b in indices),
+        settings.min_bytes,
+        sum(planner.offload_costs[b].exposed_seconds for b in indices),
+    )
+
+
+def block_option(planner: Any, b: int, kept_bytes: int, backward_bytes: int) -> Any:
+    """Block b's offload option of the MILP (`remat.planning.solvers.milp.BlockOption`): what it
+    keeps on the device, its backward as stored, its host bytes, the bytes prefetched during the
+    next block's backward where a link copies ahead, and the copy seconds no compute hides."""
+    from remat.planning.solvers import milp
+
+    cost = planner.offload_costs[b]
+    in_flight = settings_of(planner).link is not None
+    return milp.BlockOption(
+        name="offload",
+        kept_bytes=kept_bytes,
+        backward_bytes=max(backward_bytes, kept_bytes),
+        recompute_seconds=cost.exposed_seconds,
+        host_bytes=cost.host_bytes,
+        prefetch_bytes=cost.host_bytes if in_flight else 0,
+    )

@@ -465,15 +465,18 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
     if time.monotonic() < deadline:
         choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
     seconds = block_recompute_seconds(problem, choice)
+    least, what = "recompute", "recompute"
+    if block_host_bytes(problem, choice):
+        least, what = "added time", "recompute and copies to host memory not hidden by compute"
     if run.optimal:
         why = (
-            f"the least recompute that fits, proved optimal by the MILP solver (HiGHS): "
-            f"{_time(seconds)} of recompute a step (not the step's time) within"
+            f"the least {least} that fits, proved optimal by the MILP solver (HiGHS): "
+            f"{_time(seconds)} of {what} a step (not the step's time) within"
         )
     else:
         why = (
             f"the MILP solver (HiGHS) stopped at its {time_limit_s:g} s time limit with "
-            f"{_time(seconds)} of recompute a step, at most {run.gap:.2%} above the least that fits"
+            f"{_time(seconds)} of {what} a step, at most {run.gap:.2%} above the least that fits"
         )
     return _result(
         problem,

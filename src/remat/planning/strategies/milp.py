@@ -23,12 +23,13 @@ def _attempt(planner: Planner, result: MilpResult) -> Attempt:
     regions = tuple(
         region
         for b, option in enumerate(result.option_names[1:])
-        if option != "store"
+        if option not in ("store", "offload")
         for region in planner.block_regions([[b]], option)
     )
+    offload = tuple(b for b, o in enumerate(result.option_names[1:]) if o == "offload")
     status = "optimal" if result.status == "optimal" else "feasible"
     details = {"mip_gap": result.mip_gap, "options": list(result.option_names[1:])}
-    return Attempt(regions, result.reason, status, details)
+    return Attempt(regions, result.reason, status, details, offload)
 
 
 def solve(planner: Planner, budget_bytes: int) -> Plan:
@@ -51,7 +52,13 @@ def lowest_peak(planner: Planner) -> Plan:
     with quiet_fd(1):
         found = _attempt(planner, milp.milp(problem, milp.min_peak(problem)))
     return planner.make_plan(
-        found.regions, "milp", None, found.reason, status=found.status, **found.details
+        found.regions,
+        "milp",
+        None,
+        found.reason,
+        status=found.status,
+        offload_blocks=found.offload,
+        **found.details,
     )
 
 
