@@ -25,7 +25,11 @@ from typing import Any
 from remat.device import gpus
 from remat.device.host_link import MIN_OFFLOAD_BYTES, HostLink, host_link, transfer_seconds
 from remat.graph import Graph, ModuleCall
-from remat.prediction.schedule import Offload, Region
+from remat.prediction.schedule import Offload, Region, analyse_regions
+
+#: The MILP's offload options, each over the checkpoint option it runs with: a stored block whose
+#: saves go to host, and a checkpointed block whose region's inputs do.
+OPTIONS = {"offload": "store", "full+offload": "full"}
 
 
 @dataclass(frozen=True)
@@ -89,13 +93,41 @@ def offloaded_saves(
         storage = graph.storages[sv.storage]
         if sv.phase != "forward" or storage.allocated_at is None or storage.nbytes < min_bytes:
             continue
-        node = graph.nodes.get(sv.node) if sv.node is not None else None
-        op = sv.forward_op if node is None else node.forward_op
+        op = _save_op(graph, pack)
         if op is None or op in in_region:
             continue
         if any(first <= op <= last for first, last in spans):
             out.add(pack)
     return frozenset(out)
+
+
+def offloaded_frames(
+    graph: Graph, regions: Sequence[Region], blocks: Sequence[ModuleCall], min_bytes: int
+) -> dict[int, frozenset[int]]:
+    """Region index -> the frame inputs the hooks move to host for the regions that start at one
+    of `blocks` (checkpoint saves its inputs through the hooks around the region)."""
+    paths = {b.path for b in blocks}
+    calls = {(m.path, m.first_op): m for m in graph.modules}
+    out = {}
+    for r, rep in enumerate(analyse_regions(graph, regions).replays):
+        call = calls.get((rep.region.modules[0], rep.region.first_op))
+        if rep.region.modules[0] not in paths or call is None:
+            continue
+        # checkpoint saves its positional tensor arguments; it keeps keyword and nested ones in
+        # the closure it replays (torch.utils.checkpoint: `_CheckpointFrame.save_inputs(*args)`)
+        positional = {
+            graph.tensors[t].storage
+            for t, how in zip(call.inputs, call.arguments, strict=False)
+            if how.isdigit()
+        }
+        out[r] = frozenset(
+            sid
+            for sid in rep.frame_inputs
+            if sid in positional
+            and graph.storages[sid].allocated_at is not None
+            and graph.storages[sid].nbytes >= min_bytes
+        )
+    return out
 
 
 def block_offload(
@@ -106,12 +138,14 @@ def block_offload(
     in_flight: bool,
     all_blocks: Sequence[ModuleCall] = (),
 ) -> Offload:
-    """The `Offload` of `blocks`: synchronous windows, or with `in_flight` the GPU's (each block's
-    saves on the device until the next block of `all_blocks` ends its forward, and back from that
-    block's first backward op)."""
+    """The `Offload` of `blocks`: the saves of those not checkpointed, the frame inputs of the
+    regions that start at one; synchronous windows, or with `in_flight` the GPU's (a block's
+    saves on the device until the next block of `all_blocks` ends its forward, a region's inputs
+    until its own forward ends; both back from the next block's first backward op)."""
     saves = offloaded_saves(graph, regions, blocks, min_bytes)
+    frames = offloaded_frames(graph, regions, blocks, min_bytes)
     if not in_flight:
-        return Offload(saves)
+        return Offload(saves, frames=frames)
     following = {a.path: b for a, b in zip(all_blocks, all_blocks[1:], strict=False)}
     first_backward: dict[int, int] = {}
     for op in graph.backward_ops:
@@ -119,24 +153,36 @@ def block_offload(
             forward_op = graph.nodes[op.node].forward_op
             if forward_op is not None:
                 first_backward.setdefault(forward_op, op.index)
+    region_at = {r.modules[0]: k for k, r in enumerate(regions)}
     device_until: dict[int, int] = {}
     reload_from: dict[int, int] = {}
     for block in blocks:
         nxt = following.get(block.path)
         if nxt is None:
             continue
-        starts = [
-            first_backward[i] for i in range(nxt.first_op, nxt.last_op + 1) if i in first_backward
-        ]
-        for pack in saves:
-            sv = graph.saved[pack]
-            node = graph.nodes.get(sv.node) if sv.node is not None else None
-            op = sv.forward_op if node is None else node.forward_op
-            if op is not None and block.first_op <= op <= block.last_op:
-                device_until[sv.storage] = max(device_until.get(sv.storage, -1), nxt.last_op)
-                if starts:
-                    reload_from[sv.storage] = min(reload_from.get(sv.storage, starts[0]), *starts)
-    return Offload(saves, device_until, reload_from)
+        span = range(nxt.first_op, nxt.last_op + 1)
+        start = min((first_backward[i] for i in span if i in first_backward), default=None)
+        if block.path in region_at:
+            storages = frames.get(region_at[block.path], frozenset())
+            until = block.last_op
+        else:
+            storages = {
+                graph.saved[p].storage
+                for p in saves
+                if _save_op(graph, p) in range(block.first_op, block.last_op + 1)
+            }
+            until = nxt.last_op
+        for sid in storages:
+            device_until[sid] = max(device_until.get(sid, -1), until)
+            if start is not None:
+                reload_from[sid] = min(reload_from.get(sid, start), start)
+    return Offload(saves, device_until, reload_from, frames)
+
+
+def _save_op(graph: Graph, pack: int) -> int | None:
+    sv = graph.saved[pack]
+    node = graph.nodes.get(sv.node) if sv.node is not None else None
+    return sv.forward_op if node is None else node.forward_op
 
 
 @dataclass(frozen=True)
@@ -177,10 +223,14 @@ def block_costs(
     graph: Graph,
     blocks: Sequence[ModuleCall],
     op_seconds: Sequence[float],
-    settings: OffloadSettings,
-) -> list[OffloadCost]:
-    """Per block, what offloading its saves alone costs: its host bytes (each storage once), and
-    the copies against the windows that hide them, the next block's forward and its backward."""
+    settings: OffloadSettings | None,
+    full_regions: Sequence[Region],
+) -> dict[str, list[OffloadCost]]:
+    """Per block and offload option, what its copies cost: `offload`, the block stored with its
+    saves on the host (out behind the next block's forward); `full+offload`, the block
+    checkpointed with its region's inputs on the host (out behind its own forward, `full_regions`
+    one per block); both back behind the next block's backward. Host bytes count each storage
+    once per block."""
     settings = settings or OffloadSettings()
     forward = [sum(op_seconds[b.first_op : b.last_op + 1]) for b in blocks]
     backward = [0.0] * len(blocks)
@@ -190,20 +240,20 @@ def block_costs(
         k = block_of_op.get(node.forward_op) if node is not None else None
         if k is not None:
             backward[k] += op_seconds[op.index]
-    out = []
+    frames = offloaded_frames(graph, full_regions, blocks, settings.min_bytes)
+    out: dict[str, list[OffloadCost]] = {"offload": [], "full+offload": []}
     for k, block in enumerate(blocks):
         saves = offloaded_saves(graph, (), [block], settings.min_bytes)
-        host = sum(graph.storages[sid].nbytes for sid in {graph.saved[i].storage for i in saves})
-        nxt = k + 1 < len(blocks)
-        out.append(
-            copy_cost(
-                host,
-                settings.link,
-                forward[k + 1] if nxt else 0.0,
-                backward[k + 1] if nxt else 0.0,
-                settings.ranks_on_link,
+        stored = {graph.saved[i].storage for i in saves}
+        after = (forward[k + 1], backward[k + 1]) if k + 1 < len(blocks) else (0.0, 0.0)
+        for option, storages, window in (
+            ("offload", stored, after[0]),
+            ("full+offload", frames.get(k, frozenset()), forward[k]),
+        ):
+            host = sum(graph.storages[sid].nbytes for sid in storages)
+            out[option].append(
+                copy_cost(host, settings.link, window, after[1], settings.ranks_on_link)
             )
-        )
     return out
 
 
@@ -231,27 +281,34 @@ def choose(planner: Any, regions: Sequence[Region], indices: Iterable[int]) -> O
         in_flight=settings.link is not None,
         all_blocks=planner.blocks,
     )
+    starts = {r.modules[0] for r in regions}
+    costs = planner.offload_costs
     return OffloadChoice(
         offload,
         tuple(planner.blocks[b].path for b in indices),
         settings.min_bytes,
-        sum(planner.offload_costs[b].exposed_seconds for b in indices),
+        sum(
+            costs["full+offload" if planner.blocks[b].path in starts else "offload"][
+                b
+            ].exposed_seconds
+            for b in indices
+        ),
     )
 
 
-def block_option(planner: Any, b: int, kept_bytes: int, backward_bytes: int) -> Any:
+def block_option(planner: Any, option: str, b: int, metrics: Any) -> Any:
     """Block b's offload option of the MILP (`remat.planning.solvers.milp.BlockOption`): what it
     keeps on the device, its backward as stored, its host bytes, the bytes prefetched during the
     next block's backward where a link copies ahead, and the copy seconds no compute hides."""
     from remat.planning.solvers import milp
 
-    cost = planner.offload_costs[b]
+    cost = planner.offload_costs[option][b]
     in_flight = settings_of(planner).link is not None
     return milp.BlockOption(
-        name="offload",
-        kept_bytes=kept_bytes,
-        backward_bytes=max(backward_bytes, kept_bytes),
-        recompute_seconds=cost.exposed_seconds,
+        name=option,
+        kept_bytes=metrics.kept[b],
+        backward_bytes=max(metrics.backward[b], metrics.kept[b]),
+        recompute_seconds=metrics.seconds[b] + cost.exposed_seconds,
         host_bytes=cost.host_bytes,
         prefetch_bytes=cost.host_bytes if in_flight else 0,
     )

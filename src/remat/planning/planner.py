@@ -248,7 +248,7 @@ class Planner:
     ) -> None:
         #: offload as a block option of the MILP (None: keep and recompute only)
         self.offload = offload
-        self.block_options = (*BLOCK_OPTIONS, "offload") if offload else BLOCK_OPTIONS
+        self.block_options = (*BLOCK_OPTIONS, *offloading.OPTIONS) if offload else BLOCK_OPTIONS
         self.graph = graph
         self.profile = get_profile(profile)
         self.optimizer = optimizer
@@ -457,9 +457,10 @@ class Planner:
         return simulate(self.graph, regions, base_bytes=self.base_bytes, offload=offload)
 
     @cached_property
-    def offload_costs(self) -> list[offloading.OffloadCost]:
-        """Per block, what offloading its saves costs (`remat.planning.offload.block_costs`)."""
-        return offloading.block_costs(self.graph, self.blocks, self.op_seconds, self.offload)
+    def offload_costs(self) -> dict[str, list[offloading.OffloadCost]]:
+        """Per offload option and block, what its copies cost (`offload.block_costs`)."""
+        full = self.every_block("full")
+        return offloading.block_costs(self.graph, self.blocks, self.op_seconds, self.offload, full)
 
     def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
         """What checkpointing itself costs per region on the profile (beyond the ops it
@@ -630,9 +631,10 @@ class Planner:
         last_forward = len(self.graph.forward_ops) - 1
         out: dict[str, BlockMetrics] = {}
         for option in self.block_options:
-            regions = () if option in ("store", "offload") else self.every_block(option)
-            every = offloading.choose(self, (), range(n)).offload if option == "offload" else None
-            sim = self.simulate(regions, every)
+            base = offloading.OPTIONS.get(option, option)
+            regions = () if base == "store" else self.every_block(base)
+            every = offloading.choose(self, regions, range(n)) if base != option else None
+            sim = self.simulate(regions, every and every.offload)
             end_of_forward = sim.schedule.index(("op", last_forward))
             kept = [0] * n
             for sid, death in sim.deaths.items():
@@ -725,10 +727,10 @@ class Planner:
                     backward_bytes=max(m[o].backward[b], m[o].kept[b]),
                     recompute_seconds=m[o].seconds[b],
                 )
-                if o != "offload"
-                else offloading.block_option(self, b, m[o].kept[b], m["store"].backward[b])
+                if o not in offloading.OPTIONS
+                else offloading.block_option(self, o, b, m[o])
                 for o in self.block_options
-                if o != "offload" or self.offload_costs[b].host_bytes
+                if o not in offloading.OPTIONS or self.offload_costs[o][b].host_bytes
             )
             for b in range(len(self.blocks))
         )

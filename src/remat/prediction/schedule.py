@@ -195,6 +195,10 @@ class RegionAnalysis:
     autograd_holds: dict[int, int]
     #: offloaded saves' second lives on the device: (storage, first op, last op), merged per storage
     reloads: tuple[tuple[int, int, int], ...] = ()
+    #: region index -> its frame inputs held on the host (`Offload.frames`), and when they come
+    #: back at the earliest (`Offload.reload_from`)
+    offloaded_frames: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    reload_from: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -204,14 +208,23 @@ class Offload:
     copy: the storage dies when the program drops it, or after op `device_until[storage]` where
     the copy to host is still in flight then. It comes back before its node runs in backward, from
     op `reload_from[storage]` when prefetched earlier (default: its node's first backward op),
-    until that node has run. Host bytes are each offloaded storage's once (`host_bytes`)."""
+    until that node has run. Host bytes are each offloaded storage's once (`host_bytes`).
+
+    `frames`: region index -> storages among its checkpoint frame's inputs that go to host
+    (checkpoint saves its inputs through the saved-tensor hooks active around it): the frame
+    then holds no device copy; they come back when the region's replay starts, until the frame
+    dies."""
 
     saves: frozenset[int]
     device_until: Mapping[int, int] = field(default_factory=dict)
     reload_from: Mapping[int, int] = field(default_factory=dict)
+    frames: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
     def storages(self, graph: Graph) -> set[int]:
-        return {graph.saved[i].storage for i in self.saves}
+        out = {graph.saved[i].storage for i in self.saves}
+        for storages in self.frames.values():
+            out.update(storages)
+        return out
 
     def host_bytes(self, graph: Graph) -> int:
         """Pinned host memory the offloaded storages take, each once."""
@@ -311,7 +324,16 @@ def analyse_regions(
                 first_pack=region_saves[r][0][0] if saves else len(graph.saved),
             )
         )
-    return RegionAnalysis(tuple(region_of_op), kept_ops, tuple(replays), autograd_holds, reloads)
+    frames = {} if offload is None else dict(offload.frames)
+    for storages in frames.values():
+        for sid in storages:
+            autograd_holds[sid] = max(
+                autograd_holds.get(sid, -1), offload.device_until.get(sid, -1)
+            )
+    reload_from = {} if offload is None else dict(offload.reload_from)
+    return RegionAnalysis(
+        tuple(region_of_op), kept_ops, tuple(replays), autograd_holds, reloads, frames, reload_from
+    )
 
 
 def _reloads(
@@ -418,9 +440,11 @@ def storage_lives(
     end = len(graph.ops)
     held_until = dict(analysis.autograd_holds)
     # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
-    for rep in analysis.replays:
+    for r, rep in enumerate(analysis.replays):
+        on_host = analysis.offloaded_frames.get(r, frozenset())
         for sid in rep.frame_inputs:
-            held_until[sid] = max(held_until.get(sid, -1), rep.frame_until)
+            if sid not in on_host:
+                held_until[sid] = max(held_until.get(sid, -1), rep.frame_until)
 
     deaths: dict[int, int] = {}
     lives: list[Life] = []
@@ -454,6 +478,18 @@ def storage_lives(
             (schedule.position_of_op[first_op], schedule.after(last_op), graph.storages[sid].nbytes)
         )
         owners.append(sid)
+    for r, storages in analysis.offloaded_frames.items():
+        rep = analysis.replays[r]
+        if rep.trigger is None:
+            continue  # never replayed: its inputs never come back
+        replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
+        first = replayed[0] if replayed else schedule.position_of_op[rep.trigger]
+        for sid in storages:
+            start = first
+            if sid in analysis.reload_from:  # prefetched before the replay
+                start = min(start, schedule.position_of_op[analysis.reload_from[sid]])
+            lives.append((start, schedule.after(rep.frame_until), graph.storages[sid].nbytes))
+            owners.append(sid)
     for rep in analysis.replays:
         first = schedule.position_of_op[rep.region.first_op]
         lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))

@@ -18,15 +18,16 @@ if TYPE_CHECKING:
 
 
 def _attempt(planner: Planner, result: MilpResult) -> Attempt:
+    from remat.planning.offload import OPTIONS
     from remat.planning.planner import Attempt
 
     regions = tuple(
         region
         for b, option in enumerate(result.option_names[1:])
-        if option not in ("store", "offload")
-        for region in planner.block_regions([[b]], option)
+        if OPTIONS.get(option, option) != "store"
+        for region in planner.block_regions([[b]], OPTIONS.get(option, option))
     )
-    offload = tuple(b for b, o in enumerate(result.option_names[1:]) if o == "offload")
+    offload = tuple(b for b, o in enumerate(result.option_names[1:]) if o in OPTIONS)
     status = "optimal" if result.status == "optimal" else "feasible"
     details = {"mip_gap": result.mip_gap, "options": list(result.option_names[1:])}
     return Attempt(regions, result.reason, status, details, offload)
