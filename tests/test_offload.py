@@ -181,6 +181,9 @@ def test_at_full_checkpointings_peak_an_offloading_plan_costs_less_and_runs_as_p
     assert remat.measure(model, *inputs).peak_bytes == pytest.approx(
         chosen.predicted_peak_bytes, rel=0.02
     )
+    checked = remat.verify(model, *inputs)  # measured drop / predicted drop, as Megatron reports
+    assert checked.offload_drop_predicted == chosen.offload_drop_bytes > 0
+    assert checked.offload_drop_ratio == pytest.approx(1, abs=0.02)
     remat.remove(model)
 
 

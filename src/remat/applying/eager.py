@@ -421,6 +421,17 @@ class Verification:
     #: modules another tool checkpoints around the plan (`checkpointed_elsewhere`), wrapped
     #: after it was installed: their own checkpointing overrides what the plan keeps
     checkpointed_elsewhere: tuple[str, ...] = ()
+    #: a plan that offloads: the drop of the peak its offload predicts, and the drop measured
+    #: against the same step with the offloading hooks off (what Megatron reports by hand)
+    offload_drop_predicted: int = 0
+    offload_drop_measured: int | None = None
+
+    @property
+    def offload_drop_ratio(self) -> float | None:
+        """Measured drop / predicted drop of the peak from offload."""
+        if self.offload_drop_measured is None or not self.offload_drop_predicted:
+            return None
+        return self.offload_drop_measured / self.offload_drop_predicted
 
     def __repr__(self) -> str:
         """The answer first: ok, then what it rests on (the per-region detail: `regions`)."""
@@ -438,7 +449,16 @@ class Verification:
             f"Verification(ok={self.ok}: kept ops {self.kept_ops_matched}/"
             f"{self.kept_ops_expected}{where}; held "
             f"{versus(self.held_bytes_measured, self.held_bytes_predicted, self.held_ratio)}; "
-            f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)})"
+            f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)}"
+            + (
+                "; offload drops the peak by "
+                + versus(
+                    self.offload_drop_measured, self.offload_drop_predicted, self.offload_drop_ratio
+                )
+                if self.offload_drop_predicted
+                else ""
+            )
+            + ")"
         )
 
     @property
@@ -478,11 +498,17 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
     state = vars(model).get(_APPLIED)
     if state is None:
         raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
-    measured = None
+    measured = without_offload = None
     if example_inputs or kwargs:
         grads = [(p, p.grad) for p in model.parameters()]
         try:
             measured = _measure_longest_draws(model, example_inputs, kwargs)
+            if state.offloader is not None:
+                state.offloader.enabled = False
+                try:
+                    without_offload = _measure_longest_draws(model, example_inputs, kwargs)
+                finally:
+                    state.offloader.enabled = True
         finally:
             for p, grad in grads:
                 p.grad = grad
@@ -502,6 +528,10 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         peak_bytes_predicted=state.plan.predicted_peak_bytes,
         peak_bytes_measured=None if measured is None else measured.peak_bytes,
         checkpointed_elsewhere=tuple(checkpointed_elsewhere(model)),
+        offload_drop_predicted=state.plan.offload_drop_bytes,
+        offload_drop_measured=None
+        if without_offload is None
+        else without_offload.peak_bytes - measured.peak_bytes,
     )
 
 

@@ -312,3 +312,13 @@ def block_option(planner: Any, option: str, b: int, metrics: Any) -> Any:
         host_bytes=cost.host_bytes,
         prefetch_bytes=cost.host_bytes if in_flight else 0,
     )
+
+
+def plan_offload(planner: Any, plan: Any) -> Offload | None:
+    """The `Offload` a plan (`remat.planning.plans.Plan`) made on `planner`'s graph holds, for
+    simulating it again (per rank, under FSDP); None when it offloads nothing."""
+    if not plan.offload:
+        return None
+    named = set(plan.offload)
+    indices = [b for b, call in enumerate(planner.blocks) if call.path in named]
+    return choose(planner, plan.regions, indices).offload

@@ -70,6 +70,7 @@ class Plan:
     offload_min_bytes: int = 0
     host_bytes: int = 0
     transfer_seconds: float = 0.0
+    offload_drop_bytes: int = 0  # how much lower the peak is than the same plan's without offload
 
     @property
     def added_seconds(self) -> float:
@@ -191,6 +192,7 @@ class Plan:
             ("offload_min_bytes", 0),
             ("host_bytes", 0),
             ("transfer_seconds", 0.0),
+            ("offload_drop_bytes", 0),
         ):
             d.setdefault(name, default)
         d.setdefault("details", {})
@@ -295,6 +297,7 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "offload_min_bytes": int,
     "host_bytes": int,
     "transfer_seconds": (float, int),
+    "offload_drop_bytes": int,
 }
 _MISSING = object()
 
@@ -451,4 +454,8 @@ def build_plan(
         offload_min_bytes=offload.min_bytes if offload else 0,
         host_bytes=offload.offload.host_bytes(graph) if offload else 0,
         transfer_seconds=offload.exposed_seconds if offload else 0.0,
+        offload_drop_bytes=simulate(graph, regions, base_bytes=base_bytes).peak_bytes
+        - sim.peak_bytes
+        if offload
+        else 0,
     )
