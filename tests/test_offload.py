@@ -204,3 +204,32 @@ def test_gpu_settings_take_the_link_and_the_gpus_memory_as_host_cap():
     assert settings.link is not None and settings.link.name == "pcie5-x16"
     assert settings.host_budget_bytes == gpus.get_gpu("h100").capacity_bytes
     assert remat.OffloadSettings.for_profile("cpu").link is None
+
+
+def test_the_compiled_path_refuses_offload_by_name():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(remat.RematError, match="compiled path does not offload"):
+        remat.compile(model, offload=True)
+
+
+def test_fit_offload_plan_is_cheaper_than_full_at_fulls_per_rank_peak():
+    """`remat fit --offload`'s answer, on a GPU whose compute is slow enough to hide the copies
+    (the cpu profile's roofline behind a PCIe Gen5 link): per rank under FSDP over 2 ranks, at
+    most full checkpointing's peak, for less added step time, with its host memory."""
+    from remat.answers.fit_offload import offload_at_full
+
+    model, inputs = models.build("gpt2", device="meta", tiny=True, batch=4, seq=256)
+    graph = remat.trace(model, *inputs)
+    gpu = gpus.custom_gpu("1GiB", "cpu")
+    answer = offload_at_full(
+        Planner(graph, "cpu", "adamw"),
+        gpu,
+        shard=2,
+        optimizer="adamw",
+        master_scale=1,
+        min_bytes=1024,
+    )
+    assert answer.plan.offload and answer.host_bytes == answer.plan.host_bytes > 0
+    assert answer.peak_bytes <= answer.full_peak_bytes
+    assert answer.added_seconds < answer.full_added_seconds
+    assert answer.link == "pcie5-x16" and "below full's" in answer.lines()[0]

@@ -269,8 +269,12 @@ def settings_of(planner: Any) -> OffloadSettings:
     return planner.offload or OffloadSettings()
 
 
-def choose(planner: Any, regions: Sequence[Region], indices: Iterable[int]) -> OffloadChoice:
-    """The plan's offload of these block indices, with the link's windows and exposed seconds."""
+def choose(
+    planner: Any, regions: Sequence[Region], indices: Iterable[int], in_flight: bool = True
+) -> OffloadChoice:
+    """The plan's offload of these block indices, with the link's windows (`in_flight=False`:
+    synchronous ones, as the MILP's per-block metrics take them, its `prefetch_bytes` adding
+    the bytes in flight) and exposed seconds."""
     settings = settings_of(planner)
     indices = tuple(indices)
     offload = block_offload(
@@ -278,7 +282,7 @@ def choose(planner: Any, regions: Sequence[Region], indices: Iterable[int]) -> O
         regions,
         [planner.blocks[b] for b in indices],
         settings.min_bytes,
-        in_flight=settings.link is not None,
+        in_flight=in_flight and settings.link is not None,
         all_blocks=planner.blocks,
     )
     starts = {r.modules[0] for r in regions}

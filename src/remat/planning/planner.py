@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -249,6 +249,8 @@ class Planner:
         #: offload as a block option of the MILP (None: keep and recompute only)
         self.offload = offload
         self.block_options = (*BLOCK_OPTIONS, *offloading.OPTIONS) if offload else BLOCK_OPTIONS
+        #: the timeline the block models read from a simulation (`remat fit --offload`: per rank)
+        self.timeline_of: Callable[[Simulation], Sequence[int]] = lambda sim: sim.timeline
         self.graph = graph
         self.profile = get_profile(profile)
         self.optimizer = optimizer
@@ -633,7 +635,7 @@ class Planner:
         for option in self.block_options:
             base = offloading.OPTIONS.get(option, option)
             regions = () if base == "store" else self.every_block(base)
-            every = offloading.choose(self, regions, range(n)) if base != option else None
+            every = offloading.choose(self, regions, range(n), False) if base != option else None
             sim = self.simulate(regions, every and every.offload)
             end_of_forward = sim.schedule.index(("op", last_forward))
             kept = [0] * n
@@ -660,7 +662,7 @@ class Planner:
                 starts[b - 1] if b else (last_pos[0] if last_pos[0] is not None else starts[0]) + 1
                 for b in range(n)
             ]
-            live = [t - self.base_bytes for t in sim.timeline]
+            live = [t - self.base_bytes for t in self.timeline_of(sim)]
             prefix = [0] * (n + 1)
             for b in range(n):
                 prefix[b + 1] = prefix[b] + kept[b]

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from remat.planning.solvers.saveset import SaveSet
 
 
-def _attempt(planner: Planner, result: MilpResult) -> Attempt:
+def attempt_of(planner: Planner, result: MilpResult) -> Attempt:
+    """The regions and offloaded blocks of a MILP answer on `planner`'s blocks."""
     from remat.planning.offload import OPTIONS
     from remat.planning.planner import Attempt
 
@@ -40,7 +41,7 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
 
     def attempt(target: int) -> Attempt:
         with quiet_fd(1):
-            return _attempt(planner, milp.milp(problem, target))
+            return attempt_of(planner, milp.milp(problem, target))
 
     return planner.fit(budget_bytes, attempt, "milp")
 
@@ -51,7 +52,7 @@ def lowest_peak(planner: Planner) -> Plan:
 
     problem = planner.block_problem()
     with quiet_fd(1):
-        found = _attempt(planner, milp.milp(problem, milp.min_peak(problem)))
+        found = attempt_of(planner, milp.milp(problem, milp.min_peak(problem)))
     return planner.make_plan(
         found.regions,
         "milp",
