@@ -254,3 +254,26 @@ def test_torchtunes_offloading_drop_is_predicted_within_its_published_rounding()
     drop, host, _ = published.predict_offload_drop(point)
     assert 1.2 * 2**30 <= drop <= 1.4 * 2**30
     assert host > drop  # the stash's tensors go to the host too, after the forward's peak
+
+
+@pytest.mark.slow
+def test_gpu_validates_offload_part_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_validate.py --parts offload, on CPU with the tiny GPT-2: the drop it
+    measures with the hooks on and off is the predicted one, and so are the host bytes."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_validate.py"
+    spec = importlib.util.spec_from_file_location("gpu_validate", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    argv = ["--device", "cpu", "--tiny", "--parts", "offload", "--rounds", "1"]
+    assert script.main([*argv, "--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("gpu-validate-*.json")
+    (row,) = json.loads(written.read_text())["offload"]
+    assert row["offloaded"] and row["drop_ratio"] == pytest.approx(1, abs=0.02)
+    assert row["measured_host_bytes"] == pytest.approx(row["predicted_host_bytes"], rel=0.02)

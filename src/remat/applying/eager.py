@@ -288,6 +288,13 @@ def installed_plan(model: nn.Module) -> Plan | None:
     return None if state is None else state.plan
 
 
+def installed_offloader(model: nn.Module) -> Any:
+    """The offloading hooks of the plan installed on `model` (`remat.applying.offload.Offloader`:
+    the bytes its latest forward copied, `enabled`), or None when it offloads nothing."""
+    state = vars(model).get(_APPLIED)
+    return None if state is None else state.offloader
+
+
 def checkpointed_elsewhere(model: nn.Module) -> list[str]:
     """The paths of `model`'s modules that another tool already checkpoints: torch's
     `CheckpointWrapper` (accelerate's and Lightning's FSDP activation checkpointing,
