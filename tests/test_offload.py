@@ -3,6 +3,8 @@ one, and the MILP's choice among keep, recompute and offload."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -277,3 +279,23 @@ def test_gpu_validates_offload_part_runs_on_the_cpu(tmp_path):
     (row,) = json.loads(written.read_text())["offload"]
     assert row["offloaded"] and row["drop_ratio"] == pytest.approx(1, abs=0.02)
     assert row["measured_host_bytes"] == pytest.approx(row["predicted_host_bytes"], rel=0.02)
+
+
+def test_a_model_with_an_offloading_plan_survives_pickle_and_deepcopy():
+    """Planned models are deep-copyable and picklable (docs/architecture.md); the offloading
+    hooks hold weak references during a step, which pickle refused before they were dropped."""
+    import copy
+    import pickle
+
+    from remat.applying.eager import installed_offloader
+
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", device="cpu", tiny=True, batch=2, seq=64)
+    graph = remat.trace(model, *inputs)
+    plan = Planner(graph).make_plan((), "store_all", None, "test", offload_blocks=(0, 1))
+    remat.apply(model, replace(plan, offload_min_bytes=1024))
+    reference = gradients(model, inputs)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        got = gradients(clone, inputs)
+        assert all(torch.equal(got[k], reference[k]) for k in reference)
+        assert installed_offloader(clone).offloaded_bytes > 0

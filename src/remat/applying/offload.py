@@ -147,6 +147,20 @@ class Offloader:
     offloaded_bytes: int = 0  # the storages the latest forward copied, each once
     enabled: bool = True  # off: every save stays on the device (`remat.verify` measures both)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (`copy.deepcopy`, `pickle`, `torch.save` of the planned model) starts with no
+        step under way, an empty pool and, on CUDA, its own side stream."""
+        state = {k: v for k, v in vars(self).items() if k not in ("copies", "groups", "stream")}
+        state["pool"] = HostPool(self.pool.pinned)
+        state["excluded"] = set()
+        state["cuda_stream"] = self.stream is not None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        cuda = state.pop("cuda_stream")
+        vars(self).update(state, copies={}, groups=defaultdict(list))
+        self.stream = torch.cuda.Stream() if cuda else None
+
     def pack(self, t: torch.Tensor) -> Any:
         if not self.enabled:
             return t.detach()
