@@ -329,3 +329,16 @@ def test_hf_enable_takes_offload_and_keeps_gradients_with_dropout():
     checked = remat.verify(model, **example, loss_fn=lambda out: out.loss)
     assert checked.offload_drop_ratio == pytest.approx(1, abs=0.02)
     remat.remove(model)
+
+
+def test_explain_names_the_offloaded_activations():
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", device="meta", tiny=True, batch=4, seq=256)
+    graph = remat.trace(model, *inputs)
+    planner = Planner(graph, offload=remat.OffloadSettings(min_bytes=1024))
+    plan = planner.make_plan((), "store_all", None, "test", offload_blocks=(0,))
+    rows = plan.explain(graph)
+    offloaded = [r for r in rows if r["decision"] == "offload"]
+    # block 0's own activations and its input (the embeddings' sum, which its first norm saves)
+    assert offloaded and not any(r["name"].startswith("h.1.") for r in offloaded)
+    assert sum(r["bytes"] for r in offloaded) == plan.host_bytes

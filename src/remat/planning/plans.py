@@ -216,6 +216,7 @@ class Plan:
             return self._explain_compiled(graph, op_seconds)
         kept = {s.name for s in self.saved}
         recomputed = set(self.recomputed)
+        on_host = self._offloaded_storages(graph)
         rows = []
         for sid in graph.saved_storages:
             producer = graph.producer_op(sid)
@@ -223,6 +224,8 @@ class Plan:
             region = next((r for r in self.regions if r.covers(producer and producer.index)), None)
             if producer is None:
                 why = "a model input: it exists anyway"
+            elif sid in on_host:
+                why = "offloaded: copied to host memory in the forward, back before its backward op"
             elif name in kept and region is not None:
                 why = f"kept inside checkpointed {region.modules[0]} by the policy: expensive to recompute"
             elif name in kept:
@@ -236,7 +239,11 @@ class Plan:
                     "name": name,
                     "op": producer.target if producer is not None else "",
                     "bytes": graph.storages[sid].nbytes,
-                    "decision": "recompute" if name in recomputed else "keep",
+                    "decision": "offload"
+                    if sid in on_host
+                    else "recompute"
+                    if name in recomputed
+                    else "keep",
                     "recompute_seconds": op_seconds[producer.index]
                     if producer is not None
                     else 0.0,
@@ -244,6 +251,16 @@ class Plan:
                 }
             )
         return rows
+
+    def _offloaded_storages(self, graph: Graph) -> set[int]:
+        """The storages this plan's offload moves to host memory on `graph`."""
+        if not self.offload:
+            return set()
+        from remat.planning.offload import block_offload
+
+        calls = [m for m in graph.blocks if m.path in set(self.offload)]
+        offload = block_offload(graph, self.regions, calls, self.offload_min_bytes, False)
+        return offload.storages(graph)
 
     def _explain_compiled(self, graph: Graph, op_seconds: list[float]) -> list[dict[str, Any]]:
         """A compiled plan on its joint graph: each value saved across the forward/backward
