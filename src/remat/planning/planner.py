@@ -293,8 +293,8 @@ class Planner:
         """The plan of lowest peak on the frontier whose predicted recompute time is at most
         `share` of the step's (store-all qualifies at any share)."""
         limit = share * self.step_seconds * (1 + 1e-9)
-        fits = [p for p in self.pareto().points if p.recompute_seconds <= limit]
-        return min(fits, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+        fits = [p for p in self.pareto().points if p.added_seconds <= limit]
+        return min(fits, key=lambda p: (p.predicted_peak_bytes, p.added_seconds))
 
     def plan(self, budget: int | str = DEFAULT_BUDGET, strategy: str = "auto") -> Plan:
         """The plan of `strategy` under `budget`. Raises `InfeasibleBudget` naming the smallest
@@ -356,7 +356,7 @@ class Planner:
                     plans.append(self.solve(s, 0))
             except RematError:  # a strategy that refuses this step: the others still answer
                 continue
-        return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+        return min(plans, key=lambda p: (p.predicted_peak_bytes, p.added_seconds))
 
     def pareto(self, steps: int = 16) -> Frontier:
         """The frontier of (predicted peak, recompute seconds) over `steps` budgets from the lowest
@@ -382,12 +382,10 @@ class Planner:
             except RematError:  # a fixed strategy that refuses this step (LayerDrop and sqrt)
                 continue
         frontier, best = [], None
-        for p in sorted(
-            [*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds)
-        ):
-            if best is None or p.recompute_seconds < best - 1e-15:
+        for p in sorted([*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.added_seconds)):
+            if best is None or p.added_seconds < best - 1e-15:
                 frontier.append(p)
-                best = p.recompute_seconds
+                best = p.added_seconds
         self._frontiers[steps] = Frontier(points=tuple(frontier), named=tuple(named))
         return self._frontiers[steps]
 
