@@ -354,3 +354,20 @@ def test_a_time_budget_counts_the_copies_not_hidden():
     plan = planner.plan("+5%")
     assert plan.offload
     assert plan.added_seconds <= 0.05 * planner.step_seconds
+
+
+def test_remat_plan_offload_writes_a_plan_that_offloads_and_reads_back(capsys, tmp_path):
+    import json
+
+    from remat.answers.cli import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "gpt2", "--tiny", "--batch", "16", "--seq", "1024"]
+    assert main([*args, "--budget", "50%", "--offload", "--json", "--out", str(out)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    milp = next(r for r in answer["comparison"] if r["strategy"] == "milp")
+    assert milp["host_bytes"] > 0 and milp["transfer_seconds"] > 0
+    plan = remat.Plan.from_json(out.read_text())
+    assert plan.offload and plan.host_bytes == answer["host_bytes"]
+    assert main([*args, "--host-memory", "1GiB"]) == 2  # the cap without --offload: refused
+    assert "add --offload" in capsys.readouterr().err
