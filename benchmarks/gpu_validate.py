@@ -2,7 +2,7 @@
 measured, and the step time each strategy really costs.
 
     python benchmarks/gpu_validate.py [--device cuda|cpu] [--tiny] [--rounds N] [--models ...]
-        [--strategies ...] [--parts memory speed allocator] [--out DIR] [--md PATH]
+        [--strategies ...] [--parts memory speed allocator offload] [--out DIR] [--md PATH]
         [--skip-compiled] [--allocator-models ...]
 
 Memory: for each zoo model, every eager strategy's plan (made from a trace of a meta copy, as
@@ -17,6 +17,11 @@ training steps with AdamW on the GPU, and `torch.cuda.memory_stats()`'s requeste
 reserved peaks against `remat.prediction.gpu_memory`'s prediction from a meta copy traced for this GPU
 (`remat.device.gpus.get_gpu(torch.cuda.get_device_name())`); and the bytes autograd saves per op in a
 real CUDA trace against the fake trace with the GPU's kernel rules (`remat.device.targets`).
+
+Offload (`--parts offload`): GPT-2 planned with offload (docs/offload.md) at full checkpointing's
+predicted peak, applied to the real model: the drop of the peak offload makes, measured with its
+hooks on and off, against the predicted drop; host bytes copied against the plan's; step time
+with offload on and off against the predicted copy time not hidden.
 
 Speed: on a Llama (bf16-mixed at 4096 tokens on a GPU), the step time of each strategy relative
 to store_all, torch.compile at `activation_memory_budget=0.5` and remat.compile at the peak torch
@@ -512,6 +517,120 @@ def allocator_part(name: str, settings: Settings, progress: Progress) -> dict[st
     return row
 
 
+#: The offload part: the model and its shape (tiny: `TINY_SHAPE`), as `remat fit --offload` plans.
+OFFLOAD_MODEL = "gpt2"
+OFFLOAD_SHAPE = {"batch": 8, "seq": 1024}
+
+
+def offload_part(name: str, settings: Settings, progress: Progress) -> dict[str, Any]:
+    """The plan with offload at full checkpointing's predicted peak (docs/offload.md), applied to
+    the real model: the drop of the peak offload makes (measured with the hooks on and off, by
+    `remat.verify`) against the predicted drop, the host bytes copied against the plan's, and
+    the step time with offload on and off against the predicted copy time not hidden. Traced
+    and measured without autocast, so that the plan and the step hold the same tensors."""
+    from remat.applying.eager import installed_offloader
+    from remat.device.gpus import get_gpu
+    from remat.planning.offload import OffloadSettings
+
+    shape = TINY_SHAPE if settings.tiny else OFFLOAD_SHAPE
+    row: dict[str, Any] = {"model": name, **shape}
+    try:
+        cuda = settings.device.type == "cuda"
+        gpu = get_gpu(torch.cuda.get_device_name(settings.device)) if cuda else None
+        offload = (
+            OffloadSettings.for_profile(gpu.name, gpu.capacity_bytes)
+            if gpu is not None
+            else OffloadSettings(min_bytes=1024 if settings.tiny else 2**20)
+        )
+        progress(f"offload: {name} planned on {offload.link_name}")
+        meta, meta_inputs = _build(name, shape, "meta", settings)
+        target = {"target": gpu.target} if gpu is not None else {}
+        graph = remat.trace(meta, *meta_inputs, **target)
+        planner = Planner(graph, settings.profile, offload=offload)
+        full = planner.plan("1TiB", "full")
+        plan = planner.plan(full.predicted_peak_bytes, "auto")
+        row.update(
+            strategy=plan.strategy,
+            offloaded=list(plan.offload),
+            predicted_drop_bytes=plan.offload_drop_bytes,
+            predicted_host_bytes=plan.host_bytes,
+            predicted_transfer_seconds=plan.transfer_seconds,
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            full_peak_bytes=full.predicted_peak_bytes,
+            full_added_seconds=full.added_seconds,
+            added_seconds=plan.added_seconds,
+        )
+        if not plan.offload:
+            row["note"] = "the fastest plan at full's peak offloads nothing on this device"
+            return row
+        progress(f"offload: {name} measured with the hooks on and off")
+        model, inputs = _build(name, shape, str(settings.device), settings)
+        remat.apply(model, plan)
+        checked = remat.verify(model, *inputs)
+        offloader = installed_offloader(model)
+        rounds = 3 if settings.tiny else 5
+        on = remat.measure(model, *inputs, steps=rounds).step_seconds
+        row.update(
+            measured_drop_bytes=checked.offload_drop_measured,
+            drop_ratio=checked.offload_drop_ratio,
+            measured_host_bytes=offloader.offloaded_bytes,  # of the latest step, hooks on
+            measured_peak_bytes=checked.peak_bytes_measured,
+        )
+        offloader.enabled = False
+        off = remat.measure(model, *inputs, steps=rounds).step_seconds
+        offloader.enabled = True
+        row.update(
+            step_seconds_offload=statistics.median(on),
+            step_seconds_no_offload=statistics.median(off),
+        )
+        remat.remove(model)
+        del model, inputs
+        if cuda:
+            torch.cuda.empty_cache()
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def offload_markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["", "## Offload at full checkpointing's peak", ""]
+    lines += _table(
+        [
+            "model",
+            "plan",
+            "drop predicted",
+            "drop measured",
+            "ratio",
+            "host predicted",
+            "host measured",
+            "copies not hidden (predicted)",
+            "step on / off (measured)",
+        ],
+        [
+            [
+                r["model"],
+                r.get("strategy", "-"),
+                _bytes(r.get("predicted_drop_bytes")),
+                _bytes(r.get("measured_drop_bytes")),
+                _ratio(r.get("drop_ratio")),
+                _bytes(r.get("predicted_host_bytes")),
+                _bytes(r.get("measured_host_bytes")),
+                _ms(r.get("predicted_transfer_seconds")),
+                f"{_ms(r.get('step_seconds_offload'))} / {_ms(r.get('step_seconds_no_offload'))}",
+            ]
+            for r in rows
+        ],
+    )
+    lines += [
+        f"- {r['model']}: {r.get('error') or r.get('note')}"
+        for r in rows
+        if r.get("error") or r.get("note")
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def allocator_markdown(rows: list[dict[str, Any]]) -> str:
     """The allocator part's table: each figure predicted and measured, and the saved bytes."""
     if not rows:
@@ -680,7 +799,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--parts",
         nargs="+",
         default=["memory", "speed"],
-        choices=["memory", "speed", "allocator"],
+        choices=["memory", "speed", "allocator", "offload"],
     )
     parser.add_argument(
         "--allocator-models",
@@ -771,8 +890,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "allocator" in args.parts:
         for name in args.allocator_models:
             allocator_rows.append(allocator_part(name, settings, progress))
+    offload_rows = []
+    if "offload" in args.parts:
+        offload_rows.append(offload_part(OFFLOAD_MODEL, settings, progress))
     result = {
         "allocator": allocator_rows,
+        "offload": offload_rows,
         "device": label,
         "torch": torch.__version__,
         "remat": remat.__version__,
@@ -793,9 +916,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     md_path = args.md or args.out / f"{stem}.md"
     json_path.write_text(json.dumps(result, indent=2))
     text = markdown(result, rows) + allocator_markdown(allocator_rows)
+    text += offload_markdown(offload_rows)
     md_path.write_text(text)
     print(text)
-    failed = [r for r in rows if r.error] + [r for r in allocator_rows if r.get("error")]
+    failed = [r for r in rows if r.error] + [
+        r for r in [*allocator_rows, *offload_rows] if r.get("error")
+    ]
     progress(f"written {json_path} and {md_path}; {len(failed)} of {len(rows)} rows failed")
     return 1 if failed else 0
 

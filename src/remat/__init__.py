@@ -34,6 +34,7 @@ from remat.errors import (
 from remat.graph import Graph
 from remat.measuring.measure import Measurement, measure
 from remat.planning import strategies as strategies  # remat.strategies.available(), register()
+from remat.planning.offload import OffloadSettings
 from remat.planning.planner import Frontier, Planner, pareto, plan
 from remat.planning.plans import Plan
 from remat.planning.strategies import Strategy
@@ -56,6 +57,7 @@ __all__ = [
     "PlanFormatError",
     "Measurement",
     "MemoryEstimate",
+    "OffloadSettings",
     "Plan",
     "Planner",
     "RematError",

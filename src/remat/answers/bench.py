@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from remat.applying.eager import apply, remove
+from remat.applying.eager import apply, installed_offloader, installed_plan, remove
 from remat.errors import InfeasibleBudget, RematError
 from remat.measuring.measure import measure, time_steps
 from remat.planning import strategies
@@ -348,6 +348,18 @@ def bench(
         with setup():
             m = measure(model, *inputs, steps=1)
             diff, rel = _max_diff(gradients(model, inputs), reference)
+            offloader = installed_offloader(model)
+            if offloader is not None:  # the plan offloads (docs/offload.md)
+                plan = installed_plan(model)
+                note = "; ".join(
+                    [
+                        *([note] if note else []),
+                        f"offloads {len(plan.offload)} blocks: "
+                        f"{format_bytes(offloader.offloaded_bytes)} on the host (predicted "
+                        f"{format_bytes(plan.host_bytes)}), "
+                        f"{plan.transfer_seconds * 1e3:.3g} ms of copies not hidden (predicted)",
+                    ]
+                )
         timed.append((len(rows), setup))
         rows.append(
             BenchRow(

@@ -172,14 +172,22 @@ def plan_table(
     )
     t.caption_justify = "left"
     t.add_column("strategy", no_wrap=True)  # names are never cut
-    for col in ("peak", "kept for backward", "recompute FLOPs", "step time"):
+    offloads = any(row.plan is not None and row.plan.offload for row in rows)
+    columns = ["peak", "kept for backward", "recompute FLOPs", "step time"]
+    if offloads:  # offload (docs/offload.md): host memory, and the copies no compute hides
+        columns[3:3] = ["host memory", "copies not hidden"]
+        t.caption += "; host memory: offloaded activations; copies not hidden: step time they add"
+    for col in columns:
         t.add_column(col, justify="right")
     t.add_column("vs budget")
     for row in rows:
         name, p, note = row.strategy, row.plan, row.note
         if p is None:
-            t.add_row(name, "-", "-", "-", "-", f"[dim]{note}[/dim]")
+            t.add_row(name, *["-"] * len(columns), f"[dim]{note}[/dim]")
             continue
+        host = []
+        if offloads:
+            host = [format_bytes(p.host_bytes), f"{p.transfer_seconds * 1e3:.3g} ms"]
         style = (
             "bold green"
             if chosen is not None
@@ -191,7 +199,8 @@ def plan_table(
             format_bytes(p.predicted_peak_bytes),
             format_bytes(p.held_bytes),
             f"{p.recompute_flops_share:.1%}",
-            f"{p.recompute_seconds / step_seconds:+.1%}" if step_seconds else "-",
+            *host,
+            f"{p.added_seconds / step_seconds:+.1%}" if step_seconds else "-",
             note,
         )
     return t

@@ -13,6 +13,7 @@ from remat.applying.tune import tune as fastest
 from remat.applying.tune import with_measured_overheads
 from remat.device.cost import get_profile
 from remat.errors import RematError, TraceError, log, warn
+from remat.planning.offload import OffloadSettings
 from remat.planning.planner import Planner, plan
 from remat.planning.plans import DEFAULT_BUDGET, Plan
 from remat.tracing.trace import fits_in_memory_for_real_trace, trace
@@ -29,6 +30,7 @@ def auto(
     trace_device: str | None = None,
     tune: bool = False,
     check: bool = True,
+    offload: bool | OffloadSettings | None = None,
     **kwargs: Any,
 ) -> Plan:
     """Trace one step of `model(*example_inputs, **kwargs)`, plan under `budget` and apply the
@@ -77,6 +79,11 @@ def auto(
                 f"tune=True times the plans of every strategy that fit and keeps the fastest: "
                 f"it replaces strategy={strategy!r}; leave strategy at 'auto'"
             )
+        if tune and offload:
+            raise RematError(
+                "tune=True times eager plans without offload; remat.auto(offload=...) plans it "
+                "by the cost model only: leave tune off, or offload off"
+            )
         if tune:
             device = next(iter(model.parameters())).device
             measured = with_measured_overheads(get_profile(profile), device)
@@ -96,7 +103,12 @@ def auto(
             chosen = tuning.chosen
         else:
             chosen = plan(
-                graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer
+                graph,
+                budget=budget,
+                strategy=strategy,
+                profile=profile,
+                optimizer=optimizer,
+                offload=offload,
             )
     except BaseException:
         if previous is not None:
@@ -126,4 +138,12 @@ def auto(
         if chosen.recompute_seconds
         else "no recompute",
     )
+    if chosen.offload:
+        log.info(
+            "remat: %d blocks offload their saves to host memory: %s on the host, +%.3g ms of copies "
+            "not hidden by compute",
+            len(chosen.offload),
+            format_bytes(chosen.host_bytes),
+            chosen.transfer_seconds * 1e3,
+        )
     return chosen

@@ -634,6 +634,7 @@ def compile(
     compiler: str = "inductor",
     peak_model: str | None = None,
     check: bool = True,
+    offload: bool = False,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """`torch.compile(model)` with remat's partitioner (see `backend`). The decisions appear, one
@@ -648,7 +649,19 @@ def compile(
 
     `check=True`: the first training call counts what autograd saves against the plans' held
     bytes and, on CUDA, the allocator's peak against the budget, once, warning where they differ
-    (`remat.applying.first_step.check_compiled`)."""
+    (`remat.applying.first_step.check_compiled`).
+
+    `offload=True` is refused: torch 2.13's compile offload passes
+    (`torch._functorch._activation_offloading`) move the saved nodes a partitioner tags, and
+    remat's partitioner does not tag any yet."""
+    if offload:
+        raise RematError(
+            "remat.compile(offload=True): the compiled path does not offload. torch's compile "
+            "offload passes (torch._functorch._activation_offloading, behind "
+            "torch._functorch.config.enable_activation_offloading) move nodes a partitioner tags "
+            "for offload, and remat's partitioner tags none yet; offload the eager step instead: "
+            "remat.auto(model, *inputs, offload=True) or remat.apply(model, plan)"
+        )
     chosen = backend(
         budget=budget,
         strategy=strategy,

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.applying.offload import install as install_offload
 from remat.errors import RematError, warn
 from remat.measuring.measure import measure
 from remat.planning.plans import Plan
@@ -74,6 +75,8 @@ class _Applied:
     #: module -> the instance `forward` it had before the plan, or None (its class's)
     forwards: dict[nn.Module, Any]
     warned: bool = False
+    #: the plan's offloading hooks (`remat.applying.offload.Offloader`), when it offloads
+    offloader: Any = None
 
 
 class _KeepPolicy:
@@ -285,6 +288,13 @@ def installed_plan(model: nn.Module) -> Plan | None:
     return None if state is None else state.plan
 
 
+def installed_offloader(model: nn.Module) -> Any:
+    """The offloading hooks of the plan installed on `model` (`remat.applying.offload.Offloader`:
+    the bytes its latest forward copied, `enabled`), or None when it offloads nothing."""
+    state = vars(model).get(_APPLIED)
+    return None if state is None else state.offloader
+
+
 def checkpointed_elsewhere(model: nn.Module) -> list[str]:
     """The paths of `model`'s modules that another tool already checkpoints: torch's
     `CheckpointWrapper` (accelerate's and Lightning's FSDP activation checkpointing,
@@ -347,6 +357,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         blocks[0].forward = first = _RegionForward(state, check, blocks, region, scope)
         for k, block in enumerate(blocks[1:], start=1):
             block.forward = _PassThrough(first, k)
+    if plan.offload:  # the offloaded blocks' saves go to host memory (remat.applying.offload)
+        state.offloader, handles = install_offload(model, plan.offload, plan.offload_min_bytes)
+        state.handles.extend(handles)
     setattr(model, _APPLIED, state)
     return model
 
@@ -415,6 +428,17 @@ class Verification:
     #: modules another tool checkpoints around the plan (`checkpointed_elsewhere`), wrapped
     #: after it was installed: their own checkpointing overrides what the plan keeps
     checkpointed_elsewhere: tuple[str, ...] = ()
+    #: a plan that offloads: the drop of the peak its offload predicts, and the drop measured
+    #: against the same step with the offloading hooks off (what Megatron reports by hand)
+    offload_drop_predicted: int = 0
+    offload_drop_measured: int | None = None
+
+    @property
+    def offload_drop_ratio(self) -> float | None:
+        """Measured drop / predicted drop of the peak from offload."""
+        if self.offload_drop_measured is None or not self.offload_drop_predicted:
+            return None
+        return self.offload_drop_measured / self.offload_drop_predicted
 
     def __repr__(self) -> str:
         """The answer first: ok, then what it rests on (the per-region detail: `regions`)."""
@@ -432,7 +456,16 @@ class Verification:
             f"Verification(ok={self.ok}: kept ops {self.kept_ops_matched}/"
             f"{self.kept_ops_expected}{where}; held "
             f"{versus(self.held_bytes_measured, self.held_bytes_predicted, self.held_ratio)}; "
-            f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)})"
+            f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)}"
+            + (
+                "; offload drops the peak by "
+                + versus(
+                    self.offload_drop_measured, self.offload_drop_predicted, self.offload_drop_ratio
+                )
+                if self.offload_drop_predicted
+                else ""
+            )
+            + ")"
         )
 
     @property
@@ -472,11 +505,17 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
     state = vars(model).get(_APPLIED)
     if state is None:
         raise RematError("verify: no plan is installed on this model; call remat.apply or auto")
-    measured = None
+    measured = without_offload = None
     if example_inputs or kwargs:
         grads = [(p, p.grad) for p in model.parameters()]
         try:
             measured = _measure_longest_draws(model, example_inputs, kwargs)
+            if state.offloader is not None:
+                state.offloader.enabled = False
+                try:
+                    without_offload = _measure_longest_draws(model, example_inputs, kwargs)
+                finally:
+                    state.offloader.enabled = True
         finally:
             for p, grad in grads:
                 p.grad = grad
@@ -496,6 +535,10 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         peak_bytes_predicted=state.plan.predicted_peak_bytes,
         peak_bytes_measured=None if measured is None else measured.peak_bytes,
         checkpointed_elsewhere=tuple(checkpointed_elsewhere(model)),
+        offload_drop_predicted=state.plan.offload_drop_bytes,
+        offload_drop_measured=None
+        if without_offload is None
+        else without_offload.peak_bytes - measured.peak_bytes,
     )
 
 

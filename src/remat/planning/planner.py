@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,6 +30,7 @@ from remat.errors import (
     UnknownStrategyError,
 )
 from remat.graph import Graph, ModuleCall
+from remat.planning import offload as offloading
 from remat.planning.plans import (
     DEFAULT_BUDGET,
     Plan,
@@ -174,6 +175,7 @@ class Attempt:
     reason: str
     status: PlanStatus = "optimal"
     details: dict[str, Any] = field(default_factory=dict)
+    offload: tuple[int, ...] = ()  # indices of the blocks whose saves go to host memory
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,17 @@ class Planner:
     `make_plan`, `every_block`, `block_regions`, `fit`, `chain` and `block_problem`."""
 
     def __init__(
-        self, graph: Graph, profile: str | DeviceProfile = "cpu", optimizer: Optimizer = None
+        self,
+        graph: Graph,
+        profile: str | DeviceProfile = "cpu",
+        optimizer: Optimizer = None,
+        offload: offloading.OffloadSettings | None = None,
     ) -> None:
+        #: offload as a block option of the MILP (None: keep and recompute only)
+        self.offload = offload
+        self.block_options = (*BLOCK_OPTIONS, *offloading.OPTIONS) if offload else BLOCK_OPTIONS
+        #: the timeline the block models read from a simulation (`remat fit --offload`: per rank)
+        self.timeline_of: Callable[[Simulation], Sequence[int]] = lambda sim: sim.timeline
         self.graph = graph
         self.profile = get_profile(profile)
         self.optimizer = optimizer
@@ -282,8 +293,8 @@ class Planner:
         """The plan of lowest peak on the frontier whose predicted recompute time is at most
         `share` of the step's (store-all qualifies at any share)."""
         limit = share * self.step_seconds * (1 + 1e-9)
-        fits = [p for p in self.pareto().points if p.recompute_seconds <= limit]
-        return min(fits, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+        fits = [p for p in self.pareto().points if p.added_seconds <= limit]
+        return min(fits, key=lambda p: (p.predicted_peak_bytes, p.added_seconds))
 
     def plan(self, budget: int | str = DEFAULT_BUDGET, strategy: str = "auto") -> Plan:
         """The plan of `strategy` under `budget`. Raises `InfeasibleBudget` naming the smallest
@@ -345,7 +356,7 @@ class Planner:
                     plans.append(self.solve(s, 0))
             except RematError:  # a strategy that refuses this step: the others still answer
                 continue
-        return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
+        return min(plans, key=lambda p: (p.predicted_peak_bytes, p.added_seconds))
 
     def pareto(self, steps: int = 16) -> Frontier:
         """The frontier of (predicted peak, recompute seconds) over `steps` budgets from the lowest
@@ -371,12 +382,10 @@ class Planner:
             except RematError:  # a fixed strategy that refuses this step (LayerDrop and sqrt)
                 continue
         frontier, best = [], None
-        for p in sorted(
-            [*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds)
-        ):
-            if best is None or p.recompute_seconds < best - 1e-15:
+        for p in sorted([*plans, *named], key=lambda p: (p.predicted_peak_bytes, p.added_seconds)):
+            if best is None or p.added_seconds < best - 1e-15:
                 frontier.append(p)
-                best = p.recompute_seconds
+                best = p.added_seconds
         self._frontiers[steps] = Frontier(points=tuple(frontier), named=tuple(named))
         return self._frontiers[steps]
 
@@ -444,8 +453,14 @@ class Planner:
             return 0
         return optimizer_step_bytes(self.graph, self.simulate(()), self.optimizer)
 
-    def simulate(self, regions: tuple[Region, ...]) -> Simulation:
-        return simulate(self.graph, regions, base_bytes=self.base_bytes)
+    def simulate(self, regions: tuple[Region, ...], offload=None) -> Simulation:
+        return simulate(self.graph, regions, base_bytes=self.base_bytes, offload=offload)
+
+    @cached_property
+    def offload_costs(self) -> dict[str, list[offloading.OffloadCost]]:
+        """Per offload option and block, what its copies cost (`offload.block_costs`)."""
+        full = self.every_block("full")
+        return offloading.block_costs(self.graph, self.blocks, self.op_seconds, self.offload, full)
 
     def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
         """What checkpointing itself costs per region on the profile (beyond the ops it
@@ -473,10 +488,16 @@ class Planner:
         *,
         status: PlanStatus = "fixed",
         appliable: bool = True,
+        offload_blocks: tuple[int, ...] = (),
         **details: Any,
     ) -> Plan:
-        """The plan of `regions`, judged by the exact simulation; its recompute time includes
-        what checkpointing itself costs on the profile (`region_overheads`)."""
+        """The plan of `regions` (and of `offload_blocks`' saves on the host), judged by the exact
+        simulation; its recompute time includes what checkpointing itself costs on the profile
+        (`region_overheads`), its `transfer_seconds` the copies no compute hides."""
+        offload = None
+        if offload_blocks:
+            offload = offloading.choose(self, regions, offload_blocks)
+            details = {**details, "host_link": offloading.settings_of(self).link_name}
         p = build_plan(
             self.graph,
             regions,
@@ -490,6 +511,7 @@ class Planner:
             appliable=appliable,
             details=details,
             overhead_seconds=sum(self.region_overheads(regions)),
+            offload=offload,
         )
         if self.optimizer_step_peak > p.predicted_peak_bytes:
             p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
@@ -584,9 +606,8 @@ class Planner:
             except InfeasibleBudget:
                 break
             status = found.status if tries == 0 else "feasible"
-            p = self.make_plan(
-                found.regions, strategy, budget_bytes, found.reason, status=status, **found.details
-            )
+            kw = {"status": status, "offload_blocks": found.offload, **found.details}
+            p = self.make_plan(found.regions, strategy, budget_bytes, found.reason, **kw)
             if p.predicted_peak_bytes <= budget_bytes:
                 return p
             closest = min(closest or p.predicted_peak_bytes, p.predicted_peak_bytes)
@@ -609,9 +630,11 @@ class Planner:
                 block_of_op[i] = b
         last_forward = len(self.graph.forward_ops) - 1
         out: dict[str, BlockMetrics] = {}
-        for option in BLOCK_OPTIONS:
-            regions = () if option == "store" else self.every_block(option)
-            sim = self.simulate(regions)
+        for option in self.block_options:
+            base = offloading.OPTIONS.get(option, option)
+            regions = () if base == "store" else self.every_block(base)
+            every = offloading.choose(self, regions, range(n), False) if base != option else None
+            sim = self.simulate(regions, every and every.offload)
             end_of_forward = sim.schedule.index(("op", last_forward))
             kept = [0] * n
             for sid, death in sim.deaths.items():
@@ -637,7 +660,7 @@ class Planner:
                 starts[b - 1] if b else (last_pos[0] if last_pos[0] is not None else starts[0]) + 1
                 for b in range(n)
             ]
-            live = [t - self.base_bytes for t in sim.timeline]
+            live = [t - self.base_bytes for t in self.timeline_of(sim)]
             prefix = [0] * (n + 1)
             for b in range(n):
                 prefix[b + 1] = prefix[b] + kept[b]
@@ -704,7 +727,10 @@ class Planner:
                     backward_bytes=max(m[o].backward[b], m[o].kept[b]),
                     recompute_seconds=m[o].seconds[b],
                 )
-                for o in BLOCK_OPTIONS
+                if o not in offloading.OPTIONS
+                else offloading.block_option(self, o, b, m[o])
+                for o in self.block_options
+                if o not in offloading.OPTIONS or self.offload_costs[o][b].host_bytes
             )
             for b in range(len(self.blocks))
         )
@@ -718,6 +744,7 @@ class Planner:
             options=((tail,), *options),
             fixed_bytes=self.base_bytes,
             forward_extra_bytes=max(max(m[o].pre for o in BLOCK_OPTIONS), 0),
+            host_budget_bytes=self.offload.host_budget_bytes if self.offload else None,
         )
 
     def chain(self) -> chain_model.Chain:
@@ -748,13 +775,16 @@ def plan(
     strategy: str = "auto",
     profile: str | DeviceProfile = "cpu",
     optimizer: Optimizer = None,
+    offload: offloading.OffloadSettings | bool | None = None,
 ) -> Plan:
     """The plan of `strategy` for `graph` under `budget` (bytes, "40GiB", "50%": the fixed memory
     plus that share of the rest of store-all's peak, or "+10%": the lowest peak within 10% more
-    predicted step time, the default), with recompute costs on `profile`. Raises
-    `InfeasibleBudget` naming the smallest budget that fits. For several plans of one graph, make a
-    `Planner` once and ask it."""
-    return Planner(graph, profile, optimizer).plan(budget, strategy)
+    predicted step time, the default), with recompute costs on `profile`. `offload` (True, or
+    `OffloadSettings`) lets the MILP (and auto, through it) move blocks' saves to host memory.
+    Raises `InfeasibleBudget` naming the smallest budget that fits. For several plans of one
+    graph, make a `Planner` once and ask it."""
+    settings = offloading.settings_for(profile, offload)
+    return Planner(graph, profile, optimizer, settings).plan(budget, strategy)
 
 
 def pareto(

@@ -64,6 +64,18 @@ class Plan:
     #: what checkpoint's frames keep, RNG states and BatchNorm snapshots: `<checkpoint frames>`),
     #: for the first step's check (`remat.applying.first_step`) to name the modules that differ
     held_by_module: dict[str, int] = field(default_factory=dict)
+    #: offload (docs/offload.md): the blocks whose saves of at least `offload_min_bytes` go to
+    #: host memory, the host memory they take, and the copy seconds no compute hides (step time)
+    offload: tuple[str, ...] = ()
+    offload_min_bytes: int = 0
+    host_bytes: int = 0
+    transfer_seconds: float = 0.0
+    offload_drop_bytes: int = 0  # how much lower the peak is than the same plan's without offload
+
+    @property
+    def added_seconds(self) -> float:
+        """What the plan adds to a step: recompute and the copies no compute hides."""
+        return self.recompute_seconds + self.transfer_seconds
 
     @property
     def recompute_flops_share(self) -> float:
@@ -80,7 +92,14 @@ class Plan:
             f"held {format_bytes(self.held_bytes)}, recompute "
             f"{self.recompute_flops_share:.1%} of the forward's FLOPs "
             f"(+{self.recompute_seconds * 1e3:.3g} ms on {self.profile}), "
-            f"{len(self.regions)} regions, {kept} kept ops, {self.status})"
+            f"{len(self.regions)} regions, {kept} kept ops"
+            + (
+                f", {len(self.offload)} blocks offloaded: {format_bytes(self.host_bytes)} on the "
+                f"host, +{self.transfer_seconds * 1e3:.3g} ms copies not hidden"
+                if self.offload
+                else ""
+            )
+            + f", {self.status})"
         )
 
     def __str__(self) -> str:
@@ -168,6 +187,14 @@ class Plan:
         except TypeError as e:
             raise PlanFormatError(f"plan field 'saved': {e}", field="saved") from None
         d["recomputed"] = tuple(_field(d, "recomputed", list, []))
+        d["offload"] = tuple(_field(d, "offload", list, []))
+        for name, default in (
+            ("offload_min_bytes", 0),
+            ("host_bytes", 0),
+            ("transfer_seconds", 0.0),
+            ("offload_drop_bytes", 0),
+        ):
+            d.setdefault(name, default)
         d.setdefault("details", {})
         d.setdefault("held_by_module", {})  # plans written before the field: totals only
         for name, kind in _SCALARS.items():
@@ -189,6 +216,7 @@ class Plan:
             return self._explain_compiled(graph, op_seconds)
         kept = {s.name for s in self.saved}
         recomputed = set(self.recomputed)
+        on_host = self._offloaded_storages(graph)
         rows = []
         for sid in graph.saved_storages:
             producer = graph.producer_op(sid)
@@ -196,6 +224,8 @@ class Plan:
             region = next((r for r in self.regions if r.covers(producer and producer.index)), None)
             if producer is None:
                 why = "a model input: it exists anyway"
+            elif sid in on_host:
+                why = "offloaded: copied to host memory in the forward, back before its backward op"
             elif name in kept and region is not None:
                 why = f"kept inside checkpointed {region.modules[0]} by the policy: expensive to recompute"
             elif name in kept:
@@ -209,7 +239,11 @@ class Plan:
                     "name": name,
                     "op": producer.target if producer is not None else "",
                     "bytes": graph.storages[sid].nbytes,
-                    "decision": "recompute" if name in recomputed else "keep",
+                    "decision": "offload"
+                    if sid in on_host
+                    else "recompute"
+                    if name in recomputed
+                    else "keep",
                     "recompute_seconds": op_seconds[producer.index]
                     if producer is not None
                     else 0.0,
@@ -217,6 +251,16 @@ class Plan:
                 }
             )
         return rows
+
+    def _offloaded_storages(self, graph: Graph) -> set[int]:
+        """The storages this plan's offload moves to host memory on `graph`."""
+        if not self.offload:
+            return set()
+        from remat.planning.offload import block_offload
+
+        calls = [m for m in graph.blocks if m.path in set(self.offload)]
+        offload = block_offload(graph, self.regions, calls, self.offload_min_bytes, False)
+        return offload.storages(graph)
 
     def _explain_compiled(self, graph: Graph, op_seconds: list[float]) -> list[dict[str, Any]]:
         """A compiled plan on its joint graph: each value saved across the forward/backward
@@ -267,6 +311,10 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "status": str,
     "details": dict,
     "held_by_module": dict,
+    "offload_min_bytes": int,
+    "host_bytes": int,
+    "transfer_seconds": (float, int),
+    "offload_drop_bytes": int,
 }
 _MISSING = object()
 
@@ -368,11 +416,15 @@ def build_plan(
     appliable: bool = True,
     details: dict[str, Any] | None = None,
     overhead_seconds: float = 0.0,
+    offload: Any = None,
 ) -> Plan:
     """Simulate `regions` and describe the plan: what stays, what is recomputed, at what cost.
     `recompute_seconds` is the recomputed ops' time plus `overhead_seconds`, what checkpointing
-    itself costs (`remat.device.cost.checkpoint_overhead_seconds`)."""
-    sim = simulate(graph, regions, base_bytes=base_bytes)
+    itself costs (`remat.device.cost.checkpoint_overhead_seconds`). `offload`, a
+    `remat.planning.offload.OffloadChoice`, puts its saves on the host."""
+    sim = simulate(
+        graph, regions, base_bytes=base_bytes, offload=offload.offload if offload else None
+    )
     replayed = set(sim.recompute_ops)
     recomputed = sorted(
         {
@@ -415,4 +467,12 @@ def build_plan(
         recomputed=tuple(recomputed),
         details=details or {},
         held_by_module=held_by_module,
+        offload=offload.blocks if offload else (),
+        offload_min_bytes=offload.min_bytes if offload else 0,
+        host_bytes=offload.offload.host_bytes(graph) if offload else 0,
+        transfer_seconds=offload.exposed_seconds if offload else 0.0,
+        offload_drop_bytes=simulate(graph, regions, base_bytes=base_bytes).peak_bytes
+        - sim.peak_bytes
+        if offload
+        else 0,
     )

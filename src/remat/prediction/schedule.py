@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from remat.device.targets import get_target, scratch_bytes
 from remat.errors import StatefulModuleError
@@ -193,11 +193,50 @@ class RegionAnalysis:
     kept_ops: frozenset[int]
     replays: tuple[RegionReplay, ...]
     autograd_holds: dict[int, int]
+    #: offloaded saves' second lives on the device: (storage, first op, last op), merged per storage
+    reloads: tuple[tuple[int, int, int], ...] = ()
+    #: region index -> its frame inputs held on the host (`Offload.frames`), and when they come
+    #: back at the earliest (`Offload.reload_from`)
+    offloaded_frames: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    reload_from: Mapping[int, int] = field(default_factory=dict)
 
 
-def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
+@dataclass(frozen=True)
+class Offload:
+    """Saves that go to host memory (`remat.applying.eager`'s saved-tensor hooks): `saves` are
+    indices into `graph.saved`, made by nodes outside every region. Autograd then holds no device
+    copy: the storage dies when the program drops it, or after op `device_until[storage]` where
+    the copy to host is still in flight then. It comes back before its node runs in backward, from
+    op `reload_from[storage]` when prefetched earlier (default: its node's first backward op),
+    until that node has run. Host bytes are each offloaded storage's once (`host_bytes`).
+
+    `frames`: region index -> storages among its checkpoint frame's inputs that go to host
+    (checkpoint saves its inputs through the saved-tensor hooks active around it): the frame
+    then holds no device copy; they come back when the region's replay starts, until the frame
+    dies."""
+
+    saves: frozenset[int]
+    device_until: Mapping[int, int] = field(default_factory=dict)
+    reload_from: Mapping[int, int] = field(default_factory=dict)
+    frames: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+    def storages(self, graph: Graph) -> set[int]:
+        out = {graph.saved[i].storage for i in self.saves}
+        for storages in self.frames.values():
+            out.update(storages)
+        return out
+
+    def host_bytes(self, graph: Graph) -> int:
+        """Pinned host memory the offloaded storages take, each once."""
+        return sum(graph.storages[sid].nbytes for sid in self.storages(graph))
+
+
+def analyse_regions(
+    graph: Graph, regions: Sequence[Region], offload: Offload | None = None
+) -> RegionAnalysis:
     """Which ops each region replays, before which backward op, and what its frame holds until
-    when (see the module docstring for the checkpoint semantics). Raises if regions overlap."""
+    when (see the module docstring for the checkpoint semantics). Raises if regions overlap.
+    `offload`'s saves are held on the host, not by autograd, and come back for their nodes."""
     ops = graph.ops
     end = len(ops)
     region_of_op = [-1] * end
@@ -231,17 +270,27 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
     # node; a save whose node never runs leaves nothing to refill (its holder died with it).
     autograd_holds: dict[int, int] = {}
     region_saves: dict[int, list[tuple[int, Saved]]] = defaultdict(list)  # in pack order
+    offloaded: list[Saved] = []
     for pack, sv in enumerate(graph.saved):
         r = region_of_save(sv)
         if r != -1:
+            if offload is not None and pack in offload.saves:
+                raise ValueError(
+                    f"save {pack} is inside a checkpoint region: it cannot be offloaded"
+                )
             region_saves[r].append((pack, sv))
         elif graph.storages[sv.storage].allocated_at is not None:
-            autograd_holds[sv.storage] = max(autograd_holds.get(sv.storage, -1), released(sv))
+            held = released(sv)
+            if offload is not None and pack in offload.saves:
+                offloaded.append(sv)
+                held = offload.device_until.get(sv.storage, -1)
+            autograd_holds[sv.storage] = max(autograd_holds.get(sv.storage, -1), held)
 
     first_backward_op: dict[int, int] = {}
     for op in graph.backward_ops:
         if op.node is not None:
             first_backward_op.setdefault(op.node, op.index)
+    reloads = _reloads(graph, offloaded, offload, first_backward_op, release)
     calls = {(m.path, m.first_op): m for m in graph.modules}
     rng_bytes = rng_state_bytes(graph)
     replays = []
@@ -275,7 +324,44 @@ def analyse_regions(graph: Graph, regions: Sequence[Region]) -> RegionAnalysis:
                 first_pack=region_saves[r][0][0] if saves else len(graph.saved),
             )
         )
-    return RegionAnalysis(tuple(region_of_op), kept_ops, tuple(replays), autograd_holds)
+    frames = {} if offload is None else dict(offload.frames)
+    for storages in frames.values():
+        for sid in storages:
+            autograd_holds[sid] = max(
+                autograd_holds.get(sid, -1), offload.device_until.get(sid, -1)
+            )
+    reload_from = {} if offload is None else dict(offload.reload_from)
+    return RegionAnalysis(
+        tuple(region_of_op), kept_ops, tuple(replays), autograd_holds, reloads, frames, reload_from
+    )
+
+
+def _reloads(
+    graph, offloaded, offload, first_backward_op, release
+) -> tuple[tuple[int, int, int], ...]:
+    """When each offloaded save is back on the device: from its node's first backward op (or the
+    prefetch's `reload_from`) until the node has run; a storage several nodes saved comes back
+    once per node, the spans that overlap merged (the hooks share a copy that is still alive)."""
+    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    end = len(graph.ops)
+    for sv in offloaded:
+        if sv.node is None:
+            continue  # never unpacked: nothing comes back
+        start = first_backward_op.get(sv.node, release(sv.node) + 1)
+        if start >= end:
+            continue
+        start = min(start, offload.reload_from.get(sv.storage, start))
+        spans[sv.storage].append((start, max(release(sv.node), start)))
+    out = []
+    for sid, found in spans.items():
+        merged: list[list[int]] = []
+        for first, last in sorted(found):
+            if merged and first <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], last)
+            else:
+                merged.append([first, last])
+        out.extend((sid, first, last) for first, last in merged)
+    return tuple(out)
 
 
 def _early_stop(graph: Graph, last_save: Saved) -> int:
@@ -354,9 +440,11 @@ def storage_lives(
     end = len(graph.ops)
     held_until = dict(analysis.autograd_holds)
     # The frame holds the region's inputs (its saved arguments) until it dies with its last holder.
-    for rep in analysis.replays:
+    for r, rep in enumerate(analysis.replays):
+        on_host = analysis.offloaded_frames.get(r, frozenset())
         for sid in rep.frame_inputs:
-            held_until[sid] = max(held_until.get(sid, -1), rep.frame_until)
+            if sid not in on_host:
+                held_until[sid] = max(held_until.get(sid, -1), rep.frame_until)
 
     deaths: dict[int, int] = {}
     lives: list[Life] = []
@@ -385,6 +473,23 @@ def storage_lives(
         if s.allocated_at in schedule.replay_position:
             lives.append(_replayed_life(s, program, analysis.replays[region], schedule))
             owners.append(s.id)
+    for sid, first_op, last_op in analysis.reloads:
+        lives.append(
+            (schedule.position_of_op[first_op], schedule.after(last_op), graph.storages[sid].nbytes)
+        )
+        owners.append(sid)
+    for r, storages in analysis.offloaded_frames.items():
+        rep = analysis.replays[r]
+        if rep.trigger is None:
+            continue  # never replayed: its inputs never come back
+        replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
+        first = replayed[0] if replayed else schedule.position_of_op[rep.trigger]
+        for sid in storages:
+            start = first
+            if sid in analysis.reload_from:  # prefetched before the replay
+                start = min(start, schedule.position_of_op[analysis.reload_from[sid]])
+            lives.append((start, schedule.after(rep.frame_until), graph.storages[sid].nbytes))
+            owners.append(sid)
     for rep in analysis.replays:
         first = schedule.position_of_op[rep.region.first_op]
         lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))
@@ -441,14 +546,18 @@ def live_bytes(
 
 # -- the judge ------------------------------------------------------------------------------------
 def simulate(
-    graph: Graph, regions: Sequence[Region] = (), base_bytes: int | None = None
+    graph: Graph,
+    regions: Sequence[Region] = (),
+    base_bytes: int | None = None,
+    offload: Offload | None = None,
 ) -> Simulation:
     """The live-bytes timeline of one step with `regions` checkpointed (none: store-all, which is
-    what `remat.estimate` reports). `base_bytes` defaults to the storages that exist before the
-    step; pass it to add optimizer state."""
+    what `remat.estimate` reports) and `offload`'s saves on the host. `base_bytes` defaults to the
+    storages that exist before the step; pass it to add optimizer state. Host memory is not in
+    the timeline (it is not the device's)."""
     if base_bytes is None:
         base_bytes = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
-    analysis = analyse_regions(graph, regions)
+    analysis = analyse_regions(graph, regions, offload)
     schedule = build_schedule(graph, analysis)
     deaths, lives, _ = storage_lives(graph, analysis, schedule)
     timeline = live_bytes(graph, schedule.order, lives, base_bytes)

@@ -18,6 +18,7 @@ from remat.answers.cli.common import (
     add_budget_arg,
     add_compile_arg,
     add_model_args,
+    add_offload_args,
     add_optimizer_arg,
     add_profile_arg,
     positive_int,
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--html", metavar="REPORT.html", help="also write the self-contained HTML report"
     )
     add_compile_arg(ft)
+    add_offload_args(ft)
     ft.set_defaults(func=cmd_fit)
     pl = sub.add_parser(
         "plan",
@@ -230,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_profile_arg(pl)
     add_optimizer_arg(pl)
+    add_offload_args(pl)
     pl.add_argument(
         "--json", action="store_true", help="print the chosen plan and the comparison as JSON"
     )
@@ -289,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the real model runs: cpu or cuda (default: %(default)s)",
     )
     add_profile_arg(be)
+    add_offload_args(be)
     be.add_argument(
         "--steps",
         type=positive_int,

@@ -72,6 +72,35 @@ def add_profile_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="let plans move blocks' saved activations to pinned host memory and back, priced on "
+        "the GPU's host link (PCIe Gen4/5, NVLink-C2C): offload beside keep and recompute "
+        "(docs/offload.md)",
+    )
+    p.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="with --offload: the pinned host memory one rank may take, e.g. 64GiB (default: the "
+        "GPU's memory; none on the cpu profile)",
+    )
+
+
+def offload_settings(args: argparse.Namespace, profile: Any) -> Any:
+    """The `OffloadSettings` of --offload and --host-memory on `profile`, or None without them."""
+    from remat.planning.offload import OffloadSettings
+    from remat.units import parse_bytes
+
+    host = getattr(args, "host_memory", None)
+    if not getattr(args, "offload", False):
+        if host:
+            raise RematError("--host-memory caps what --offload moves to the host: add --offload")
+        return None
+    return OffloadSettings.for_profile(profile, parse_bytes(host) if host else None)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -220,7 +249,7 @@ def planner_for(args: argparse.Namespace, console: Console) -> Planner:
     from remat.planning.planner import Planner
 
     graph, seconds, _ = trace_model(args, console)
-    planner = Planner(graph, args.profile, args.optimizer)
+    planner = Planner(graph, args.profile, args.optimizer, offload_settings(args, args.profile))
     planner.graph.info["trace_seconds"] = seconds
     return planner
 

@@ -131,6 +131,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             "--ac full checkpoints each block before compiling it: add --compile blocks"
         )
     report = fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
+    offloaded = _offload_answer(args, console, report)
     gpu = report.gpu
     found = report.extra.get("setup_that_fits")
     laid_out = report.extra.get("layout_that_fits")
@@ -153,7 +154,10 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             fit_caption=_fit_caption(report),
         )
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        answer = report.to_dict()
+        if offloaded is not None:
+            answer["offload"] = offloaded.to_dict()
+        print(json.dumps(answer, indent=2))
         return 0
     title = (
         f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
@@ -209,6 +213,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         who = "every row" if len(names) == len(report.rows) > 1 else ", ".join(names)
         console.print(f"[dim]{escape(who)}: {escape(note)}[/dim]")
     _print_stages(console, report)
+    for line in offloaded.lines() if offloaded is not None else ():
+        console.print(f"[bold]offload:[/bold] {escape(line)}")
     for line in report.advice:
         console.print(f"[bold]advice:[/bold] {escape(line)}")
     for line in run:
@@ -216,6 +222,31 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     if args.html:
         console.print(f"report written to {escape(args.html)}")
     return 0
+
+
+def _offload_answer(args: argparse.Namespace, console: Console, report: Any) -> Any:
+    """With --offload: the plan with offload at full checkpointing's per-rank peak
+    (`remat.answers.fit_offload`); None without it."""
+    from remat.answers.cli.common import offload_settings
+    from remat.answers.fit_offload import offload_at_full
+    from remat.answers.fit_steps import PRECISIONS
+    from remat.device.gpus import custom_gpu, get_gpu
+
+    gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
+    settings = offload_settings(args, gpu.profile)
+    if settings is None:
+        return None
+    if report.planner is None or getattr(args, "pp", 1) > 1:
+        raise RematError("--offload plans one rank's whole step: leave it out with --pp")
+    with console.status("planning offload at full checkpointing's peak ..."):
+        return offload_at_full(
+            report.planner,
+            gpu,
+            shard=args.shard,
+            optimizer=report.optimizer,
+            master_scale=PRECISIONS[args.precision].master_scale,
+            host_memory_bytes=settings.host_budget_bytes if args.host_memory else None,
+        )
 
 
 def _print_stages(console: Console, report: Any) -> None:

@@ -95,6 +95,8 @@ def show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> i
                         "held_bytes": row.plan.held_bytes,
                         "recompute_flops": row.plan.recompute_flops,
                         "recompute_seconds": row.plan.recompute_seconds,
+                        "host_bytes": row.plan.host_bytes,
+                        "transfer_seconds": row.plan.transfer_seconds,
                     }
                 ),
             }
@@ -116,15 +118,21 @@ def show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> i
         for r in chosen.regions
     )
     console.print(f"checkpoint regions: {escape(regions) or 'none'}")
+    if chosen.offload:
+        console.print(
+            f"offloaded to host memory: the saves of {escape(', '.join(chosen.offload))} "
+            f"({format_bytes(chosen.host_bytes)} on the host, "
+            f"{chosen.transfer_seconds * 1e3:.3g} ms of copies not hidden by compute)"
+        )
     saved = args.out or "plan.json"
     apply_line = f'remat.apply(model, remat.Plan.from_json(open("{saved}").read()))'
     if args.out:
         console.print(
             f"plan written to {escape(args.out)}; to use it in the training script:", soft_wrap=True
         )
-    elif chosen.regions:
+    elif chosen.regions or chosen.offload:
         console.print(f"to use it: --out {escape(saved)}, then in the training script:")
-    if args.out or chosen.regions:
+    if args.out or chosen.regions or chosen.offload:
         console.print(f"  {escape(apply_line)}", soft_wrap=True, highlight=False)
     if args.plot:
         console.print(f"frontier plotted to {escape(args.plot)}")
@@ -148,11 +156,11 @@ def _report_precision(args: argparse.Namespace) -> str:
 def _step_time_words(plan: Any, step_seconds: float, profile: str) -> str:
     """What a plan costs, time first: FLOPs alone mislead where the recomputed ops move memory
     (norms, activations) rather than multiply."""
-    if not plan.recompute_seconds:
+    if not plan.added_seconds:
         return "no recompute"
-    time = (
-        f"{plan.recompute_seconds / step_seconds:+.1%} predicted step time on the {profile} profile"
-    )
+    time = f"{plan.added_seconds / step_seconds:+.1%} predicted step time on the {profile} profile"
+    if plan.offload:
+        return f"{time} (recompute and the copies to host memory no compute hides)"
     share = plan.recompute_flops_share
     if share < 0.005:
         return f"{time} (the recomputed ops move memory; they add almost no FLOPs)"

@@ -13,8 +13,15 @@ its forward until its backward, and `backward_bytes` are live during its own bac
 the kept bytes of the blocks before it (the blocks after it have been freed). So
 
     forward peak     = fixed + sum_b kept(b) + forward_extra
-    backward peak(b) = fixed + sum_{b' < b} kept(b') + backward(b)
+    backward peak(b) = fixed + sum_{b' < b} kept(b') + backward(b) + prefetch(b - 1)
     peak             = max(forward peak, max_b backward peak(b))
+
+Offload (docs/offload.md) is one more option of a block: its saves go to host memory
+(`host_bytes`, summed over the blocks under `host_budget_bytes`), its `kept_bytes` drop by them,
+they are back on the device during its own backward (in `backward_bytes`) and, where a link
+prefetches them, already during the backward of the block after it (`prefetch_bytes`, the bytes
+in flight). Its `recompute_seconds` are the copy time no compute hides: the objective is the
+seconds an option adds to the step, recompute or exposed copies alike.
 
 This is a model of the step, not its judge (each block reduced to two byte counts per option, the
 rest of the step to `fixed` and `forward_extra`). The planner (`remat.planning.planner`, its fit loop) turns
@@ -86,6 +93,7 @@ __all__ = [
     "BlockOption",
     "BlockProblem",
     "MilpResult",
+    "block_host_bytes",
     "block_peak_bytes",
     "block_recompute_seconds",
     "milp",
@@ -110,8 +118,14 @@ class BlockOption:
     kept_bytes: int
     backward_bytes: int
     recompute_seconds: float
+    #: offload: host memory the option takes, and its bytes back on the device (prefetched) during
+    #: the backward of the block after it
+    host_bytes: int = 0
+    prefetch_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if min(self.host_bytes, self.prefetch_bytes) < 0:
+            raise RematError(f"option {self.name!r}: host_bytes and prefetch_bytes must be >= 0")
         if not 0 <= self.kept_bytes <= self.backward_bytes:
             raise RematError(
                 f"option {self.name!r}: need 0 <= kept_bytes <= backward_bytes (the backward holds "
@@ -135,6 +149,7 @@ class BlockProblem:
     options: tuple[tuple[BlockOption, ...], ...]
     fixed_bytes: int = 0
     forward_extra_bytes: int = 0
+    host_budget_bytes: int | None = None  # pinned host memory the offloading options may take
 
     def __post_init__(self) -> None:
         if not self.options:
@@ -173,10 +188,24 @@ def block_peak_bytes(problem: BlockProblem, choice: Sequence[int]) -> int:
     chosen = _chosen(problem, choice)
     kept_before = 0
     peak = 0
+    prefetched = 0
     for option in chosen:
-        peak = max(peak, kept_before + option.backward_bytes)
+        peak = max(peak, kept_before + option.backward_bytes + prefetched)
         kept_before += option.kept_bytes
+        prefetched = option.prefetch_bytes
     return problem.fixed_bytes + max(peak, kept_before + problem.forward_extra_bytes)
+
+
+def block_host_bytes(problem: BlockProblem, choice: Sequence[int]) -> int:
+    """The host memory a choice's offloading options take."""
+    return sum(option.host_bytes for option in _chosen(problem, choice))
+
+
+def _fits(problem: BlockProblem, choice: Sequence[int], budget_bytes: int) -> bool:
+    host = problem.host_budget_bytes
+    return block_peak_bytes(problem, choice) <= budget_bytes and (
+        host is None or block_host_bytes(problem, choice) <= host
+    )
 
 
 def block_recompute_seconds(problem: BlockProblem, choice: Sequence[int]) -> float:
@@ -213,6 +242,7 @@ class _Model:
     scale: float
     cost: np.ndarray
     one_hot: optimize.LinearConstraint
+    host: list[optimize.LinearConstraint]  # the host-memory row, when the problem caps it
 
     @property
     def columns(self) -> int:
@@ -227,11 +257,14 @@ def _model(problem: BlockProblem) -> _Model:
     kept = np.array([option.kept_bytes for option in options], dtype=np.float64)
     backward = np.array([option.backward_bytes for option in options], dtype=np.float64)
     seconds = np.array([option.recompute_seconds for option in options])
+    prefetch = np.array([option.prefetch_bytes for option in options], dtype=np.float64)
 
     max_kept = np.array([max(o.kept_bytes for o in block) for block in problem.options])
     max_backward = np.array([max(o.backward_bytes for o in block) for block in problem.options])
+    max_prefetch = np.array([max(o.prefetch_bytes for o in block) for block in problem.options])
     kept_before = np.concatenate(([0], np.cumsum(max_kept)[:-1]))
-    scale = float(max(1, int(max_kept.sum()), int((kept_before + max_backward).max())))
+    prefetched = np.concatenate(([0], max_prefetch[:-1]))
+    scale = float(max(1, int(max_kept.sum()), int((kept_before + max_backward + prefetched).max())))
 
     # the forward row (row 0) holds every kept byte
     row_of, col_of, value_of = (
@@ -244,6 +277,11 @@ def _model(problem: BlockProblem) -> _Model:
         row_of.append(np.full(stop, b + 1))
         col_of.append(np.arange(stop))
         value_of.append(np.concatenate((kept[:start], backward[start:stop])))
+        if b:  # and what the block before it prefetches (its kept bytes, back early)
+            before = int(offsets[b - 1])
+            row_of.append(np.full(start - before, b + 1))
+            col_of.append(np.arange(before, start))
+            value_of.append(prefetch[before:start])
     rows = csr_matrix(
         (np.concatenate(value_of) / scale, (np.concatenate(row_of), np.concatenate(col_of))),
         shape=(n + 1, columns),
@@ -260,7 +298,14 @@ def _model(problem: BlockProblem) -> _Model:
         cost[:-1] = seconds / largest * _COST_SCALE
     constant = np.zeros(n + 1)
     constant[0] = problem.forward_extra_bytes
-    return _Model(offsets, rows, constant, scale, cost, one_hot)
+    host: list[optimize.LinearConstraint] = []
+    host_bytes = np.array([option.host_bytes for option in options], dtype=np.float64)
+    if problem.host_budget_bytes is not None and host_bytes.any():
+        host_scale = float(host_bytes.max())
+        row = np.zeros((1, columns))
+        row[0, :-1] = host_bytes / host_scale
+        host.append(optimize.LinearConstraint(row, -np.inf, problem.host_budget_bytes / host_scale))
+    return _Model(offsets, rows, constant, scale, cost, one_hot, host)
 
 
 def _no_good(model: _Model, choices: list[tuple[int, ...]]) -> list[optimize.LinearConstraint]:
@@ -302,7 +347,7 @@ def _highs(
         cost,
         integrality=integrality,
         bounds=optimize.Bounds(0, upper),
-        constraints=[model.one_hot, *constraints],
+        constraints=[model.one_hot, *model.host, *constraints],
         options={"time_limit": time_limit_s, "mip_rel_gap": 0.0},
     )
     if res.x is None:
@@ -332,7 +377,7 @@ def _cheapest(
         )
         if run is None:
             return None, cuts
-        if block_peak_bytes(problem, run.choice) <= budget_bytes:
+        if _fits(problem, run.choice, budget_bytes):
             return run, cuts
         cuts.append(run.choice)
 
@@ -377,7 +422,7 @@ def _tie_break(
         return best
     peak = block_peak_bytes(problem, run.choice)
     key = (block_recompute_seconds(problem, run.choice), peak)
-    if peak <= budget_bytes and key < (
+    if _fits(problem, run.choice, budget_bytes) and key < (
         block_recompute_seconds(problem, best),
         block_peak_bytes(problem, best),
     ):
@@ -420,15 +465,18 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
     if time.monotonic() < deadline:
         choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
     seconds = block_recompute_seconds(problem, choice)
+    least, what = "recompute", "recompute"
+    if block_host_bytes(problem, choice):
+        least, what = "added time", "recompute and copies to host memory not hidden by compute"
     if run.optimal:
         why = (
-            f"the least recompute that fits, proved optimal by the MILP solver (HiGHS): "
-            f"{_time(seconds)} of recompute a step (not the step's time) within"
+            f"the least {least} that fits, proved optimal by the MILP solver (HiGHS): "
+            f"{_time(seconds)} of {what} a step (not the step's time) within"
         )
     else:
         why = (
             f"the MILP solver (HiGHS) stopped at its {time_limit_s:g} s time limit with "
-            f"{_time(seconds)} of recompute a step, at most {run.gap:.2%} above the least that fits"
+            f"{_time(seconds)} of {what} a step, at most {run.gap:.2%} above the least that fits"
         )
     return _result(
         problem,

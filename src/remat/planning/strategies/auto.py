@@ -42,6 +42,8 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
             if p.predicted_peak_bytes <= budget_bytes:
                 candidates.append(p)
                 recompute = f"+{p.recompute_seconds * 1e3:.3g} ms recompute"
+                if p.offload:
+                    recompute += f", +{p.transfer_seconds * 1e3:.3g} ms copies not hidden"
                 outcomes[strategy.name] = f"fits: peak {peak}, {recompute}"
             else:
                 outcomes[strategy.name] = f"over the budget: peak {peak}"
@@ -58,9 +60,9 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
             budget_bytes=budget_bytes,
             min_feasible_bytes=smallest.predicted_peak_bytes,
         )
-    best = min(candidates, key=lambda p: (p.recompute_seconds, p.predicted_peak_bytes))
+    best = min(candidates, key=lambda p: (p.added_seconds, p.predicted_peak_bytes))
     others = ", ".join(
-        f"{p.strategy} +{p.recompute_seconds * 1e3:.2f} ms" for p in candidates if p is not best
+        f"{p.strategy} +{p.added_seconds * 1e3:.2f} ms" for p in candidates if p is not best
     )
     return replace(
         best,

@@ -17,18 +17,21 @@ if TYPE_CHECKING:
     from remat.planning.solvers.saveset import SaveSet
 
 
-def _attempt(planner: Planner, result: MilpResult) -> Attempt:
+def attempt_of(planner: Planner, result: MilpResult) -> Attempt:
+    """The regions and offloaded blocks of a MILP answer on `planner`'s blocks."""
+    from remat.planning.offload import OPTIONS
     from remat.planning.planner import Attempt
 
     regions = tuple(
         region
         for b, option in enumerate(result.option_names[1:])
-        if option != "store"
-        for region in planner.block_regions([[b]], option)
+        if OPTIONS.get(option, option) != "store"
+        for region in planner.block_regions([[b]], OPTIONS.get(option, option))
     )
+    offload = tuple(b for b, o in enumerate(result.option_names[1:]) if o in OPTIONS)
     status = "optimal" if result.status == "optimal" else "feasible"
     details = {"mip_gap": result.mip_gap, "options": list(result.option_names[1:])}
-    return Attempt(regions, result.reason, status, details)
+    return Attempt(regions, result.reason, status, details, offload)
 
 
 def solve(planner: Planner, budget_bytes: int) -> Plan:
@@ -38,7 +41,7 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
 
     def attempt(target: int) -> Attempt:
         with quiet_fd(1):
-            return _attempt(planner, milp.milp(problem, target))
+            return attempt_of(planner, milp.milp(problem, target))
 
     return planner.fit(budget_bytes, attempt, "milp")
 
@@ -49,9 +52,15 @@ def lowest_peak(planner: Planner) -> Plan:
 
     problem = planner.block_problem()
     with quiet_fd(1):
-        found = _attempt(planner, milp.milp(problem, milp.min_peak(problem)))
+        found = attempt_of(planner, milp.milp(problem, milp.min_peak(problem)))
     return planner.make_plan(
-        found.regions, "milp", None, found.reason, status=found.status, **found.details
+        found.regions,
+        "milp",
+        None,
+        found.reason,
+        status=found.status,
+        offload_blocks=found.offload,
+        **found.details,
     )
 
 
