@@ -315,7 +315,7 @@ def _pipeline_fit(
             if simulate_allocator
             else "live bytes within capacity - --reserve"
         ),
-        layout=layout.describe(),
+        layout=layout.describe(tp_plan=answer.tp_plan),
         planner=answer.planner,
     )
     said = advice(report)

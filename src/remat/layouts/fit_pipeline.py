@@ -24,7 +24,7 @@ from typing import Any
 
 from remat.device.gpus import Gpu
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
-from remat.layouts.parallel import Layout, fake_ranks, tensor_parallel
+from remat.layouts.parallel import Layout, fake_ranks, layout_words
 from remat.layouts.pipeline_traced import TracedPipeline
 from remat.layouts.pipeline_walk import PipelineReport, Sharding
 from remat.planning import strategies
@@ -51,6 +51,8 @@ class PipelineFit:
     planner: Planner | None = None
     #: per strategy, each rank's peak reserved bytes (empty: the allocator not simulated)
     reserved: dict[str, list[int]] = field(default_factory=dict)
+    #: how the tensor-parallel plan laid the model out (`remat.layouts.parallel.layout_words`)
+    tp_plan: str | None = None
 
 
 def pipeline_rows(
@@ -74,7 +76,8 @@ def pipeline_rows(
     the largest micro-batch and number of micro-batches, and each stage's prediction
     (`PipelineReport`). `batch` is the micro-batch size."""
     sharding = Sharding(shard, master_scale)
-    asked = _traced(build, layout, gpu, autocast, batch, seq, progress)
+    words: list[str | None] = []
+    asked = _traced(build, layout, gpu, autocast, batch, seq, progress, words)
     doubled = _traced(build, layout, gpu, autocast, 2 * batch, seq, progress)
     memory = RankMemory(gpu, optimizer, sharding, shard * layout.ranks, simulate_allocator)
     rows, stage_reports = [], {}
@@ -130,7 +133,9 @@ def pipeline_rows(
     planner = None
     if shown is not None:
         planner = asked.planner(shown.tightest_stages[0], gpu.profile, optimizer)
-    return PipelineFit(rows, stage_reports, traces, found, planner, reserved)
+    return PipelineFit(
+        rows, stage_reports, traces, found, planner, reserved, next(iter(words), None)
+    )
 
 
 @dataclass(frozen=True)
@@ -215,14 +220,18 @@ def _traced(
     size: int,
     seq: int,
     progress: Callable[[str], None] | None,
+    words: list[str | None] | None = None,
 ) -> TracedPipeline:
     """The pipeline of `layout` traced at micro-batch `size`: the model laid out over its
-    tensor-parallel ranks (on a fake process group) and context-parallel sequence, then cut."""
+    tensor-parallel ranks (on a fake process group) and context-parallel sequence, then cut;
+    `words` gets how the tensor-parallel plan laid it out (`layout_words`)."""
 
     def rank_build(b: int, s: int) -> tuple[Any, tuple[Any, ...]]:
         model, inputs = build(b, layout.local_seq(s))
         if layout.tp > 1:
-            tensor_parallel(model, layout.tp, sequence_parallel=layout.sequence_parallel)
+            layout.lay_out(model)
+            if words is not None:
+                words.append(layout_words(model))
         return model, inputs
 
     if progress:

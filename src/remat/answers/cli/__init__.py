@@ -20,6 +20,7 @@ from remat.answers.cli.common import (
     add_model_args,
     add_optimizer_arg,
     add_profile_arg,
+    add_tp_args,
     positive_int,
 )
 from remat.answers.cli.demo import cmd_demo
@@ -93,12 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "allocated and reserved bytes (the caching allocator, default and expandable segments), "
         "CUDA context and nvidia-smi",
     )
-    est.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="one tensor-parallel rank's step (with sequence parallelism; docs/parallelism.md)",
-    )
+    add_tp_args(est)
     est.add_argument(
         "--cp", type=positive_int, default=1, help="one context-parallel rank's step (seq / cp)"
     )
@@ -175,14 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="FSDP2 / ZeRO-3 ranks that share parameters, gradients and optimizer state (default: %(default)s)",
     )
-    ft.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="tensor-parallel ranks (torch's parallelize_module with sequence parallelism, as "
-        "torchtitan lays out Llama): each rank's step is traced with its shards and collectives "
-        "(default: %(default)s)",
-    )
+    add_tp_args(ft)
     ft.add_argument(
         "--pp",
         type=positive_int,
@@ -223,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_args(pl)
     add_budget_arg(pl)
+    add_tp_args(pl)
     pl.add_argument(
         "--strategy",
         default="auto",
