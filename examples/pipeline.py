@@ -6,6 +6,11 @@ single-process run.
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule gpipe --budget 8MiB
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule interleaved-1f1b
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --optimizer adamw
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --model hf
+
+`--model hf`: a Hugging Face `LlamaForCausalLM` (Llama 3.2 1B's config, tiny, head untied so that
+each stage's gradients compare alone) cut by its own pipeline plan
+(`remat.layouts.pipeline_hf.HFStage`), its loss the model's own.
 
 The model is cut by `remat.layouts.pipeline.split` (2 stages, or 4 interleaved: stages r and r + 2 on
 rank r); each rank runs its stages in `PipelineStage`s under torch's schedule, 4 micro-batches.
@@ -44,7 +49,15 @@ OPTIMIZERS = {
 
 def build(batch: int, seq: int, device: str = "meta"):
     torch.manual_seed(0)
+    if MODEL == "hf":
+        return models.build(
+            "hf:meta-llama/Llama-3.2-1B", batch=batch, seq=seq, device=device, tiny=True,
+            dtype=torch.float32, num_hidden_layers=4, tie_word_embeddings=False,
+        )  # fmt: skip
     return models.build("llama-2-7b", batch=batch, seq=seq, device=device, tiny=True, n_layers=4)
+
+
+MODEL = "llama"
 
 
 def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +65,12 @@ def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randint(0, 512, (BATCH, SEQ), generator=g) for _ in range(2))
 
 
-def reference_grads() -> dict[str, torch.Tensor]:
-    """The whole model on the whole batch, in one process: the mean loss's gradients."""
+def reference_grads() -> list[torch.Tensor]:
+    """The whole model on the whole batch, in one process: the mean loss's gradients, in the
+    order of its parameters."""
     model, _ = build(BATCH, SEQ, device="cpu")
     model(*full_batch()).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
+    return [p.grad for p in model.parameters()]
 
 
 def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -69,7 +83,10 @@ def main() -> None:
     parser.add_argument("--schedule", choices=list(pp.SCHEDULES), required=True)
     parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
     parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], help="step it too")
+    parser.add_argument("--model", choices=["llama", "hf"], default="llama")
     args = parser.parse_args()
+    global MODEL
+    MODEL = args.model
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     interleaved = args.schedule == "interleaved-1f1b"
@@ -88,6 +105,7 @@ def main() -> None:
     mine = [s for s in report.stages if s.rank == rank]
 
     model, _ = build(BATCH, SEQ, device="cpu")
+    position = {id(p): i for i, p in enumerate(model.parameters())}
     stages = [pp.split(model, n_stages)[s.stage] for s in mine]
     del model  # the other stages' parameters
     for stage, predicted in zip(stages, mine, strict=True):
@@ -142,9 +160,9 @@ def main() -> None:
 
     expected = reference_grads()
     worst = max(
-        (p.grad - expected[n]).abs().max().item()
+        (p.grad - expected[position[id(p)]]).abs().max().item()
         for stage in stages
-        for n, p in stage.named_parameters()
+        for p in stage.parameters()
     )
     error = (predicted - measured) / measured
     plans = ", ".join(s.plan.strategy if s.plan else "none" for s in mine)

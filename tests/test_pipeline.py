@@ -160,6 +160,11 @@ def test_a_rank_of_two_interleaved_stages_gets_the_cheapest_pair_of_plans_that_f
         ["--schedule", "1f1b", "--budget", "6.4MiB", "--optimizer", "adamw"],
         ["--schedule", "gpipe"],
         ["--schedule", "interleaved-1f1b"],
+        # transformers' LlamaForCausalLM cut by its own pipeline plan (HFStage)
+        pytest.param(["--schedule", "1f1b", "--model", "hf"], marks=pytest.mark.slow),
+        pytest.param(
+            ["--schedule", "gpipe", "--model", "hf", "--optimizer", "adamw"], marks=pytest.mark.slow
+        ),  # fmt: skip
     ],
     ids=" ".join,
 )
