@@ -97,19 +97,28 @@ def tensor_parallel(
     tied = " (head tied to the embedding: both whole)" if _tied_embeddings(model) else ""
     _LAID_OUT[model] = (
         f"{'torchtitan' if type(model).__name__ == 'Llama' else 'Megatron-LM'}'s plan of "
-        f"{type(model).__name__}{tied}" + (" + sp" if sequence_parallel else ", no sp")
+        f"{type(model).__name__}{tied}",
+        sequence_parallel,
     )
     return model
 
 
-#: What `tensor_parallel` did to each model it laid out, in words (`layout_words`).
-_LAID_OUT: WeakKeyDictionary[nn.Module, str] = WeakKeyDictionary()
+#: What `tensor_parallel` did to each model it laid out: whose plan sharded which modules, in
+#: words, and whether with sequence parallelism (`laid_out`).
+_LAID_OUT: WeakKeyDictionary[nn.Module, tuple[str, bool]] = WeakKeyDictionary()
+
+
+def laid_out(model: nn.Module) -> tuple[str, bool] | None:
+    """How `tensor_parallel` laid `model` out: whose plan sharded which modules, in words, and
+    whether with sequence parallelism; None if it did not."""
+    return _LAID_OUT.get(model)
 
 
 def layout_words(model: nn.Module) -> str | None:
-    """How `tensor_parallel` laid `model` out (whose plan, which modules are sharded, whether
-    with sequence parallelism); None if it did not."""
-    return _LAID_OUT.get(model)
+    """`laid_out` in one phrase ("transformers' plan of LlamaForCausalLM: colwise q_proj, ...,
+    no sp")."""
+    got = laid_out(model)
+    return None if got is None else got[0] + (" + sp" if got[1] else ", no sp")
 
 
 def default_sequence_parallel(model: nn.Module) -> bool:
@@ -144,7 +153,7 @@ def _tensor_parallel_by_plan(
     _check_heads(inner, degree)
     if degree > 1:
         apply_plan(inner, found, mesh if mesh is not None else init_device_mesh("cpu", (degree,)))
-    _LAID_OUT[model] = found.describe() + ", no sp"
+    _LAID_OUT[model] = (found.describe(), False)
     return model
 
 
@@ -337,7 +346,7 @@ class Layout:
             with fake_ranks(self.tp):
                 self.lay_out(model)
                 graph = trace(model, *inputs, **trace_kwargs)
-            graph.info["tp_plan"] = layout_words(model)
+            graph.info["tp_plan"] = laid_out(model)
         if self.cp > 1:
             graph.info["context_parallel"] = "local chunk (seq / cp)"
         return graph
@@ -371,12 +380,14 @@ class Layout:
         graph.info["context_parallel"] = "torch ring attention"
         return graph
 
-    def describe(self, graph: Any = None, tp_plan: str | None = None) -> str:
+    def describe(self, graph: Any = None, tp_plan: tuple[str, bool] | None = None) -> str:
         """The layout in words; with a rank's traced `graph`, how context parallelism was traced
-        in it (`trace`) and which modules its tensor-parallel plan sharded (or `tp_plan`)."""
-        words = tp_plan if graph is None else graph.info.get("tp_plan")
-        sp = {True: " + sp", False: ", no sp", None: ""}[self.sequence_parallel]
-        parts = [f"tp {self.tp} ({words})" if words else f"tp {self.tp}{sp}"] * (self.tp > 1)
+        in it (`trace`) and which modules its tensor-parallel plan sharded (or `tp_plan`, as
+        `laid_out` gives it): "tp 2 + sp (torchtitan's plan of Llama)"."""
+        got = tp_plan if graph is None else graph.info.get("tp_plan")
+        words, sp = got if got else (None, self.sequence_parallel)
+        tp = f"tp {self.tp}" + (" + sp" if sp else "") + (f" ({words})" if words else "")
+        parts = [tp] * (self.tp > 1)
         parts += [f"cp {self.cp}"] * (self.cp > 1)
         parts += [f"pp {self.pp} ({self.schedule}, {self.microbatches} micro-batches)"] * (
             self.pp > 1

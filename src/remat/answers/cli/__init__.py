@@ -123,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="llama-3.1-8b", help="as for estimate (default: %(default)s)"
     )
     ft.add_argument(
-        "--batch", type=positive_int, default=1, help="micro-batch (default: %(default)s)"
+        "--batch",
+        type=positive_int,
+        help="samples in one step on a rank (a micro-batch of gradient accumulation); with --pp "
+        "the step's, cut into --microbatches micro-batches, as remat.layouts.pipeline.predict "
+        "takes it (default: 1; with --pp one sample a micro-batch)",
     )
     ft.add_argument(
         "--seq", type=positive_int, default=4096, help="sequence length (default: %(default)s)"
