@@ -48,11 +48,13 @@ def _styles() -> dict[str, Callable[[], Any] | None]:
 
 
 def inner_model(model: nn.Module) -> nn.Module:
-    """The user's model under remat's wrappers of `hf:` models (`HFLogits`, `HFLoss`), which
-    only call it: the plan's module paths are the inner model's."""
+    """The user's model under remat's wrappers of `hf:` and `torchtitan:` models (`HFLogits`,
+    `HFLoss`, `TorchtitanStep`), which only call it: the plan's module paths are the inner
+    model's."""
+    from remat.models.frameworks import TorchtitanStep
     from remat.models.hf import HFLogits, HFLoss
 
-    while isinstance(model, (HFLogits, HFLoss)):
+    while isinstance(model, (HFLogits, HFLoss, TorchtitanStep)):
         model = model.model
     return model
 
@@ -185,4 +187,10 @@ def no_plan_message(model: nn.Module, degree: int) -> str:
         f"tensor_parallel(model, {degree}, plan=...), or lay it out with torch's "
         "parallelize_module inside remat.layouts.parallel.fake_ranks and trace it "
         "(remat's zoo: Llama, MegatronGPT; transformers models with a base_model_tp_plan)"
+        + (
+            "; a torchtitan model lays itself out: model.parallelize(parallel_dims) inside "
+            "fake_ranks, then trace it"
+            if cls.__module__.startswith("torchtitan")
+            else ""
+        )
     )
