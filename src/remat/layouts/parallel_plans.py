@@ -4,8 +4,8 @@
 
 transformers names its styles by strings ("colwise", "rowwise", "embedding_rowwise", ...) and
 applies them with classes of its own; remat maps each to torch's `ColwiseParallel` /
-`RowwiseParallel` / `SequenceParallel` with the same input and output layouts (`STYLES`), so that
-the rank's step is DTensor's, as for the zoo's plans. A style without a torch counterpart (packed
+`RowwiseParallel` / `SequenceParallel` with the same input and output layouts (`torch_styles`),
+so that the rank's step is DTensor's, as for the zoo's plans. A style without a torch counterpart (packed
 gate-up projections, experts, MLA's compressed K/V) is refused by name, with how to give a plan.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from remat.errors import RematError
 
 
-def _styles() -> dict[str, Callable[[], Any] | None]:
+def torch_styles() -> dict[str, Callable[[], Any] | None]:
     """transformers' style names (`transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES`)
     as torch's styles of the same layouts; None: the module stays whole on every rank."""
     from torch.distributed.tensor import Replicate
@@ -96,7 +96,7 @@ def plan_of(model: nn.Module, plan: dict[str, Any] | None = None) -> ModelPlan |
         if hasattr(model, "base_model_prefix")
         else f"{type(model).__name__}.tp_plan"
     )
-    known = _styles()
+    known = torch_styles()
     styles, names = {}, {}
     for pattern, style in given.items():
         if not isinstance(style, str):
