@@ -231,3 +231,29 @@ def test_middle_stages_traced_alike_predict_as_stages_traced_apart():
     assert alike.report(optimizer="adamw").rank_peak_bytes == (
         apart.report(optimizer="adamw").rank_peak_bytes
     )
+
+
+@pytest.mark.parametrize("name", ["hf:meta-llama/Llama-3.2-1B", "hf:google/gemma-2-9b"])
+def test_hugging_face_stages_chain_to_the_whole_models_loss(name):
+    """A transformers model cut by its own pipeline plan (`HFStage`): the stages, run one after
+    another, give the whole model's loss, each holding only its own parameters. Gemma 2 alternates
+    sliding-window and full attention by `config.layer_types[i]` of the stage's own loop index: a
+    stage starting at an odd layer (stage 2 of 3: layer 3) must still slide where layer 3 does."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, (ids, labels) = models.build(
+        name, batch=2, seq=32, device="cpu", tiny=True, num_hidden_layers=4,
+        **({"sliding_window": 8} if "gemma" in name else {}),
+    )  # fmt: skip
+    whole = model(ids, labels)
+    stages = pp.split(model, 3)
+    assert [list(s.layer_indices) for s in stages] == [[0, 1], [2], [3]]
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(stages[-1].loss_fn(x, labels), whole)
+    owned = [{id(p) for p in s.parameters()} for s in stages]
+    assert not (owned[0] & owned[1]) and not (owned[1] & owned[2])
+    assert sum(map(len, owned)) == len({id(p) for p in model.parameters()}) + (
+        model.model.config.tie_word_embeddings  # the tied head: on the first and last stage
+    )

@@ -14,6 +14,8 @@ labels shifted), the one its `forward(labels=...)` computes.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -52,18 +54,23 @@ class HFStage(nn.Module):
             raise RematError(f"{type(model).__name__} has no transformers pipeline plan")
         base, stack, before, after, head = parts
         self.index, self.num_stages, self.layer_indices = index, num_stages, layers
-        copy = base.__new__(type(base))
-        copy.__dict__ = dict(base.__dict__)
+        clone = base.__new__(type(base))
+        clone.__dict__ = dict(base.__dict__)
         for field in ("_modules", "_parameters", "_buffers"):
-            setattr(copy, field, dict(getattr(base, field)))
-        copy._modules[stack] = nn.ModuleList([getattr(base, stack)[i] for i in layers])
+            setattr(clone, field, dict(getattr(base, field)))
+        clone._modules[stack] = nn.ModuleList([getattr(base, stack)[i] for i in layers])
+        kinds = getattr(base.config, "layer_types", None)
+        if kinds is not None:  # read by the loop's own index (Gemma 2: sliding, full, ...)
+            config = copy.copy(base.config)
+            config.layer_types = [kinds[i] for i in layers]
+            clone.config = config
         if not self.is_first:
             for name in before:
-                copy._modules[name] = None
+                clone._modules[name] = None
         if not self.is_last:
             for name in after:
-                copy._modules[name] = nn.Identity()
-        self.model = copy
+                clone._modules[name] = nn.Identity()
+        self.model = clone
         self.head_names = tuple(head) if self.is_last else ()
         for name in self.head_names:
             setattr(self, name, getattr(model, name))
