@@ -7,7 +7,10 @@ single-process run.
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule interleaved-1f1b
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --optimizer adamw
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --model hf
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --model own
 
+`--model own`: a model of one's own (`Net`: embedding, 4 pre-norm MLP blocks, head), cut at its
+block stack by torch's pipeline frontend (`remat.layouts.pipeline_exported.ExportedStage`).
 `--model hf`: a Hugging Face `LlamaForCausalLM` (Llama 3.2 1B's config, tiny, head untied so that
 each stage's gradients compare alone) cut by its own pipeline plan
 (`remat.layouts.pipeline_hf.HFStage`), its loss the model's own.
@@ -47,8 +50,42 @@ OPTIMIZERS = {
 }
 
 
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    """A model of one's own: no stage code, no pipeline plan; its loss is cross-entropy on fp32
+    logits, the one `ExportedStage.loss_fn` takes for a model without a `loss_fn`."""
+
+    def __init__(self, vocab: int = 512, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 def build(batch: int, seq: int, device: str = "meta"):
     torch.manual_seed(0)
+    if MODEL == "own":
+        with torch.device(device):
+            model = Net()
+        return model, (torch.zeros(batch, seq, dtype=torch.long, device=device),) * 2
     if MODEL == "hf":
         return models.build(
             "hf:meta-llama/Llama-3.2-1B", batch=batch, seq=seq, device=device, tiny=True,
@@ -83,7 +120,7 @@ def main() -> None:
     parser.add_argument("--schedule", choices=list(pp.SCHEDULES), required=True)
     parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
     parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], help="step it too")
-    parser.add_argument("--model", choices=["llama", "hf"], default="llama")
+    parser.add_argument("--model", choices=["llama", "hf", "own"], default="llama")
     args = parser.parse_args()
     global MODEL
     MODEL = args.model
@@ -106,7 +143,8 @@ def main() -> None:
 
     model, _ = build(BATCH, SEQ, device="cpu")
     position = {id(p): i for i, p in enumerate(model.parameters())}
-    stages = [pp.split(model, n_stages)[s.stage] for s in mine]
+    microbatch = full_batch()[0][: BATCH // MICROBATCHES]  # for torch's frontend (--model own)
+    stages = [pp.split(model, n_stages, microbatch)[s.stage] for s in mine]
     del model  # the other stages' parameters
     for stage, predicted in zip(stages, mine, strict=True):
         if predicted.plan is not None:

@@ -133,17 +133,22 @@ def _layout(model: nn.Module) -> _Layout:
     return layout
 
 
-def split(model: nn.Module, stages: int) -> list[Stage]:
+def split(model: nn.Module, stages: int, example: torch.Tensor | None = None) -> list[Stage]:
     """`model`'s blocks cut into `stages` contiguous runs, evenly; when they do not divide, the
     first stages get one block more (as `numpy.array_split`; torchtitan's default also weighs the
     embedding and the head as blocks, which this does not). The zoo's Llama and GPT are cut as
     torchtitan cuts them; a transformers model (under remat's `hf:` wrappers too) by its own
-    pipeline plan (`remat.layouts.pipeline_hf.HFStage`)."""
+    pipeline plan (`remat.layouts.pipeline_hf.HFStage`); any other model with a repeated block
+    stack by torch's pipeline frontend, traced on `example`, its first input
+    (`remat.layouts.pipeline_exported.ExportedStage`)."""
     from remat.layouts.parallel_plans import inner_model
+    from remat.layouts.pipeline_exported import split_exported
     from remat.layouts.pipeline_hf import HFStage, hf_parts
 
     model = inner_model(model)
     parts = None if type(model) in _LAYOUTS else hf_parts(model)
+    if parts is None and type(model) not in _LAYOUTS and example is not None:
+        return split_exported(model, stages, example)  # type: ignore[return-value]
     if parts is not None:
         blocks, make = len(getattr(parts[0], parts[1])), HFStage
     else:
