@@ -6,13 +6,21 @@ single-process run.
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule gpipe --budget 8MiB
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule interleaved-1f1b
     torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --optimizer adamw
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --model hf
+    torchrun --nproc_per_node=2 examples/pipeline.py --schedule 1f1b --model own
+
+`--model own`: a model of one's own (`Net`: embedding, 4 pre-norm MLP blocks, head), cut at its
+block stack by torch's pipeline frontend (`remat.layouts.pipeline_exported.ExportedStage`).
+`--model hf`: a Hugging Face `LlamaForCausalLM` (Llama 3.2 1B's config, tiny, head untied so that
+each stage's gradients compare alone) cut by its own pipeline plan
+(`remat.layouts.pipeline_hf.HFStage`), its loss the model's own.
 
 The model is cut by `remat.layouts.pipeline.split` (2 stages, or 4 interleaved: stages r and r + 2 on
 rank r); each rank runs its stages in `PipelineStage`s under torch's schedule, 4 micro-batches.
 The prediction comes from the same architecture built on the meta device
 (`remat.layouts.pipeline.predict`, or `plan` under `--budget`, whose plan for this rank's stage is applied
 before the run). One step warms up (it allocates `PipelineStage`'s receive buffers and the
-optimizer's state), then the second is measured with the profiler's CPU memory events
+optimizer's state), then the least of the next three is measured with the profiler's CPU memory events
 (`remat.measuring.measure.cpu_peak_bytes`) above what is live before it: the stages' parameters and
 buffers, the receive buffers, the optimizer's state and the rank's part of the batch. The
 gradients, averaged over the micro-batches as the schedule scales them, must equal those of the
@@ -42,9 +50,51 @@ OPTIMIZERS = {
 }
 
 
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    """A model of one's own: no stage code, no pipeline plan; its loss is cross-entropy on fp32
+    logits, the one `ExportedStage.loss_fn` takes for a model without a `loss_fn`."""
+
+    def __init__(self, vocab: int = 512, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 def build(batch: int, seq: int, device: str = "meta"):
     torch.manual_seed(0)
+    if MODEL == "own":
+        with torch.device(device):
+            model = Net()
+        return model, (torch.zeros(batch, seq, dtype=torch.long, device=device),) * 2
+    if MODEL == "hf":
+        return models.build(
+            "hf:meta-llama/Llama-3.2-1B", batch=batch, seq=seq, device=device, tiny=True,
+            dtype=torch.float32, num_hidden_layers=4, tie_word_embeddings=False,
+        )  # fmt: skip
     return models.build("llama-2-7b", batch=batch, seq=seq, device=device, tiny=True, n_layers=4)
+
+
+MODEL = "llama"
 
 
 def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +102,12 @@ def full_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.randint(0, 512, (BATCH, SEQ), generator=g) for _ in range(2))
 
 
-def reference_grads() -> dict[str, torch.Tensor]:
-    """The whole model on the whole batch, in one process: the mean loss's gradients."""
+def reference_grads() -> list[torch.Tensor]:
+    """The whole model on the whole batch, in one process: the mean loss's gradients, in the
+    order of its parameters."""
     model, _ = build(BATCH, SEQ, device="cpu")
     model(*full_batch()).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
+    return [p.grad for p in model.parameters()]
 
 
 def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -69,7 +120,10 @@ def main() -> None:
     parser.add_argument("--schedule", choices=list(pp.SCHEDULES), required=True)
     parser.add_argument("--budget", help="plan each stage to fit this per-rank budget")
     parser.add_argument("--optimizer", choices=["adamw", "sgd-momentum"], help="step it too")
+    parser.add_argument("--model", choices=["llama", "hf", "own"], default="llama")
     args = parser.parse_args()
+    global MODEL
+    MODEL = args.model
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     interleaved = args.schedule == "interleaved-1f1b"
@@ -88,7 +142,9 @@ def main() -> None:
     mine = [s for s in report.stages if s.rank == rank]
 
     model, _ = build(BATCH, SEQ, device="cpu")
-    stages = [pp.split(model, n_stages)[s.stage] for s in mine]
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    microbatch = full_batch()[0][: BATCH // MICROBATCHES]  # for torch's frontend (--model own)
+    stages = [pp.split(model, n_stages, microbatch)[s.stage] for s in mine]
     del model  # the other stages' parameters
     for stage, predicted in zip(stages, mine, strict=True):
         if predicted.plan is not None:
@@ -121,11 +177,16 @@ def main() -> None:
             optimizer.step()
 
     step()  # builds PipelineStage's buffers
-    for pipe in pipes:
-        pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
-    for p in params:
-        p.grad = None
-    peak = cpu_peak_bytes(step)
+
+    def measured_step() -> int:
+        for pipe in pipes:
+            pipe.clear_runtime_states()  # the receive buffers' gradients, as the step begins with
+        for p in params:
+            p.grad = None
+        return cpu_peak_bytes(step)
+
+    # the least of three steps: gloo's worker thread may free a received tensor late
+    peak = min(measured_step() for _ in range(3))
     buffers = [
         info.buffer
         for pipe in pipes
@@ -142,9 +203,9 @@ def main() -> None:
 
     expected = reference_grads()
     worst = max(
-        (p.grad - expected[n]).abs().max().item()
+        (p.grad - expected[position[id(p)]]).abs().max().item()
         for stage in stages
-        for n, p in stage.named_parameters()
+        for p in stage.parameters()
     )
     error = (predicted - measured) / measured
     plans = ", ".join(s.plan.strategy if s.plan else "none" for s in mine)

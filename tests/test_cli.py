@@ -440,12 +440,39 @@ def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys, tmp_path):
     layout = ["--tp", "2", "--pp", "2", "--microbatches", "4", "--json"]
     assert main([*fit_args, *layout]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["layout"] == "tp 2 + sp, pp 2 (1f1b, 4 micro-batches)"
+    assert (
+        report["layout"] == "tp 2 + sp (torchtitan's plan of Llama), pp 2 (1f1b, 4 micro-batches)"
+    )
     stages = report["extra"]["stages"]["auto"]
     assert [s["in flight"] for s in stages] == ["2", "1"]  # 1F1B: p - i
     page = tmp_path / "fit.html"
     assert main([*fit_args, *layout[:-1], "--html", str(page)]) == 0
-    assert "one rank of tp 2 + sp, pp 2" in page.read_text()
+    assert "one rank of tp 2 + sp (torchtitan&#x27;s plan of Llama), pp 2" in page.read_text()
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_answers_per_rank_and_per_stage_under_tp_and_pp(capsys):
+    """`fit --model hf:... --tp 2 --pp 2` (issue 39's acceptance, tiny): laid out by
+    transformers' own plan, cut by its pipeline plan, a row per stage; `--sp` is refused with
+    what to do, as transformers' plan has none; `plan --tp 2` plans one rank."""
+    pytest.importorskip("transformers")
+    model = ["--model", "hf:meta-llama/Llama-3.2-1B", "--tiny", "--seq", "64"]
+    layout = ["--tp", "2", "--pp", "2", "--precision", "bf16", "--optimizer", "adamw"]
+    assert main(["fit", *model, *layout, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"].startswith("tp 2 (transformers' plan of LlamaForCausalLM: ")
+    assert "rowwise o_proj, down_proj" in report["layout"]
+    assert report["batch"] == 2 and report["extra"]["microbatch"] == 1
+    stages = report["extra"]["stages"]["auto"]
+    assert [(s["stage"], s["rank"], s["blocks"]) for s in stages] == [
+        ("0", "0", "0..0"),
+        ("1", "1", "1..1"),
+    ]
+    assert main(["fit", *model, *layout, "--sp"]) == 2
+    assert "sequence parallelism is not in transformers' plan" in capsys.readouterr().err
+    assert main(["plan", *model, "--tp", "2", "--budget", "70%"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "one rank of tp 2 (transformers' plan of LlamaForCausalLM" in said
 
 
 def test_ctrl_c_ends_in_one_line_and_exit_130(monkeypatch, capsys):

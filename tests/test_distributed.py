@@ -23,8 +23,14 @@ TENSOR_PARALLEL = EXAMPLE.with_name("tensor_parallel.py")
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "args",
-    [[], ["--sequence-parallel", "--strategy", "auto"], ["--strategy", "full"]],
-    ids=["tp-selective", "tp-sp-auto", "tp-full"],
+    [
+        [],
+        ["--sequence-parallel", "--strategy", "auto"],
+        ["--strategy", "full"],
+        # transformers' LlamaForCausalLM laid out by its own base_model_tp_plan (tied head)
+        pytest.param(["--model", "hf", "--strategy", "auto"], marks=pytest.mark.slow),
+    ],
+    ids=["tp-selective", "tp-sp-auto", "tp-full", "hf-tp-auto"],
 )
 def test_tensor_parallel_ranks_peak_as_predicted_and_gradients_equal_the_single_process(args):
     """Each of two gloo ranks of a tensor-parallel Llama: its measured peak within 2% of its own

@@ -277,7 +277,13 @@ def test_a_tensor_parallel_fit_is_the_traced_ranks_step():
         graph = Layout(tp=tp).trace(_llama, 2, 64, target=gpu.target)
         assert peaks[tp] == remat.estimate(graph).peak_bytes
     assert peaks[2] < peaks[1]
-    assert report.layout == "tp 2 + sp"
+    assert report.layout == "tp 2 + sp (torchtitan's plan of Llama)"
+    report = fit(
+        _llama, model="llama", gpu=gpu, layout=Layout(tp=2, sequence_parallel=False), **asked,
+        strategies_to_fit=("store_all",),
+    )  # fmt: skip
+    assert report.layout == "tp 2 (torchtitan's plan of Llama)"  # --no-sp
+    assert report.rows[0].peak_bytes != peaks[2]
 
 
 def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
@@ -297,7 +303,7 @@ def test_a_pipeline_fit_names_the_tightest_stage_and_plans_each_stage():
     usable = store_all.peak_bytes * 9 // 10
     answer = pipeline_rows(
         _llama, layout=layout, gpu=gpu, autocast=None, master_scale=1, optimizer="sgd",
-        shard=1, batch=2, seq=64, usable=usable, strategies_to_fit=("store_all", "auto"),
+        shard=1, microbatch=2, seq=64, usable=usable, strategies_to_fit=("store_all", "auto"),
         progress=None, simulate_allocator=False,
     )  # fmt: skip
     by_name = {r["strategy"]: r for r in answer.rows}
@@ -330,7 +336,7 @@ def test_a_pipeline_fit_is_judged_by_each_ranks_caching_allocator():
     assert all(m.reserved_bytes >= m.allocated_bytes for m in memories)
     gpu = custom_gpu(fixed_memory(big, 2).outside_allocator_bytes + requested, "h100")
     report = fit(
-        _llama, model="llama", batch=4, seq=128, gpu=gpu, precision="fp32", optimizer="sgd",
+        _llama, model="llama", batch=4 * 4, seq=128, gpu=gpu, precision="fp32", optimizer="sgd",
         layout=Layout(pp=2, microbatches=4), strategies_to_fit=("store_all", "auto"),
     )  # fmt: skip
     store_all, auto = report.rows
@@ -340,6 +346,49 @@ def test_a_pipeline_fit_is_judged_by_each_ranks_caching_allocator():
     assert auto.reserved_bytes <= auto.gpu_memory[0]["limit_bytes"]
     assert "caching allocator" in report.allocator
     assert all("rank reserved" in row for row in report.extra["stages"]["auto"])
+
+
+def test_a_pipeline_fits_batch_is_the_steps_as_pipeline_predict_takes_it():
+    """`fit(batch=8, layout=Layout(pp=2, microbatches=4))` is the step of
+    `remat.layouts.pipeline.predict(build, 8, ...)`: 4 micro-batches of 2 (before issue 39 it
+    was 4 micro-batches of 8, where predict's batch 8 is 4 of 2); a batch that does not split
+    is refused."""
+    from remat.errors import RematError
+    from remat.layouts.parallel import Layout
+    from remat.layouts.pipeline import TracedPipeline
+
+    gpu = _gpu(1 << 40)
+    asked = {"model": "llama", "seq": 64, "gpu": gpu, "precision": "fp32", "optimizer": "sgd"}
+    layout = Layout(pp=2, microbatches=4)
+    report = fit(
+        _llama, batch=8, layout=layout, reserve=0, strategies_to_fit=("store_all",), **asked
+    )
+    assert report.extra["microbatch"] == 2 and report.batch == 8
+    # predict(_llama, 8, 64, stages=2, microbatches=4), on the GPU's kernels as fit traces
+    traced = TracedPipeline.of(_llama, 8, 64, stages=2, microbatches=4, target=gpu.target)
+    assert traced.microbatch_size == 2
+    assert report.rows[0].peak_bytes == traced.report(optimizer="sgd").peak_bytes
+    with pytest.raises(RematError, match="batch 6 does not split into 4"):
+        fit(_llama, batch=6, layout=layout, **asked)
+
+
+def test_the_tightest_rank_is_the_one_judged_and_ties_go_to_the_higher_live_peak():
+    """Two ranks of equal reserved bytes (70 MiB each, the allocator's 2 MiB blocks) whose live
+    peaks differ: the tightest is the one of the higher live peak, the row's column (it was
+    rank 0, the first of the tie, under a live peak of 5.1 vs 5.54 MiB); one that does not fit
+    comes first."""
+    from types import SimpleNamespace
+
+    from remat.layouts.fit_pipeline import RankMemory
+    from remat.layouts.pipeline_walk import Sharding
+
+    memory = RankMemory(_gpu(1 << 40), None, Sharding(), 2)
+    report = SimpleNamespace(rank_peak_bytes=(5_100_000, 5_540_000), tightest_rank=1)
+    rank = lambda fits, reserved: [SimpleNamespace(fits=fits, reserved_bytes=reserved)]  # noqa: E731
+    assert memory.tightest_rank([rank(True, 70 << 20), rank(True, 70 << 20)], report) == 1
+    assert memory.tightest_rank([rank(True, 72 << 20), rank(True, 70 << 20)], report) == 0
+    assert memory.tightest_rank([rank(False, 60 << 20), rank(True, 70 << 20)], report) == 0
+    assert memory.tightest_rank([], report) == report.tightest_rank
 
 
 def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
@@ -357,7 +406,7 @@ def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
     assert gpipe.report(optimizer="sgd").peak_bytes > usable
     found = layout_that_fits(
         _llama, layout=Layout(pp=2, microbatches=4, schedule="gpipe"), gpu=gpu, autocast=None,
-        master_scale=1, optimizer="sgd", shard=1, batch=2, seq=64, usable=usable, progress=None,
+        master_scale=1, optimizer="sgd", shard=1, microbatch=2, seq=64, usable=usable, progress=None,
     )  # fmt: skip
     assert found["schedule"] == "1f1b" and (found["tp"], found["pp"]) == (1, 2)
     assert found["peak_bytes"] <= usable

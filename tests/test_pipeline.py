@@ -160,6 +160,15 @@ def test_a_rank_of_two_interleaved_stages_gets_the_cheapest_pair_of_plans_that_f
         ["--schedule", "1f1b", "--budget", "6.4MiB", "--optimizer", "adamw"],
         ["--schedule", "gpipe"],
         ["--schedule", "interleaved-1f1b"],
+        # transformers' LlamaForCausalLM cut by its own pipeline plan (HFStage)
+        pytest.param(["--schedule", "1f1b", "--model", "hf"], marks=pytest.mark.slow),
+        # a model of one's own, cut by torch's pipeline frontend, remat's plan applied per stage
+        pytest.param(
+            ["--schedule", "1f1b", "--model", "own", "--budget", "4MiB"], marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ["--schedule", "gpipe", "--model", "hf", "--optimizer", "adamw"], marks=pytest.mark.slow
+        ),  # fmt: skip
     ],
     ids=" ".join,
 )
@@ -226,3 +235,70 @@ def test_middle_stages_traced_alike_predict_as_stages_traced_apart():
     assert alike.report(optimizer="adamw").rank_peak_bytes == (
         apart.report(optimizer="adamw").rank_peak_bytes
     )
+
+
+@pytest.mark.parametrize("name", ["hf:meta-llama/Llama-3.2-1B", "hf:google/gemma-2-9b"])
+def test_hugging_face_stages_chain_to_the_whole_models_loss(name):
+    """A transformers model cut by its own pipeline plan (`HFStage`): the stages, run one after
+    another, give the whole model's loss, each holding only its own parameters. Gemma 2 alternates
+    sliding-window and full attention by `config.layer_types[i]` of the stage's own loop index: a
+    stage starting at an odd layer (stage 2 of 3: layer 3) must still slide where layer 3 does."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, (ids, labels) = models.build(
+        name, batch=2, seq=32, device="cpu", tiny=True, num_hidden_layers=4,
+        **({"sliding_window": 8} if "gemma" in name else {}),
+    )  # fmt: skip
+    whole = model(ids, labels)
+    stages = pp.split(model, 3)
+    assert [list(s.layer_indices) for s in stages] == [[0, 1], [2], [3]]
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(stages[-1].loss_fn(x, labels), whole)
+    owned = [{id(p) for p in s.parameters()} for s in stages]
+    assert not (owned[0] & owned[1]) and not (owned[1] & owned[2])
+    assert sum(map(len, owned)) == len({id(p) for p in model.parameters()}) + (
+        model.model.config.tie_word_embeddings  # the tied head: on the first and last stage
+    )
+
+
+class Own(torch.nn.Module):
+    """A model of one's own: embedding, a stack of residual MLP blocks, head."""
+
+    def __init__(self, n: int = 4, d: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, d)
+        self.blocks = torch.nn.Sequential(
+            *(torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                  torch.nn.Linear(2 * d, d)) for _ in range(n))
+        )  # fmt: skip
+        self.head = torch.nn.Linear(d, 100)
+
+    def forward(self, ids):
+        return self.head(self.blocks(self.embed(ids)))
+
+
+def test_a_model_of_ones_own_is_cut_at_its_block_stack_by_torchs_frontend():
+    """No zoo layout, no transformers plan: `split` finds the numbered blocks (as the planner
+    finds blocks), cuts the exported forward before the blocks that begin stages, and the
+    stages chain to the model's output with each block on one stage; a model without repeated
+    blocks is refused by name. Before issue 39: 'cannot cut a Own into pipeline stages'."""
+    from remat.layouts.pipeline_exported import block_stack
+
+    torch.manual_seed(0)
+    model, ids = Own(), torch.randint(0, 100, (2, 8))
+    assert block_stack(model) == "blocks"
+    stages = pp.split(model, 3, ids)
+    assert [list(s.layer_indices) for s in stages] == [[0, 1], [2], [3]]
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(x, model(ids))
+    owned = [{id(p) for p in s.parameters()} for s in stages]
+    assert sum(map(len, owned)) == len({id(p) for p in model.parameters()})
+    labels = torch.randint(0, 100, (2, 8))
+    expected = torch.nn.functional.cross_entropy(x.flatten(0, 1).float(), labels.flatten())
+    torch.testing.assert_close(stages[-1].loss_fn(x, labels), expected)
+    with pytest.raises(RematError, match=r"cannot cut a Linear \(torch.*no repeated blocks"):
+        pp.split(torch.nn.Linear(4, 4), 2, torch.randn(2, 4))

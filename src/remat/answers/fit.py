@@ -169,7 +169,10 @@ def fit(
 
     `layout`: tensor and context parallelism (`remat.layouts.parallel.Layout`): every figure is then one
     rank's, its step traced as that rank runs it (its shards, its collectives); `shard` is the
-    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks."""
+    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks.
+    With pipeline stages, `batch` is still the step's (a data-parallel rank's), cut into
+    `layout.microbatches` micro-batches, as `remat.layouts.pipeline.predict` takes it; the
+    largest batch searched is the largest micro-batch (`extra["microbatch"]`: the asked one)."""
     import time
 
     if precision not in PRECISIONS:
@@ -196,6 +199,12 @@ def fit(
         if compile is not None:
             raise RematError(
                 f"compile={compile!r} is predicted on one rank: leave it out with --pp"
+            )
+        if batch % layout.microbatches:
+            raise RematError(
+                f"batch {batch} does not split into {layout.microbatches} equal micro-batches: "
+                f"give a batch that is a multiple of {layout.microbatches} (the batch is the "
+                "step's, each micro-batch batch / microbatches, as remat.layouts.pipeline takes it)"
             )
         return _pipeline_fit(
             build, model, batch, seq, gpu, precision, optimizer, shard, usable,
@@ -257,18 +266,20 @@ def _pipeline_fit(
     start: float,
     simulate_allocator: bool = True,
 ) -> FitReport:
-    """`fit` of a pipeline-parallel step (`remat.layouts.fit_pipeline`): every figure the tightest
-    rank's, each stage's in `extra["stages"]` (by strategy), `max_batch` the largest micro-batch
-    and `extra["max_microbatches"]` the most micro-batches, by strategy."""
+    """`fit` of a pipeline-parallel step (`remat.layouts.fit_pipeline`) of `batch` samples in
+    `layout.microbatches` micro-batches: every figure the tightest rank's, each stage's in
+    `extra["stages"]` (by strategy), `max_batch` the largest micro-batch and
+    `extra["max_microbatches"]` the most micro-batches, by strategy."""
     import time
 
     from remat.layouts.fit_pipeline import pipeline_rows, stage_table
     from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS
 
     setup = PRECISIONS[precision]
+    microbatch = batch // layout.microbatches
     answer = pipeline_rows(
         build, layout=layout, gpu=gpu, autocast=setup.autocast, master_scale=setup.master_scale,
-        optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
+        optimizer=optimizer, shard=shard, microbatch=microbatch, seq=seq, usable=usable,
         strategies_to_fit=strategies_to_fit, progress=progress,
         simulate_allocator=simulate_allocator,
     )  # fmt: skip
@@ -306,6 +317,7 @@ def _pipeline_fit(
                 name: stage_table(r, answer.reserved.get(name, ()))
                 for name, r in answer.stages.items()
             },
+            "microbatch": microbatch,
             "max_microbatches": {r["strategy"]: r["max_microbatches"] for r in found},
             **({"layout_that_fits": found_layout} if found_layout else {}),
         },
@@ -315,7 +327,7 @@ def _pipeline_fit(
             if simulate_allocator
             else "live bytes within capacity - --reserve"
         ),
-        layout=layout.describe(),
+        layout=layout.describe(tp_plan=answer.tp_plan),
         planner=answer.planner,
     )
     said = advice(report)
@@ -481,7 +493,8 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"store-all fits ({_held(store_all, usable)}): do not "
             "checkpoint; recomputation would only cost time. "
             + (
-                f"The largest batch that fits without recomputation is {store_all.max_batch}."
+                f"The largest {'micro-batch' if 'microbatch' in report.extra else 'batch'} that "
+                f"fits without recomputation is {store_all.max_batch}."
                 if store_all.max_batch
                 else ""
             ),
@@ -515,7 +528,7 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"{expandable[0].strategy} fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
             "the default allocator's fragmentation is what does not fit."
         )
-    if auto is not None and auto.max_batch:
+    if auto is not None and auto.max_batch and "microbatch" not in report.extra:
         lines.append(
             f"a micro-batch of {auto.max_batch} fits with remat's plan: keep the global batch "
             f"with {math.ceil(report.batch / auto.max_batch)} gradient-accumulation steps."

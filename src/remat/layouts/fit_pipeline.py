@@ -24,7 +24,7 @@ from typing import Any
 
 from remat.device.gpus import Gpu
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
-from remat.layouts.parallel import Layout, fake_ranks, tensor_parallel
+from remat.layouts.parallel import Layout, fake_ranks, laid_out
 from remat.layouts.pipeline_traced import TracedPipeline
 from remat.layouts.pipeline_walk import PipelineReport, Sharding
 from remat.planning import strategies
@@ -51,6 +51,8 @@ class PipelineFit:
     planner: Planner | None = None
     #: per strategy, each rank's peak reserved bytes (empty: the allocator not simulated)
     reserved: dict[str, list[int]] = field(default_factory=dict)
+    #: how the tensor-parallel plan laid the model out (`remat.layouts.parallel.laid_out`)
+    tp_plan: tuple[str, bool] | None = None
 
 
 def pipeline_rows(
@@ -62,7 +64,7 @@ def pipeline_rows(
     master_scale: int,
     optimizer: Optimizer,
     shard: int,
-    batch: int,
+    microbatch: int,
     seq: int,
     usable: int,
     strategies_to_fit: Iterable[str],
@@ -72,10 +74,11 @@ def pipeline_rows(
     """Per strategy: the tightest rank's peak, whether every rank fits `usable` (by its reserved
     bytes where `simulate_allocator`, `RankMemory`), the predicted overhead of the slowest stage,
     the largest micro-batch and number of micro-batches, and each stage's prediction
-    (`PipelineReport`). `batch` is the micro-batch size."""
+    (`PipelineReport`), for micro-batches of `microbatch` samples."""
     sharding = Sharding(shard, master_scale)
-    asked = _traced(build, layout, gpu, autocast, batch, seq, progress)
-    doubled = _traced(build, layout, gpu, autocast, 2 * batch, seq, progress)
+    words: list[tuple[str, bool] | None] = []
+    asked = _traced(build, layout, gpu, autocast, microbatch, seq, progress, words)
+    doubled = _traced(build, layout, gpu, autocast, 2 * microbatch, seq, progress)
     memory = RankMemory(gpu, optimizer, sharding, shard * layout.ranks, simulate_allocator)
     rows, stage_reports = [], {}
     reserved: dict[str, list[int]] = {}  # per strategy, each rank's (torch's default settings)
@@ -104,16 +107,16 @@ def pipeline_rows(
                 "fits": memory.fits(memories, report, usable),
                 "overhead": overhead,
                 "gpu_memory": tuple(m.to_dict() for m in memories[tightest]) if memories else (),
-                "max_batch": _largest_microbatch(batch, report, twice, limits),
+                "max_batch": _largest_microbatch(microbatch, report, twice, limits),
                 "max_microbatches": _largest_count(asked, report, limits, optimizer, sharding),
                 "plan": "per stage: "
                 + ", ".join(
                     f"{s.stage} {s.plan.strategy if s.plan else 'store_all'}" for s in report.stages
                 ),
-                "apply": _apply_line(name, layout, batch, seq, budgets, optimizer, gpu),
+                "apply": _apply_line(name, layout, microbatch, seq, budgets, optimizer, gpu),
                 "note": f"tightest: rank {tightest} (stage "
                 + ", ".join(str(s.stage) for s in report.stages if s.rank == tightest)
-                + ")",
+                + (", by its reserved bytes)" if memories else ", by its live peak)"),
             }
         )
         stage_reports[name] = report
@@ -123,14 +126,16 @@ def pipeline_rows(
     if not any(r["fits"] for r in rows):
         found = layout_that_fits(
             build, layout=layout, gpu=gpu, autocast=autocast, master_scale=master_scale,
-            optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
+            optimizer=optimizer, shard=shard, microbatch=microbatch, seq=seq, usable=usable,
             progress=progress, asked=asked,
         )  # fmt: skip
     shown = stage_reports.get("auto") or next(iter(stage_reports.values()), None)
     planner = None
     if shown is not None:
         planner = asked.planner(shown.tightest_stages[0], gpu.profile, optimizer)
-    return PipelineFit(rows, stage_reports, traces, found, planner, reserved)
+    return PipelineFit(
+        rows, stage_reports, traces, found, planner, reserved, next(iter(words), None)
+    )
 
 
 @dataclass(frozen=True)
@@ -162,13 +167,19 @@ class RankMemory:
         return all(rank[0].fits for rank in memories)
 
     def tightest_rank(self, memories: list[list[Any]], report: PipelineReport) -> int:
-        """The tightest rank: by torch's default settings one that does not fit, else the one
-        of most reserved bytes; by live bytes where the allocator is not simulated."""
+        """The tightest rank, by what decides whether a row fits: under torch's default
+        settings one that does not fit, else the one of most reserved bytes, ties going to the
+        higher live peak (the column a row shows); by live bytes where the allocator is not
+        simulated (`PipelineReport.tightest_rank`, as `remat.layouts.pipeline.predict` names it)."""
         if not memories:
             return report.tightest_rank
         return max(
             range(len(memories)),
-            key=lambda r: (not memories[r][0].fits, memories[r][0].reserved_bytes),
+            key=lambda r: (
+                not memories[r][0].fits,
+                memories[r][0].reserved_bytes,
+                report.rank_peak_bytes[r],
+            ),
         )
 
     def limits(self, memories: list[list[Any]], usable: int, ranks: int) -> list[int]:
@@ -215,14 +226,18 @@ def _traced(
     size: int,
     seq: int,
     progress: Callable[[str], None] | None,
+    words: list[tuple[str, bool] | None] | None = None,
 ) -> TracedPipeline:
     """The pipeline of `layout` traced at micro-batch `size`: the model laid out over its
-    tensor-parallel ranks (on a fake process group) and context-parallel sequence, then cut."""
+    tensor-parallel ranks (on a fake process group) and context-parallel sequence, then cut;
+    `words` gets how the tensor-parallel plan laid it out (`laid_out`)."""
 
     def rank_build(b: int, s: int) -> tuple[Any, tuple[Any, ...]]:
         model, inputs = build(b, layout.local_seq(s))
         if layout.tp > 1:
-            tensor_parallel(model, layout.tp, sequence_parallel=layout.sequence_parallel)
+            layout.lay_out(model)
+            if words is not None:
+                words.append(laid_out(model))
         return model, inputs
 
     if progress:
@@ -251,7 +266,7 @@ def layout_that_fits(
     master_scale: int,
     optimizer: Optimizer,
     shard: int,
-    batch: int,
+    microbatch: int,
     seq: int,
     usable: int,
     progress: Callable[[str], None] | None,
@@ -277,7 +292,7 @@ def layout_that_fits(
             if asked is not None and (candidate.tp, candidate.pp) == (layout.tp, layout.pp):
                 traced = asked.with_microbatches(candidate.microbatches, candidate.schedule)
             else:
-                traced = _traced(build, candidate, gpu, autocast, batch, seq, progress)
+                traced = _traced(build, candidate, gpu, autocast, microbatch, seq, progress)
             report = traced.plan(usable, optimizer, gpu.profile, sharding)
         except RematError:
             continue  # does not fit, or the model does not split so (heads, blocks)

@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from torch import nn
 
@@ -57,12 +58,22 @@ def fake_ranks(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def tensor_parallel(
-    model: nn.Module, degree: int, *, sequence_parallel: bool = False, mesh: Any = None
+    model: nn.Module,
+    degree: int,
+    *,
+    sequence_parallel: bool | None = None,
+    mesh: Any = None,
+    plan: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """Lay `model` (a zoo Llama or Megatron-style GPT) out over `degree` tensor-parallel ranks of
-    `mesh` (default: a 1-D CPU mesh over the current process group's first `degree` ranks), in
-    place, and return it. Its inputs stay whole (replicated); with `sequence_parallel`, the
-    Megatron stack (which has no embedding) takes this rank's sequence shard instead."""
+    """Lay `model` out over `degree` tensor-parallel ranks of `mesh` (default: a 1-D CPU mesh
+    over the current process group's first `degree` ranks), in place, and return it.
+
+    The zoo's Llama and Megatron-style GPT take torchtitan's / Megatron-LM's plan (with
+    `sequence_parallel`, the Megatron stack, which has no embedding, takes this rank's sequence
+    shard); any other model its own plan (`remat.layouts.parallel_plans`): `plan` if given, else
+    a Hugging Face model's (`base_model_tp_plan`, found under remat's `hf:` wrappers) or a
+    `tp_plan` attribute of one's own, which has no sequence parallelism unless it says so.
+    `layout_words(model)` says afterwards which modules were sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -70,12 +81,9 @@ def tensor_parallel(
         raise RematError(f"tensor-parallel degree {degree}: must be at least 1")
     layers = getattr(model, "layers", None)
     plan_of = _PLANS.get(type(model).__name__)
-    if plan_of is None or layers is None:
-        raise RematError(
-            f"no tensor-parallel plan for {type(model).__name__}: remat lays out its zoo's "
-            f"{' and '.join(_PLANS)}; lay out your model with torch's parallelize_module inside "
-            "remat.layouts.parallel.fake_ranks(world_size) and trace it as any model"
-        )
+    if plan is not None or plan_of is None or layers is None:
+        return _tensor_parallel_by_plan(model, degree, sequence_parallel, mesh, plan)
+    sequence_parallel = bool(sequence_parallel)
     _check_divisible(model, degree)
     if degree == 1:
         return model
@@ -86,7 +94,79 @@ def tensor_parallel(
         parallelize_module(model, mesh, top)
     for layer in layers:
         parallelize_module(layer, mesh, per_layer)
+    tied = " (head tied to the embedding: both whole)" if _tied_embeddings(model) else ""
+    _LAID_OUT[model] = (
+        f"{'torchtitan' if type(model).__name__ == 'Llama' else 'Megatron-LM'}'s plan of "
+        f"{type(model).__name__}{tied}",
+        sequence_parallel,
+    )
     return model
+
+
+#: What `tensor_parallel` did to each model it laid out: whose plan sharded which modules, in
+#: words, and whether with sequence parallelism (`laid_out`).
+_LAID_OUT: WeakKeyDictionary[nn.Module, tuple[str, bool]] = WeakKeyDictionary()
+
+
+def laid_out(model: nn.Module) -> tuple[str, bool] | None:
+    """How `tensor_parallel` laid `model` out: whose plan sharded which modules, in words, and
+    whether with sequence parallelism; None if it did not."""
+    return _LAID_OUT.get(model)
+
+
+def layout_words(model: nn.Module) -> str | None:
+    """`laid_out` in one phrase ("transformers' plan of LlamaForCausalLM: colwise q_proj, ...,
+    no sp")."""
+    got = laid_out(model)
+    return None if got is None else got[0] + (" + sp" if got[1] else ", no sp")
+
+
+def default_sequence_parallel(model: nn.Module) -> bool:
+    """Whether a layout that does not say takes sequence parallelism: the zoo's transformers as
+    torchtitan lays them out do; a model laid out by its own plan does as its plan says (no
+    transformers plan does)."""
+    return type(model).__name__ in _PLANS and hasattr(model, "layers")
+
+
+def _tensor_parallel_by_plan(
+    model: nn.Module,
+    degree: int,
+    sequence_parallel: bool | None,
+    mesh: Any,
+    plan: dict[str, Any] | None,
+) -> nn.Module:
+    """`tensor_parallel` for a model laid out by its own plan (`parallel_plans.plan_of`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from remat.layouts.parallel_plans import apply_plan, inner_model, no_plan_message, plan_of
+
+    inner = inner_model(model)
+    found = plan_of(inner, plan)
+    if found is None:
+        raise RematError(no_plan_message(inner, degree))
+    if sequence_parallel:
+        raise RematError(
+            f"sequence parallelism is not in {found.source}: leave it out (--no-sp), or give a "
+            "plan with torch's SequenceParallel on the norms and the layouts between them "
+            "(tensor_parallel(model, degree, plan=...))"
+        )
+    _check_heads(inner, degree)
+    if degree > 1:
+        apply_plan(inner, found, mesh if mesh is not None else init_device_mesh("cpu", (degree,)))
+    _LAID_OUT[model] = (found.describe(), False)
+    return model
+
+
+def _check_heads(model: nn.Module, degree: int) -> None:
+    """A Hugging Face config's heads must split over the ranks (each rank its share of heads)."""
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(config, field, None)
+        if isinstance(n, int) and n % degree:
+            raise RematError(
+                f"{type(model).__name__}: {field}={n} does not split over tensor-parallel degree "
+                f"{degree}: choose a degree that divides it"
+            )
 
 
 def _check_divisible(model: nn.Module, degree: int) -> None:
@@ -208,7 +288,8 @@ class Layout:
 
     tp: int = 1
     cp: int = 1
-    sequence_parallel: bool = True
+    #: None: as the model's plan has it (the zoo's with, transformers' without; `--sp`/`--no-sp`)
+    sequence_parallel: bool | None = None
     #: pipeline stages, one per rank (`remat.layouts.pipeline`), the micro-batches of a step (default:
     #: one per stage) and torch's schedule that runs them
     pp: int = 1
@@ -263,11 +344,20 @@ class Layout:
             graph = trace(model, *inputs, **trace_kwargs)
         else:
             with fake_ranks(self.tp):
-                tensor_parallel(model, self.tp, sequence_parallel=self.sequence_parallel)
+                self.lay_out(model)
                 graph = trace(model, *inputs, **trace_kwargs)
+            graph.info["tp_plan"] = laid_out(model)
         if self.cp > 1:
             graph.info["context_parallel"] = "local chunk (seq / cp)"
         return graph
+
+    def lay_out(self, model: nn.Module) -> nn.Module:
+        """`model` laid out over this layout's `tp` ranks (inside `fake_ranks`), with sequence
+        parallelism as asked, else as its plan has it (`default_sequence_parallel`)."""
+        sp = self.sequence_parallel
+        if sp is None:
+            sp = default_sequence_parallel(model)
+        return tensor_parallel(model, self.tp, sequence_parallel=sp)
 
     def _trace_ring(self, build: Any, batch: int, seq: int, **trace_kwargs: Any) -> Any:
         """The step under torch's `context_parallel` over `cp` fake ranks (see `trace`); raises
@@ -290,10 +380,14 @@ class Layout:
         graph.info["context_parallel"] = "torch ring attention"
         return graph
 
-    def describe(self, graph: Any = None) -> str:
+    def describe(self, graph: Any = None, tp_plan: tuple[str, bool] | None = None) -> str:
         """The layout in words; with a rank's traced `graph`, how context parallelism was traced
-        in it (`trace`)."""
-        parts = [f"tp {self.tp}" + (" + sp" if self.sequence_parallel else "")] * (self.tp > 1)
+        in it (`trace`) and which modules its tensor-parallel plan sharded (or `tp_plan`, as
+        `laid_out` gives it): "tp 2 + sp (torchtitan's plan of Llama)"."""
+        got = tp_plan if graph is None else graph.info.get("tp_plan")
+        words, sp = got if got else (None, self.sequence_parallel)
+        tp = f"tp {self.tp}" + (" + sp" if sp else "") + (f" ({words})" if words else "")
+        parts = [tp] * (self.tp > 1)
         parts += [f"cp {self.cp}"] * (self.cp > 1)
         parts += [f"pp {self.pp} ({self.schedule}, {self.microbatches} micro-batches)"] * (
             self.pp > 1

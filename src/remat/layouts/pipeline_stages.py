@@ -121,23 +121,44 @@ def _layout(model: nn.Module) -> _Layout:
     layout = _LAYOUTS.get(type(model))
     if layout is None:
         known = ", ".join(cls.__name__ for cls in _LAYOUTS)
-        raise RematError(f"cannot cut a {type(model).__name__} into pipeline stages: only {known}")
+        cls = type(model)
+        raise RematError(
+            f"cannot cut a {cls.__name__} ({cls.__module__}) into pipeline stages: remat cuts its "
+            f"zoo's {known} and transformers models with a base_model_pp_plan; for a model of "
+            "your own, cut it into stage modules (each forward(x) -> the next stage's input, the "
+            "last's a loss_fn(output, labels)) and trace each with remat.trace"
+        )
     if getattr(model, "loss_chunks", 0):
         raise RematError("a chunked loss (loss_chunks > 0) is not supported on a pipeline stage")
     return layout
 
 
-def split(model: nn.Module, stages: int) -> list[Stage]:
+def split(model: nn.Module, stages: int, example: torch.Tensor | None = None) -> list[Stage]:
     """`model`'s blocks cut into `stages` contiguous runs, evenly; when they do not divide, the
     first stages get one block more (as `numpy.array_split`; torchtitan's default also weighs the
-    embedding and the head as blocks, which this does not)."""
-    blocks = len(getattr(model, _layout(model).layers))
+    embedding and the head as blocks, which this does not). The zoo's Llama and GPT are cut as
+    torchtitan cuts them; a transformers model (under remat's `hf:` wrappers too) by its own
+    pipeline plan (`remat.layouts.pipeline_hf.HFStage`); any other model with a repeated block
+    stack by torch's pipeline frontend, traced on `example`, its first input
+    (`remat.layouts.pipeline_exported.ExportedStage`)."""
+    from remat.layouts.parallel_plans import inner_model
+    from remat.layouts.pipeline_exported import split_exported
+    from remat.layouts.pipeline_hf import HFStage, hf_parts
+
+    model = inner_model(model)
+    parts = None if type(model) in _LAYOUTS else hf_parts(model)
+    if parts is None and type(model) not in _LAYOUTS and example is not None:
+        return split_exported(model, stages, example)  # type: ignore[return-value]
+    if parts is not None:
+        blocks, make = len(getattr(parts[0], parts[1])), HFStage
+    else:
+        blocks, make = len(getattr(model, _layout(model).layers)), Stage
     if not 1 <= stages <= blocks:
         raise RematError(f"cannot cut {blocks} blocks into {stages} stages: need 1..{blocks}")
     base, extra = divmod(blocks, stages)
     out, start = [], 0
     for i in range(stages):
         stop = start + base + (i < extra)
-        out.append(Stage(model, i, stages, range(start, stop)))
+        out.append(make(model, i, stages, range(start, stop)))
         start = stop
     return out

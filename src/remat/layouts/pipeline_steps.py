@@ -15,6 +15,7 @@ from remat.graph import Graph
 from remat.layouts.pipeline_stages import Stage
 from remat.prediction.estimate import trainable_param_bytes
 from remat.prediction.schedule import Simulation
+from remat.tracing.hfcompat import as_real_run
 from remat.tracing.trace import trace
 
 
@@ -136,7 +137,7 @@ def trace_stages(
         graph = trace(stage, arg, loss_fn=loss_fn, **trace_options)
         if middle:
             alike[len(stage.layer_indices)] = graph
-        with torch.no_grad():
+        with torch.no_grad(), as_real_run({}):  # the next stage's input, shape only on meta
             x = stage(x)
         out.append(
             TracedStage(

@@ -194,7 +194,9 @@ class TracedPipeline:
         counts = in_flight(schedule, stages, microbatches, ranks)
         model, (ids, labels) = build(size, seq)
         model.train()
-        traced = trace_stages(split(model, stages), ids, labels, ranks, trace_options, reuse_alike)
+        traced = trace_stages(
+            split(model, stages, ids), ids, labels, ranks, trace_options, reuse_alike
+        )
         return cls(traced, schedule, microbatches, size, ranks, order, counts)
 
     def with_microbatches(self, microbatches: int, schedule: str | None = None) -> TracedPipeline:

@@ -122,7 +122,12 @@ def build(
         model, inputs = factory.load(name, **kw, tiny=tiny, overrides=overrides)
     else:
         preset = _lookup(name)
-        config = preset.fit_seq(_configure(name, preset, tiny, overrides), seq)
+        config = _configure(name, preset, tiny, overrides)
+        if "max_seq_len" not in overrides and hasattr(config, "max_seq_len"):
+            # a RoPE table of the run's positions, as torchtitan sizes it (training.seq_len), not
+            # the preset's pretraining length: a buffer every rank and stage would hold unseen
+            config = replace(config, max_seq_len=seq)
+        config = preset.fit_seq(config, seq)
         with torch.device(device):
             model = preset.model(config).to(dtype)
         inputs = preset.inputs(config, batch, seq, dtype, device)

@@ -12,7 +12,8 @@ shapes, so their parameter counts are the models' own: 6.74e9, 1.24e9, 3.21e9, 8
 
 Llama 3.1's long-context RoPE frequency scaling is left out: it changes the values of the table,
 not any shape, memory or time. The table is a buffer (not a parameter, not in the state dict)
-sized to `max(seq, max_seq_len)`, kept complex64 whatever the model's dtype, as torchtitan keeps it.
+sized to the run's `seq` (to `max(seq, max_seq_len)` where `max_seq_len` is given), as torchtitan sizes
+it to `training.seq_len`, and kept complex64 whatever the model's dtype, as torchtitan keeps it.
 """
 
 from __future__ import annotations

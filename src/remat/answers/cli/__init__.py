@@ -21,6 +21,7 @@ from remat.answers.cli.common import (
     add_offload_args,
     add_optimizer_arg,
     add_profile_arg,
+    add_tp_args,
     positive_int,
 )
 from remat.answers.cli.demo import cmd_demo
@@ -94,12 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "allocated and reserved bytes (the caching allocator, default and expandable segments), "
         "CUDA context and nvidia-smi",
     )
-    est.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="one tensor-parallel rank's step (with sequence parallelism; docs/parallelism.md)",
-    )
+    add_tp_args(est)
     est.add_argument(
         "--cp", type=positive_int, default=1, help="one context-parallel rank's step (seq / cp)"
     )
@@ -128,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="llama-3.1-8b", help="as for estimate (default: %(default)s)"
     )
     ft.add_argument(
-        "--batch", type=positive_int, default=1, help="micro-batch (default: %(default)s)"
+        "--batch",
+        type=positive_int,
+        help="samples in one step on a rank (a micro-batch of gradient accumulation); with --pp "
+        "the step's, cut into --microbatches micro-batches, as remat.layouts.pipeline.predict "
+        "takes it (default: 1; with --pp one sample a micro-batch)",
     )
     ft.add_argument(
         "--seq", type=positive_int, default=4096, help="sequence length (default: %(default)s)"
@@ -176,14 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="FSDP2 / ZeRO-3 ranks that share parameters, gradients and optimizer state (default: %(default)s)",
     )
-    ft.add_argument(
-        "--tp",
-        type=positive_int,
-        default=1,
-        help="tensor-parallel ranks (torch's parallelize_module with sequence parallelism, as "
-        "torchtitan lays out Llama): each rank's step is traced with its shards and collectives "
-        "(default: %(default)s)",
-    )
+    add_tp_args(ft)
     ft.add_argument(
         "--pp",
         type=positive_int,
@@ -225,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_args(pl)
     add_budget_arg(pl)
+    add_tp_args(pl)
     pl.add_argument(
         "--strategy",
         default="auto",

@@ -265,4 +265,24 @@ def layout_of(args: argparse.Namespace) -> Any:
         pp=getattr(args, "pp", 1),
         microbatches=getattr(args, "microbatches", 0) or 0,
         schedule=getattr(args, "schedule", "1f1b"),
+        sequence_parallel=getattr(args, "sp", None),
+    )
+
+
+def add_tp_args(parser: argparse.ArgumentParser) -> None:
+    """--tp and --sp / --no-sp: one tensor-parallel rank's step, laid out by the model's plan."""
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="one tensor-parallel rank's step (torch's parallelize_module): the zoo's Llama and "
+        "GPT as torchtitan / Megatron-LM lay them out, a Hugging Face model by its own "
+        "base_model_tp_plan, a model of your own by its tp_plan attribute (docs/parallelism.md)",
+    )
+    parser.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism with --tp (default: as the model's plan has it: on for the "
+        "zoo's, off for transformers')",
     )

@@ -50,7 +50,7 @@ def _fit_caption(report: Any) -> str:
 def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     """The `remat fit` command of these arguments under another precision, optimizer and rank
     count: what the advice says fits, to run as printed."""
-    parts = ["remat", "fit", "--model", args.model, "--batch", str(args.batch)]
+    parts = ["remat", "fit", "--model", args.model, "--batch", str(setup.get("batch", args.batch))]
     parts += ["--seq", str(args.seq)]
     parts += ["--capacity", args.capacity] if args.capacity else []
     parts += ["--gpu", args.gpu] if args.gpu else []
@@ -85,6 +85,8 @@ def fit_report(
     from remat.answers.fit_steps import PRECISIONS
     from remat.device.gpus import custom_gpu, get_gpu
 
+    if getattr(args, "batch", None) is None:  # one sample a micro-batch
+        args.batch = layout_of(args).microbatches if getattr(args, "pp", 1) > 1 else 1
     gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
     overrides = models.parse_overrides(args.set)
 
@@ -138,6 +140,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     if laid_out:  # a pipeline that fits laid out otherwise, asked precision and ranks
         found = {"precision": args.precision, "optimizer": report.optimizer, "shard": args.shard}
         found |= {k: laid_out[k] for k in ("tp", "pp", "microbatches", "schedule")}
+        # the same micro-batch, so the step's batch grows with the micro-batches
+        found["batch"] = report.extra["microbatch"] * laid_out["microbatches"]
     run = [f"run: {_fit_command(args, found)}"] if found else []
     if args.html:
         from remat.answers.html import write_report
@@ -159,8 +163,12 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             answer["offload"] = offloaded.to_dict()
         print(json.dumps(answer, indent=2))
         return 0
+    micro = report.extra.get("microbatch")
+    batch = f"batch {args.batch}" + (
+        f" ({args.batch // micro} micro-batches of {micro})" if micro is not None else ""
+    )
     title = (
-        f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
+        f"{model_name(args)}, {batch}, seq {args.seq}, {args.precision}, "
         f"{report.optimizer or 'no optimizer'}, on {gpu}"
         + (f", sharded over {args.shard} ranks" if args.shard > 1 else "")
         + (f", {report.layout}" if report.layout else "")

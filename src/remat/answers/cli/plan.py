@@ -38,7 +38,10 @@ def show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> i
 
     with console.status(f"resolving the budget {args.budget} ..."):
         budget_bytes = planner.budget_bytes(args.budget)
+    layout = planner.graph.info.get("layout")
     if not args.json:
+        if layout:  # --tp / --cp: whose plan sharded which modules
+            console.print(f"one rank of {layout}", markup=False)
         console.print(
             f"budget {args.budget}: {format_bytes(budget_bytes)} ({describe_budget(args.budget)})"
         )
@@ -52,6 +55,7 @@ def show_plan(planner: Planner, args: argparse.Namespace, console: Console) -> i
         "seq": args.seq,
         "dtype": args.dtype,
         "budget": args.budget,
+        **({"layout": layout} if layout else {}),
     }
     if args.out:
         with open(args.out, "w") as f:
