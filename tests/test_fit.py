@@ -228,6 +228,64 @@ def test_rows_are_judged_by_the_caching_allocators_reserved_bytes():
         assert "expandable_segments:False" in report.allocator
 
 
+def _agrees(row, batch: int, seq: int) -> bool:
+    """A row's verdict and its maxima agree: a row that fits names at least what was asked, one
+    that does not names less (or nothing)."""
+    if row.fits:
+        return row.max_batch >= batch and row.max_seq >= seq
+    return (row.max_batch or 0) < batch and (row.max_seq or 0) < seq
+
+
+def test_fits_and_the_largest_batch_and_sequence_are_judged_by_one_rule():
+    """Where the allocator is simulated, `fits`, `max batch` and `max seq` are all its judgement:
+    on a GPU where batch 2's reserved bytes do not fit but its live bytes would, no row says "no"
+    next to a maximum of 2 or more (store-all, Megatron's and torchtitan's selective did: the
+    maxima were searched on live bytes); the step at each maximum fits the allocator, one more
+    does not."""
+    from remat.device.gpus import allocator_limit_bytes
+    from remat.planning import strategies
+    from remat.planning.planner import Planner
+    from remat.prediction.gpu_memory import gpu_memory
+
+    big = _gpu(1 << 40)
+    outside = big.capacity_bytes - allocator_limit_bytes(big)
+
+    def memory(gpu, strategy: str, batch: int, seq: int):
+        model, inputs = _build(batch, seq)
+        planner = Planner(remat.trace(model, *inputs, target=big.target), gpu.profile, "sgd")
+        p = planner.solve(strategies.get(strategy, "eager"), planner.estimate.peak_bytes)
+        return gpu_memory(planner.graph, gpu, p.regions, "sgd")
+
+    at2 = memory(big, "store_all", 2, 64)
+    gpu = _gpu(at2.requested_bytes + outside + (at2.reserved_bytes - at2.requested_bytes) // 6)
+    asked = {"batch": 2, "seq": 64, "precision": "fp32", "optimizer": "sgd"}
+    report = fit(_build, model="gpt2", gpu=gpu, max_batch=64, max_seq=1024, **asked)
+    assert {r.fits for r in report.rows} == {True, False}
+    for row in report.rows:
+        assert _agrees(row, 2, 64), (row.strategy, row.fits, row.max_batch, row.max_seq)
+        if row.strategy == "auto" or not row.max_batch:
+            continue
+        assert memory(gpu, row.strategy, row.max_batch, 64).fits, row.strategy
+        assert not memory(gpu, row.strategy, row.max_batch + 1, 64).fits, row.strategy
+
+
+@pytest.mark.slow
+def test_fits_and_maxima_agree_for_llama_3_2_1b_on_an_rtx_4090():
+    """The case a user met: Llama 3.2 1B at seq 2048 on an RTX 4090 said `selective:megatron ...
+    no ... max batch 1, max seq 2048` and `selective:torchtitan ... no ... max batch 2`."""
+    from remat.device.gpus import get_gpu
+
+    def build(batch: int, seq: int):
+        return models.build("llama-3.2-1b", batch=batch, seq=seq, dtype="fp32", device="meta")
+
+    report = fit(
+        build, model="llama-3.2-1b", batch=1, seq=2048, gpu=get_gpu("rtx4090"),
+        strategies_to_fit=("selective:megatron", "selective:torchtitan"),
+    )  # fmt: skip
+    for row in report.rows:
+        assert _agrees(row, 1, 2048), (row.strategy, row.fits, row.max_batch, row.max_seq)
+
+
 def test_when_nothing_fits_the_advice_ends_with_a_command_that_fits(capsys):
     """`fit` searches precision, optimizer and ranks for a setup that fits at the least cost and
     prints it as one command; run as printed, that command answers "fits"."""
