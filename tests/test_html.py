@@ -312,3 +312,42 @@ def test_the_page_does_not_overflow_a_phone_or_a_desktop(report, tmp_path, width
     png = tmp_path / f"report-{width}.png"
     shot = chromium(window, "--virtual-time-budget=5000", f"--screenshot={png}", probe.as_uri())
     assert shot.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sharded_fit_page_shows_one_ranks_step_everywhere(tmp_path, capsys):
+    """`remat fit --shard 4 --html`: the cards, the plots, the frontier, the strategies and the
+    chosen plan are the rank's step the fit table judges (they were the unsharded step's:
+    store-all 109 GiB on the page, 28.8 GiB in the table), and the header says so."""
+    from remat.answers.cli import main
+
+    page = tmp_path / "fit.html"
+    asked = ["fit", "--model", "gpt2", "--tiny", "--batch", "2", "--seq", "64"]
+    asked += ["--precision", "fp32", "--optimizer", "adamw", "--reserve", "0"]
+    # 3 MiB a rank: store-all does not fit, a selective plan does
+    assert main([*asked, "--capacity", "3MiB", "--shard", "4", "--html", str(page)]) == 0
+    capsys.readouterr()
+    text = page.read_text(encoding="utf-8")
+    data = data_block(text)
+    rows = {r["strategy"]: r for r in data["fit"]}
+    assert rows["store_all"]["fits"] == "no" and rows["auto"]["fits"] == "yes"
+    assert data["per_rank"]["shard"] == 4
+    assert "per rank: FSDP2 over 4 ranks" in re.search(r"<h1>(.*?)</h1>", text).group(1)
+    # the cards and the plots are the table's rank
+    assert data["estimate"]["peak_bytes"] == rows["store_all"]["peak_bytes"]
+    assert data["chosen"]["predicted_peak_bytes"] == rows["auto"]["peak_bytes"]
+    timelines = {t["label"]: t["peak_bytes"] for t in data["timelines"]}
+    assert timelines["store_all"] <= rows["store_all"]["peak_bytes"]
+    assert max(timelines.values()) <= rows["store_all"]["peak_bytes"]
+    named = {p["strategy"]: p["predicted_peak_bytes"] for p in data["frontier"]["named"]}
+    assert named["store_all"] == rows["store_all"]["peak_bytes"]
+    assert named["full"] == rows["full"]["peak_bytes"]
+    strategies = {c["strategy"]: c.get("predicted_peak_bytes") for c in data["comparison"]}
+    assert strategies["full"] == rows["full"]["peak_bytes"]
+    card = re.search(r'store-all peak</div><div class="v">([^<]*)<', text).group(1)
+    assert card == format_bytes(rows["store_all"]["peak_bytes"])
+    # and not the whole model's, which is larger
+    model, inputs = models.build("gpt2", batch=2, seq=64, tiny=True, device="meta")
+    whole = remat.estimate(remat.trace(model, *inputs), optimizer="adamw").peak_bytes
+    assert whole > rows["store_all"]["peak_bytes"]
+    # every figure's title names the rank
+    assert text.count("(per rank: FSDP2 over 4 ranks)") >= 4

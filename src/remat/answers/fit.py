@@ -109,7 +109,8 @@ class FitReport:
 
 
 def _row_dict(row: FitRow) -> dict[str, Any]:
-    out = asdict(row)
+    out = asdict(replace(row, solved=None))
+    del out["solved"]
     judged = row.gpu_memory[0] if row.gpu_memory else {}
     for key in ("requested_bytes", "allocated_bytes", "reserved_bytes", "nvidia_smi_bytes"):
         out[key] = judged.get(key)

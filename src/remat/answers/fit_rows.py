@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,8 @@ class FitRow:
     # as the GPU reports the step (`remat.prediction.gpu_memory`), by allocator setting; empty when the
     # allocator is not simulated (a --reserve given)
     gpu_memory: tuple[dict[str, Any], ...] = ()
+    #: the `Plan` behind `plan`, of the whole-model step (a page shows it per rank); not data
+    solved: Any = field(default=None, repr=False, compare=False)
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -118,7 +120,8 @@ def fit_row(
             max_seq=None,
             note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
             gpu_memory=tuple(m.to_dict() for m in memories),
-            )
+            solved=p,
+        )
     limits: list[str] = []
 
     def fits_batch(b: int) -> bool:
@@ -226,6 +229,7 @@ def fit_row(
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
         note=_allocator_note(memories) + (f"max seq: {limits[-1]}" if limits else ""),
         gpu_memory=tuple(m.to_dict() for m in memories),
+        solved=p,
     )
 
 

@@ -139,18 +139,28 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         found |= {k: laid_out[k] for k in ("tp", "pp", "microbatches", "schedule")}
     run = [f"run: {_fit_command(args, found)}"] if found else []
     if args.html:
+        from remat.answers.fit_steps import PRECISIONS
         from remat.answers.html import write_report
+        from remat.answers.per_rank import RankView
 
+        # the page answers for the step the table judges: one rank's, under remat's plan
+        auto = next((r.solved for r in report.rows if r.strategy == "auto"), None)
         write_report(
             args.html,
             report.planner,
             title=f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}"
-            + (f", one rank of {report.layout}" if report.layout else "")
             + (" (its step: the tightest rank's first stage)" if "stages" in report.extra else ""),
             budget_bytes=report.usable_bytes,
+            chosen=auto,
             fit_rows=report.table_rows(),
             advice=[*report.advice, *run],
             fit_caption=_fit_caption(report),
+            rank=RankView(
+                report.planner,
+                report.shard,
+                PRECISIONS[report.precision].master_scale,
+                report.layout,
+            ),
         )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
