@@ -445,7 +445,7 @@ def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys, tmp_path):
     assert [s["in flight"] for s in stages] == ["2", "1"]  # 1F1B: p - i
     page = tmp_path / "fit.html"
     assert main([*fit_args, *layout[:-1], "--html", str(page)]) == 0
-    assert "one rank of tp 2 + sp, pp 2" in page.read_text()
+    assert "per rank: tp 2 + sp, pp 2" in page.read_text()
 
 
 def test_ctrl_c_ends_in_one_line_and_exit_130(monkeypatch, capsys):
