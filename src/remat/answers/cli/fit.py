@@ -121,9 +121,51 @@ def fit_report(
         )
 
 
-def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from remat.answers.report import compact_table
+def fit_cells(report: Any, batch: int, seq: int, pipeline: bool = False):
+    """The fit table's headers and rows of cells (markup), one row per strategy."""
     from remat.units import format_bytes
+
+    simulated = any(r.gpu_memory for r in report.rows)
+    headers = [
+        "strategy",
+        "peak\n(live)",
+        "fits",
+        "step\ntime",
+        f"max batch\n(seq {seq})",
+        f"max seq\n(batch {batch})",
+    ]
+    if pipeline:  # micro-batches, no sequence search
+        headers[-2:] = [f"max micro-\nbatch (seq {seq})"]
+    if simulated:
+        headers[2:2] = ["allocated", "reserved", "expand-\nable"]
+    rows = []
+    for r in report.rows:
+        # a simulation that ran out of memory stopped at the limit: its peaks are not the step's
+        memory = [
+            "OOM" if m["out_of_memory"] else format_bytes(m[k])
+            for m in r.gpu_memory[:1]
+            for k in ("allocated_bytes", "reserved_bytes")
+        ]
+        expandable = [
+            "OOM" if m["out_of_memory"] else format_bytes(m["reserved_bytes"])
+            for m in r.gpu_memory[1:2]
+        ]
+        rows.append(
+            [
+                r.strategy,
+                "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
+                *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
+                "[green]yes[/green]" if r.fits else "[red]no[/red]",
+                "-" if r.overhead is None else f"+{r.overhead:.1%}",
+                str(r.max_batch) if r.max_batch else "-",
+                *([] if pipeline else [str(r.max_seq) if r.max_seq else "-"]),
+            ]
+        )
+    return headers, rows
+
+
+def cmd_fit(args: argparse.Namespace, console: Console) -> int:
+    from remat.answers.report import fitting_table
 
     writable(args.html, "--html")
     if args.ac and args.compile != "blocks":
@@ -172,44 +214,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         + (f", {report.layout}" if report.layout else "")
         + (" (per-rank figures)" if args.shard > 1 or report.layout else "")
     )
-    table = compact_table(title)
-    simulated = any(r.gpu_memory for r in report.rows)
-    columns = [
-        "strategy",
-        "peak\n(live)",
-        "fits",
-        "step\ntime",
-        f"max batch\n(seq {args.seq})",
-        f"max seq\n(batch {args.batch})",
-    ]
-    if getattr(args, "pp", 1) > 1:  # a pipeline: micro-batches, no sequence search
-        columns[-2:] = [f"max micro-\nbatch (seq {args.seq})"]
-    if simulated:
-        columns[2:2] = ["allocated", "reserved", "expand-\nable"]
-    for col in columns:
-        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
-    for r in report.rows:
-        # a simulation that ran out of memory stopped at the limit: its peaks are not the step's
-        memory = [
-            "OOM" if m["out_of_memory"] else format_bytes(m[k])
-            for m in r.gpu_memory[:1]
-            for k in ("allocated_bytes", "reserved_bytes")
-        ]
-        expandable = [
-            "OOM" if m["out_of_memory"] else format_bytes(m["reserved_bytes"])
-            for m in r.gpu_memory[1:2]
-        ]
-        cells = [
-            r.strategy,
-            "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
-            *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
-            "[green]yes[/green]" if r.fits else "[red]no[/red]",
-            "-" if r.overhead is None else f"+{r.overhead:.1%}",
-            str(r.max_batch) if r.max_batch else "-",
-            *([] if getattr(args, "pp", 1) > 1 else [str(r.max_seq) if r.max_seq else "-"]),
-        ]
-        table.add_row(*cells)
-    table.caption = _fit_caption(report)
+    headers, rows = fit_cells(report, args.batch, args.seq, pipeline=getattr(args, "pp", 1) > 1)
+    table = fitting_table(console, title, headers, rows, _fit_caption(report))
     console.print(table)
     by_note: dict[str, list[str]] = {}
     for r in report.rows:
@@ -232,19 +238,15 @@ def _print_stages(console: Console, report: Any) -> None:
     """A pipeline's stages under remat's plan (auto), or the first strategy fitted: per stage,
     its rank, blocks, micro-batches in flight, bytes held per micro-batch, fixed bytes and its
     rank's peak; and the most micro-batches each strategy fits."""
-    from remat.answers.report import compact_table
+    from remat.answers.report import fitting_table
 
     stages = report.extra.get("stages")
     if not stages:
         return
     name = "auto" if "auto" in stages else next(iter(stages))
-    table = compact_table(f"stages under {name}, per rank")
     rows = stages[name]
-    for col in rows[0]:
-        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*(escape(v) for v in row.values()))
-    console.print(table)
+    cells = [[escape(v) for v in row.values()] for row in rows]
+    console.print(fitting_table(console, f"stages under {name}, per rank", list(rows[0]), cells))
     counts = report.extra.get("max_microbatches", {})
     if counts:
         most = ", ".join(f"{k} {v if v else '-'}" for k, v in counts.items())
