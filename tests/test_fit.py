@@ -419,3 +419,46 @@ def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
     )  # fmt: skip
     assert found["schedule"] == "1f1b" and (found["tp"], found["pp"]) == (1, 2)
     assert found["peak_bytes"] <= usable
+
+
+def test_the_json_carries_the_advice_its_apply_line_and_the_command(capsys):
+    """`fit --json` has the advice as fields: `advice`, the row it applies (`advised`, a row of the
+    table), the `apply` line with its budget in units and what that budget is made of, and `run`
+    (the command that fits, None when the asked setup does). The apply line, run as printed, makes
+    a plan within its budget; under --shard the budget says what sharding adds to a rank's."""
+    import json
+    import re
+
+    from remat.answers.cli import main
+    from remat.units import parse_bytes
+
+    asked = ["fit", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "256"]
+    asked += ["--precision", "bf16-mixed", "--optimizer", "adamw", "--reserve", "0"]
+    assert main([*asked, "--capacity", "80GiB", "--json"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["advised"] is None and roomy["apply"] is None and roomy["run"] is None
+    peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["rows"]}
+    capacity = (peaks["store_all"] + peaks["full"]) // 2  # store-all does not fit, full does
+
+    assert main([*asked, "--capacity", f"{capacity}B", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in answer["rows"]}
+    assert not rows["store_all"]["fits"]
+    advised = answer["advised"]
+    assert advised["strategy"] in rows and rows[advised["strategy"]]["fits"]
+    assert answer["apply"] == rows[advised["strategy"]]["apply"]
+    assert answer["apply"] in answer["advice"][0] and answer["run"] is None
+    budget = re.search(r'budget="([0-9.]+[GM]iB)"', answer["apply"]).group(1)
+    assert "# the live bytes the step may reach on custom-" in answer["apply"]
+    model, inputs = models.build("gpt2", batch=4, seq=256, tiny=True)
+    plan = eval(answer["apply"], {"remat": remat, "model": model, "inputs": inputs})
+    assert plan.predicted_peak_bytes <= parse_bytes(budget)
+
+    assert main([*asked, "--capacity", f"{capacity}B", "--shard", "4", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    made = re.search(
+        r'budget="([0-9.]+[GM]iB)".*# the whole model\'s step: (.+) a rank \+ (.+) of '
+        r"parameters, gradients and optimizer state that sharding over 4 ranks takes off each",
+        sharded["apply"] or sharded["rows"][-1]["apply"],
+    )
+    assert made, sharded["rows"][-1]["apply"]

@@ -11,6 +11,7 @@ judge the steps of `remat.answers.fit_steps`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,7 +221,7 @@ def fit_row(
         )
     return FitRow(
         strategy=name,
-        apply=_apply_line(p, steps),
+        apply=_apply_line(p, steps, planner, usable),
         plan=p.strategy,
         peak_bytes=peak,
         fits=row_fits,
@@ -319,14 +320,37 @@ def compiled_row(
     )
 
 
-def _apply_line(p: Any, steps: FitSteps) -> str:
-    """The `remat.auto` call that makes plan `p` on the user's model: a fixed strategy by name; a
-    budgeted plan by the whole-model budget it was solved at (under sharding, not the per-rank
-    capacity), with the optimizer and cost profile it was judged with."""
+def _apply_line(p: Any, steps: FitSteps, planner: Any, usable: int) -> str:
+    """The `remat.auto` call that makes plan `p` on the user's model, its budget in units and, in
+    a comment, what that budget is made of. `remat.auto` plans the whole model's step, so under
+    sharding the budget is the live bytes a rank may reach (`usable`, or what auto was solved
+    at) plus what sharding takes off a rank's store-all step; a fixed strategy is named with the
+    budget it is checked against (never below its own peak)."""
     name = p.strategy.split(" ")[0]
-    if not strategies.get(name, "eager").budgeted:
-        return f'remat.auto(model, *inputs, strategy="{name}", budget="100%")'
-    return (
-        f"remat.auto(model, *inputs, budget={p.budget_bytes}, optimizer={steps.optimizer!r}, "
+    fixed = not strategies.get(name, "eager").budgeted
+    # what sharding takes off a rank: of this plan's step, or of store-all's (as auto is solved)
+    judged = p if fixed else planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
+    moved = judged.predicted_peak_bytes - steps.rank_peak(planner, judged)
+    budget = max(usable + moved, p.predicted_peak_bytes) if fixed else p.budget_bytes
+    rank = budget - moved
+    code = (
+        "remat.auto(model, *inputs, "
+        + (f'strategy="{name}", ' if fixed else "")
+        + f'budget="{budget_text(budget)}", optimizer={steps.optimizer!r}, '
         f'profile="{steps.gpu.profile}")'
     )
+    if moved:
+        made = (
+            f"the whole model's step: {format_bytes(rank)} a rank + {format_bytes(moved)} of "
+            f"parameters, gradients and optimizer state that sharding over {steps.shard} ranks "
+            "takes off each"
+        )
+    else:
+        made = f"the live bytes the step may reach on {steps.gpu.name}"
+    return f"{code}  # {made}"
+
+
+def budget_text(nbytes: int) -> str:
+    """A budget as `remat.auto` reads it, in GiB (MiB below 1 GiB), rounded down to 0.01."""
+    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    return f"{math.floor(nbytes / scale * 100) / 100:g}{unit}"

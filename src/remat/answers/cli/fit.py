@@ -205,7 +205,9 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
             ),
         )
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        # the advice as data: its lines, the line that applies it, the command that fits
+        out = report.to_dict() | {"run": run[0].removeprefix("run: ") if run else None}
+        print(json.dumps(out, indent=2))
         return 0
     title = (
         f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision}, "
