@@ -77,8 +77,6 @@ tr.more td { color: var(--muted); font-style: italic; }
 .tag.recompute { background: #fdf0dc; color: #8a5300; }
 footer { margin-top: 40px; font-size: 12px; color: var(--muted); }
 .scroll { overflow-x: auto; max-width: 100%; }
-figure { overflow-x: auto; }
-figure svg { min-width: 900px; }
 .advice { border-left: 4px solid #1f4f8f; background: #eef3fa; padding: 10px 14px;
   border-radius: 0 6px 6px 0; margin: 12px 0; }
 .advice p { margin: 4px 0; overflow-wrap: anywhere; }
