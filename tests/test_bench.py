@@ -309,7 +309,9 @@ def test_an_interrupted_bench_prints_the_rows_it_measured_and_one_line(
     argv = ["bench", "--model", "gpt2", "--tiny", "--batch", "1", "--seq", "32"]
     assert main([*argv, "--strategies", "store_all,full", "--steps", "3"]) == 130
     said = capsys.readouterr()
-    assert said.err.strip().splitlines()[-1] == "interrupted: remat bench stopped before it finished"
+    assert (
+        said.err.strip().splitlines()[-1] == "interrupted: remat bench stopped before it finished"
+    )
     assert "Traceback" not in said.err
     lines = said.out.splitlines()
     assert any("interrupted" in line for line in lines)
