@@ -421,6 +421,7 @@ def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
     assert found["peak_bytes"] <= usable
 
 
+@pytest.mark.slow
 def test_the_json_carries_the_advice_its_apply_line_and_the_command(capsys):
     """`fit --json` has the advice as fields: `advice`, the row it applies (`advised`, a row of the
     table), the `apply` line with its budget in units and what that budget is made of, and `run`
