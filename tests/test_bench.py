@@ -278,3 +278,48 @@ def test_no_series_of_the_bench_plot_has_the_budget_lines_colour():
     assert to_rgb("C3") not in [to_rgb(c) for c in _COLORS]  # tab10's red, next to crimson
     styles = {(_COLORS[k % len(_COLORS)], _MARKERS[k % len(_MARKERS)]) for k in range(24)}
     assert len(styles) == 24  # every row of a bench keeps its own marker and colour
+
+
+@pytest.mark.parametrize("stop_at", ["memory", "rounds"])
+def test_an_interrupted_bench_prints_the_rows_it_measured_and_one_line(
+    stop_at, monkeypatch, capsys
+):
+    """Ctrl-C during `remat bench` printed nothing of the rows it had finished: now the table of
+    those rows (with the times of the rounds that completed), then one line, exit 130."""
+    import remat.answers.bench as bench_module
+    from remat.answers.cli import main
+
+    calls = {"measure": 0, "time": 0}
+    measure, time = bench_module.measure, bench_module.time_steps
+
+    def measured(*args, **kwargs):
+        calls["measure"] += 1
+        if stop_at == "memory" and calls["measure"] == 2:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    def timed(*args, **kwargs):
+        calls["time"] += 1
+        if calls["time"] == 3:  # two rows: the second round's first step
+            raise KeyboardInterrupt
+        return time(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "measure", measured)
+    monkeypatch.setattr(bench_module, "time_steps", timed)
+    argv = ["bench", "--model", "gpt2", "--tiny", "--batch", "1", "--seq", "32"]
+    assert main([*argv, "--strategies", "store_all,full", "--steps", "3"]) == 130
+    said = capsys.readouterr()
+    assert (
+        said.err.strip().splitlines()[-1] == "interrupted: remat bench stopped before it finished"
+    )
+    assert "Traceback" not in said.err
+    lines = said.out.splitlines()
+    assert any("interrupted" in line for line in lines)
+    store_all = next(line for line in lines if line.startswith("store_all"))
+    if stop_at == "memory":  # the first row's memory, no time
+        assert not any(line.startswith("full") for line in lines)
+        assert "0 of 3 timing rounds" in said.out
+    else:  # both rows, timed by the one round that completed
+        assert any(line.startswith("full") for line in lines)
+        assert "1 of 3 timing rounds" in said.out
+        assert "1.00x" in store_all

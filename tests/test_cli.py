@@ -447,7 +447,7 @@ def test_estimate_and_fit_answer_for_one_rank_of_a_layout(capsys, tmp_path):
     assert [s["in flight"] for s in stages] == ["2", "1"]  # 1F1B: p - i
     page = tmp_path / "fit.html"
     assert main([*fit_args, *layout[:-1], "--html", str(page)]) == 0
-    assert "one rank of tp 2 + sp (torchtitan&#x27;s plan of Llama), pp 2" in page.read_text()
+    assert "per rank: tp 2 + sp (torchtitan&#x27;s plan of Llama), pp 2" in page.read_text()
 
 
 @pytest.mark.slow

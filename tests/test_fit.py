@@ -228,6 +228,64 @@ def test_rows_are_judged_by_the_caching_allocators_reserved_bytes():
         assert "expandable_segments:False" in report.allocator
 
 
+def _agrees(row, batch: int, seq: int) -> bool:
+    """A row's verdict and its maxima agree: a row that fits names at least what was asked, one
+    that does not names less (or nothing)."""
+    if row.fits:
+        return row.max_batch >= batch and row.max_seq >= seq
+    return (row.max_batch or 0) < batch and (row.max_seq or 0) < seq
+
+
+def test_fits_and_the_largest_batch_and_sequence_are_judged_by_one_rule():
+    """Where the allocator is simulated, `fits`, `max batch` and `max seq` are all its judgement:
+    on a GPU where batch 2's reserved bytes do not fit but its live bytes would, no row says "no"
+    next to a maximum of 2 or more (store-all, Megatron's and torchtitan's selective did: the
+    maxima were searched on live bytes); the step at each maximum fits the allocator, one more
+    does not."""
+    from remat.device.gpus import allocator_limit_bytes
+    from remat.planning import strategies
+    from remat.planning.planner import Planner
+    from remat.prediction.gpu_memory import gpu_memory
+
+    big = _gpu(1 << 40)
+    outside = big.capacity_bytes - allocator_limit_bytes(big)
+
+    def memory(gpu, strategy: str, batch: int, seq: int):
+        model, inputs = _build(batch, seq)
+        planner = Planner(remat.trace(model, *inputs, target=big.target), gpu.profile, "sgd")
+        p = planner.solve(strategies.get(strategy, "eager"), planner.estimate.peak_bytes)
+        return gpu_memory(planner.graph, gpu, p.regions, "sgd")
+
+    at2 = memory(big, "store_all", 2, 64)
+    gpu = _gpu(at2.requested_bytes + outside + (at2.reserved_bytes - at2.requested_bytes) // 6)
+    asked = {"batch": 2, "seq": 64, "precision": "fp32", "optimizer": "sgd"}
+    report = fit(_build, model="gpt2", gpu=gpu, max_batch=64, max_seq=1024, **asked)
+    assert {r.fits for r in report.rows} == {True, False}
+    for row in report.rows:
+        assert _agrees(row, 2, 64), (row.strategy, row.fits, row.max_batch, row.max_seq)
+        if row.strategy == "auto" or not row.max_batch:
+            continue
+        assert memory(gpu, row.strategy, row.max_batch, 64).fits, row.strategy
+        assert not memory(gpu, row.strategy, row.max_batch + 1, 64).fits, row.strategy
+
+
+@pytest.mark.slow
+def test_fits_and_maxima_agree_for_llama_3_2_1b_on_an_rtx_4090():
+    """The case a user met: Llama 3.2 1B at seq 2048 on an RTX 4090 said `selective:megatron ...
+    no ... max batch 1, max seq 2048` and `selective:torchtitan ... no ... max batch 2`."""
+    from remat.device.gpus import get_gpu
+
+    def build(batch: int, seq: int):
+        return models.build("llama-3.2-1b", batch=batch, seq=seq, dtype="fp32", device="meta")
+
+    report = fit(
+        build, model="llama-3.2-1b", batch=1, seq=2048, gpu=get_gpu("rtx4090"),
+        strategies_to_fit=("selective:megatron", "selective:torchtitan"),
+    )  # fmt: skip
+    for row in report.rows:
+        assert _agrees(row, 1, 2048), (row.strategy, row.fits, row.max_batch, row.max_seq)
+
+
 def test_when_nothing_fits_the_advice_ends_with_a_command_that_fits(capsys):
     """`fit` searches precision, optimizer and ranks for a setup that fits at the least cost and
     prints it as one command; run as printed, that command answers "fits"."""
@@ -410,3 +468,47 @@ def test_a_pipeline_that_fits_nowhere_names_a_layout_that_fits():
     )  # fmt: skip
     assert found["schedule"] == "1f1b" and (found["tp"], found["pp"]) == (1, 2)
     assert found["peak_bytes"] <= usable
+
+
+@pytest.mark.slow
+def test_the_json_carries_the_advice_its_apply_line_and_the_command(capsys):
+    """`fit --json` has the advice as fields: `advice`, the row it applies (`advised`, a row of the
+    table), the `apply` line with its budget in units and what that budget is made of, and `run`
+    (the command that fits, None when the asked setup does). The apply line, run as printed, makes
+    a plan within its budget; under --shard the budget says what sharding adds to a rank's."""
+    import json
+    import re
+
+    from remat.answers.cli import main
+    from remat.units import parse_bytes
+
+    asked = ["fit", "--model", "gpt2", "--tiny", "--batch", "4", "--seq", "256"]
+    asked += ["--precision", "bf16-mixed", "--optimizer", "adamw", "--reserve", "0"]
+    assert main([*asked, "--capacity", "80GiB", "--json"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["advised"] is None and roomy["apply"] is None and roomy["run"] is None
+    peaks = {r["strategy"]: r["peak_bytes"] for r in roomy["rows"]}
+    capacity = (peaks["store_all"] + peaks["full"]) // 2  # store-all does not fit, full does
+
+    assert main([*asked, "--capacity", f"{capacity}B", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r for r in answer["rows"]}
+    assert not rows["store_all"]["fits"]
+    advised = answer["advised"]
+    assert advised["strategy"] in rows and rows[advised["strategy"]]["fits"]
+    assert answer["apply"] == rows[advised["strategy"]]["apply"]
+    assert answer["apply"] in answer["advice"][0] and answer["run"] is None
+    budget = re.search(r'budget="([0-9.]+[GM]iB)"', answer["apply"]).group(1)
+    assert "# the live bytes the step may reach on custom-" in answer["apply"]
+    model, inputs = models.build("gpt2", batch=4, seq=256, tiny=True)
+    plan = eval(answer["apply"], {"remat": remat, "model": model, "inputs": inputs})
+    assert plan.predicted_peak_bytes <= parse_bytes(budget)
+
+    assert main([*asked, "--capacity", f"{capacity}B", "--shard", "4", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    made = re.search(
+        r'budget="([0-9.]+[GM]iB)".*# the whole model\'s step: (.+) a rank \+ (.+) of '
+        r"parameters, gradients and optimizer state that sharding over 4 ranks takes off each",
+        sharded["apply"] or sharded["rows"][-1]["apply"],
+    )
+    assert made, sharded["rows"][-1]["apply"]

@@ -257,6 +257,17 @@ def test_renders_in_chromium(report, tmp_path):
     assert len(data) > 100_000  # a blank page compresses to a few KiB
 
 
+def test_every_figure_scales_to_the_width_of_the_page(report):
+    """Without a browser: each chart keeps its viewBox and no fixed size, and nothing in the
+    styles holds a figure wider than the page (a min-width cut them at 360 px)."""
+    svgs = re.findall(r"<svg\b[^>]*>", report.text)
+    assert len(svgs) >= 3
+    for tag in svgs:
+        assert "viewBox=" in tag and not re.search(r'\s(width|height)="', tag), tag
+    style = re.search(r"<style>(.*?)</style>", report.text, re.S).group(1)
+    assert "min-width: 900px" not in style and "figure svg { display: block; width: 100%" in style
+
+
 def test_embedded_data_is_a_minor_part_of_the_page(report):
     """The data block once was 725 KB of a 921 KB page (full timelines with their schedules, every
     plan's regions); the page is for reading."""
@@ -286,9 +297,10 @@ def test_a_fit_page_leads_with_the_advice_the_fit_table_and_its_arithmetic(tmp_p
 
 @pytest.mark.parametrize("width", [360, 1280])
 def test_the_page_does_not_overflow_a_phone_or_a_desktop(report, tmp_path, width):
-    """At 360 px the charts scroll inside their frames (their text keeps a readable size) and
-    tables inside theirs: the page itself never scrolls sideways. Headless Chromium's window is
-    at least 500 px wide, so the page is laid out in an iframe of the width asked."""
+    """At 360 px the charts scale to the width (their viewBox; they were cut at the right edge
+    inside a scroller) and tables scroll inside their frames: the page itself never scrolls
+    sideways. Headless Chromium's window is at least 500 px wide, so the page is laid out in an
+    iframe of the width asked."""
     probe = tmp_path / "probe.html"
     probe.write_text(
         '<!DOCTYPE html><html><head><title>probe</title></head><body style="margin:0">'
@@ -297,18 +309,59 @@ def test_the_page_does_not_overflow_a_phone_or_a_desktop(report, tmp_path, width
         "const f = document.getElementById('f');"
         "f.addEventListener('load', () => { const d = f.contentDocument;"
         "const svgs = [...d.querySelectorAll('figure svg')].map(s => s.getBoundingClientRect().width);"
-        "document.title = 'W' + d.documentElement.scrollWidth + 'S' + Math.min(...svgs) + 'E'; });"
+        "document.title = 'W' + d.documentElement.scrollWidth + 'S' + Math.min(...svgs) + 'L' +"
+        " Math.max(...svgs) + 'E'; });"
         "</script></body></html>",
         encoding="utf-8",
     )
     window = f"--window-size={width + 40},900"
     run = chromium(window, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri())
     assert run.returncode == 0, run.stderr[-2000:]
-    found = re.search(r"<title>W(\d+)S([\d.]+)E</title>", run.stdout)
+    found = re.search(r"<title>W(\d+)S([\d.]+)L([\d.]+)E</title>", run.stdout)
     assert found, run.stdout[-500:]
-    page_width, smallest_svg = int(found.group(1)), float(found.group(2))
+    page_width, smallest_svg, widest_svg = (float(g) for g in found.groups())
     assert page_width <= width
-    assert smallest_svg >= 900  # chart text at 0.85 of its size or more, never ~4 px
+    assert widest_svg <= width  # every chart whole within the page
+    assert smallest_svg >= min(width - 56, 900)  # and as wide as the page lets it be
     png = tmp_path / f"report-{width}.png"
     shot = chromium(window, "--virtual-time-budget=5000", f"--screenshot={png}", probe.as_uri())
     assert shot.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sharded_fit_page_shows_one_ranks_step_everywhere(tmp_path, capsys):
+    """`remat fit --shard 4 --html`: the cards, the plots, the frontier, the strategies and the
+    chosen plan are the rank's step the fit table judges (they were the unsharded step's:
+    store-all 109 GiB on the page, 28.8 GiB in the table), and the header says so."""
+    from remat.answers.cli import main
+
+    page = tmp_path / "fit.html"
+    asked = ["fit", "--model", "gpt2", "--tiny", "--batch", "2", "--seq", "64"]
+    asked += ["--precision", "fp32", "--optimizer", "adamw", "--reserve", "0"]
+    # 3 MiB a rank: store-all does not fit, a selective plan does
+    assert main([*asked, "--capacity", "3MiB", "--shard", "4", "--html", str(page)]) == 0
+    capsys.readouterr()
+    text = page.read_text(encoding="utf-8")
+    data = data_block(text)
+    rows = {r["strategy"]: r for r in data["fit"]}
+    assert rows["store_all"]["fits"] == "no" and rows["auto"]["fits"] == "yes"
+    assert data["per_rank"]["shard"] == 4
+    assert "per rank: FSDP2 over 4 ranks" in re.search(r"<h1>(.*?)</h1>", text).group(1)
+    # the cards and the plots are the table's rank
+    assert data["estimate"]["peak_bytes"] == rows["store_all"]["peak_bytes"]
+    assert data["chosen"]["predicted_peak_bytes"] == rows["auto"]["peak_bytes"]
+    timelines = {t["label"]: t["peak_bytes"] for t in data["timelines"]}
+    assert timelines["store_all"] <= rows["store_all"]["peak_bytes"]
+    assert max(timelines.values()) <= rows["store_all"]["peak_bytes"]
+    named = {p["strategy"]: p["predicted_peak_bytes"] for p in data["frontier"]["named"]}
+    assert named["store_all"] == rows["store_all"]["peak_bytes"]
+    assert named["full"] == rows["full"]["peak_bytes"]
+    strategies = {c["strategy"]: c.get("predicted_peak_bytes") for c in data["comparison"]}
+    assert strategies["full"] == rows["full"]["peak_bytes"]
+    card = re.search(r'store-all peak</div><div class="v">([^<]*)<', text).group(1)
+    assert card == format_bytes(rows["store_all"]["peak_bytes"])
+    # and not the whole model's, which is larger
+    model, inputs = models.build("gpt2", batch=2, seq=64, tiny=True, device="meta")
+    whole = remat.estimate(remat.trace(model, *inputs), optimizer="adamw").peak_bytes
+    assert whole > rows["store_all"]["peak_bytes"]
+    # every figure's title names the rank
+    assert text.count("(per rank: FSDP2 over 4 ranks)") >= 4

@@ -230,3 +230,23 @@ def test_a_budget_below_what_activations_need_names_no_precision_lever(gpt2_plan
         gpt2_planner.plan("1%", "auto")
     assert "That peak holds parameters" in str(err.value)
     assert "bf16" not in str(err.value)  # activations are most of GPT-2's peak at 8 x 1024
+
+
+def test_an_explanation_prints_as_a_table_and_stays_a_list_of_dicts(gpt2_planner):
+    """`plan.explain(graph)` printed as a wall of dicts; it prints a table of the largest saved
+    tensors under the totals, and is still the list of dicts (JSON, indexing, length)."""
+    from remat.units import format_bytes
+
+    p = gpt2_planner.plan("+10%")
+    explanation = p.explain(gpt2_planner.graph)
+    rows = json.loads(json.dumps(explanation))
+    assert rows == list(explanation) and all(isinstance(r, dict) for r in explanation)
+    text = str(explanation)
+    assert repr(explanation) == text
+    lines = text.splitlines()
+    recomputed = sum(r["decision"] == "recompute" for r in rows)
+    assert lines[0].startswith(f"{len(rows)} saved tensors: {recomputed} recomputed")
+    assert lines[1].split() == ["bytes", "decision", "recompute", "tensor", "why"]
+    largest = max(rows, key=lambda r: r["bytes"])
+    assert lines[2].split()[:2] == format_bytes(largest["bytes"]).split()
+    assert len(lines) <= type(explanation).SHOWN + 3

@@ -217,6 +217,16 @@ def _baseline_setup(model: nn.Module, name: str, paths: list[str]) -> Setup | st
     return lambda: _blocks_checkpointed(model, paths, sequential=sequential)
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a bench: `rows` are those measured so far (each row's memory and
+    gradients; step times from the `rounds` rounds that completed, none when no round did), for
+    the table a user still wants to read."""
+
+    def __init__(self, rows: list[BenchRow], rounds: int, times: list[list[float]] = ()) -> None:
+        super().__init__(f"interrupted after {len(rows)} rows and {rounds} timing rounds")
+        self.rows, self.rounds, self.times = rows, rounds, list(times)
+
+
 def interleaved_rounds(
     runs: list[tuple[nn.Module, Setup]],
     inputs: tuple,
@@ -226,16 +236,21 @@ def interleaved_rounds(
 ) -> list[list[float]]:
     """Per run, its step time in each of `rounds` rounds: each round times one step of every run
     in turn, set up just before and torn down just after; the first round warms each run with one
-    untimed step first, and round r starts at run r (mod the number of runs)."""
+    untimed step first, and round r starts at run r (mod the number of runs). Interrupted, it
+    raises `BenchInterrupted` with the times of the rounds that completed."""
     times: list[list[float]] = [[] for _ in runs]
-    for r in range(rounds):
-        if progress:
-            progress(f"{label} {r + 1}/{rounds}")
-        for k in range(len(runs)):
-            i = (r + k) % len(runs)
-            module, setup = runs[i]
-            with setup():
-                times[i] += time_steps(module, *inputs, steps=1, warmup=1 if r == 0 else 0)
+    try:
+        for r in range(rounds):
+            if progress:
+                progress(f"{label} {r + 1}/{rounds}")
+            for k in range(len(runs)):
+                i = (r + k) % len(runs)
+                module, setup = runs[i]
+                with setup():
+                    times[i] += time_steps(module, *inputs, steps=1, warmup=1 if r == 0 else 0)
+    except KeyboardInterrupt:
+        done = min((len(t) for t in times), default=0)
+        raise BenchInterrupted([], done, [t[:done] for t in times]) from None
     return times
 
 
@@ -298,7 +313,8 @@ def bench(
     Each row's memory and gradients come from one pass (`remat.measure`, one measured step);
     its time from `steps` interleaved rounds (see the module docstring), each timing one step of
     every row. `progress(text)` is called with each row's name in the memory pass, then with
-    "round i/steps" at the start of each round (`progress_total` counts the calls)."""
+    "round i/steps" at the start of each round (`progress_total` counts the calls).
+    Interrupted (Ctrl-C), it raises `BenchInterrupted` with the rows measured so far."""
     _check_rounds(steps)
     budget_bytes = planner.budget_bytes(budget)
     paths = [b.path for b in planner.blocks]
@@ -306,6 +322,48 @@ def bench(
     rows: list[BenchRow] = []
     timed: list[tuple[int, Setup]] = []  # (index in rows, setup) of the rows that run
 
+    try:
+        _memory_pass(model, inputs, planner, names, budget_bytes, paths, reference, rows, timed,
+                     progress)  # fmt: skip
+    except KeyboardInterrupt:
+        raise BenchInterrupted(rows, 0) from None
+    try:
+        times = interleaved_rounds([(model, s) for _, s in timed], inputs, steps, progress)
+    except BenchInterrupted as stopped:
+        times = stopped.times if stopped.rounds else []
+        rows = _timed_rows(rows, timed, times) if times else rows
+        raise BenchInterrupted(rows, stopped.rounds) from None
+    return _timed_rows(rows, timed, times)
+
+
+def _timed_rows(
+    rows: list[BenchRow], timed: list[tuple[int, Setup]], times: list[list[float]]
+) -> list[BenchRow]:
+    """`rows` with the step times of those that ran, store_all's the reference of each ratio."""
+    rows = list(rows)
+    base_seconds: float | None = None
+    base_range: tuple[float, float] | None = None
+    for (i, _), t in zip(timed, times, strict=True):
+        if rows[i].strategy == "store_all":  # the first row: the reference of every ratio
+            base_seconds, base_range = statistics.median(t), quartile_range(t)
+        rows[i] = _timed_row(rows[i], t, base_seconds, base_range)
+    return rows
+
+
+def _memory_pass(
+    model: nn.Module,
+    inputs: tuple,
+    planner: Planner,
+    names: list[str],
+    budget_bytes: int,
+    paths: list[str],
+    reference: dict[str, torch.Tensor],
+    rows: list[BenchRow],
+    timed: list[tuple[int, Setup]],
+    progress: Callable[[str], None] | None,
+) -> None:
+    """Each row's plan, memory and gradients, appended to `rows` as it is measured (the rows
+    that run also to `timed`, with their setup)."""
     for name in _row_names(names):
         if progress:
             progress(name)
@@ -372,15 +430,6 @@ def bench(
                 note=note,
             )
         )
-
-    times = interleaved_rounds([(model, s) for _, s in timed], inputs, steps, progress)
-    base_seconds: float | None = None
-    base_range: tuple[float, float] | None = None
-    for (i, _), t in zip(timed, times, strict=True):
-        if rows[i].strategy == "store_all":  # the first row: the reference of every ratio
-            base_seconds, base_range = statistics.median(t), quartile_range(t)
-        rows[i] = _timed_row(rows[i], t, base_seconds, base_range)
-    return rows
 
 
 #: Torch's own partitioner at these `activation_memory_budget` values (1.0 is its default).

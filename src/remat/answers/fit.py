@@ -87,6 +87,10 @@ class FitReport:
         `reserved_bytes`, `nvidia_smi_bytes`) and every setting's in `gpu_memory`."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "planner"}
         out["rows"] = [_row_dict(r) for r in self.rows]
+        best = advised(self)
+        # the advice as data: the row it applies and its line (None: nothing to apply)
+        out["advised"] = None if best is None else {"strategy": best.strategy, "plan": best.plan}
+        out["apply"] = None if best is None else best.apply
         return out
 
     def table_rows(self) -> list[dict[str, Any]]:
@@ -109,7 +113,8 @@ class FitReport:
 
 
 def _row_dict(row: FitRow) -> dict[str, Any]:
-    out = asdict(row)
+    out = asdict(replace(row, solved=None))
+    del out["solved"]
     judged = row.gpu_memory[0] if row.gpu_memory else {}
     for key in ("requested_bytes", "allocated_bytes", "reserved_bytes", "nvidia_smi_bytes"):
         out[key] = judged.get(key)
@@ -506,22 +511,16 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"{best.plan} fits ({format_bytes(best.peak_bytes)} of {usable}) without "
             "recomputation: compile it and do not checkpoint.",
         )
-    fitting = [r for r in report.rows if r.fits and r.overhead is not None]
-    if fitting:
-        best = min(fitting, key=lambda r: r.overhead)
+    best = advised(report)
+    if best is not None:
         return (
-            f"{best.plan} fits ({_held(best, usable)}) at "
+            f"{row_name(best)} fits ({_held(best, usable)}) at "
             f"+{best.overhead:.1%} predicted step time: the cheapest plan that fits. Apply it "
             f"with `{best.apply}`"
             + (", then wrap with fully_shard as usual." if report.shard > 1 else "."),
         )
     lowest = min((r for r in report.rows if r.peak_bytes is not None), key=lambda r: r.peak_bytes)
-    name = (
-        lowest.plan
-        if lowest.plan.startswith(lowest.strategy)
-        else (f"{lowest.strategy} ({lowest.plan})")
-    )
-    lines = [f"nothing fits: the lowest is {name}, {_held(lowest, usable)}."]  # a row's name
+    lines = [f"nothing fits: the lowest is {row_name(lowest)}, {_held(lowest, usable)}."]
     expandable = [r for r in report.rows if "expandable_segments:True" in r.note]
     if expandable:
         lines.append(
@@ -565,6 +564,26 @@ def advice(report: FitReport) -> tuple[str, ...]:
             f"{report.shard}; --shard N), or offload them to the host (not modelled yet)."
         )
     return tuple(lines)
+
+
+def advised(report: FitReport) -> FitRow | None:
+    """The row whose plan the advice applies: the cheapest that fits with recomputation, where
+    neither store-all nor a compiled step fits without it; None otherwise."""
+    rows = {r.strategy: r for r in report.rows}
+    if rows.get("store_all") is not None and rows["store_all"].fits:
+        return None
+    if any(r.strategy.startswith("compile:") and r.fits for r in report.rows):
+        return None
+    fitting = [r for r in report.rows if r.fits and r.overhead is not None]
+    return min(fitting, key=lambda r: r.overhead) if fitting else None
+
+
+def row_name(row: FitRow) -> str:
+    """A row as the table names it, with its plan where that is another strategy's: `auto
+    (milp)`, `auto (selective:save-matmuls)`, `full`."""
+    if row.plan == row.strategy or row.plan.startswith(row.strategy):
+        return row.plan or row.strategy
+    return f"{row.strategy} ({row.plan})"
 
 
 def _held(row: FitRow, usable: str) -> str:

@@ -11,8 +11,9 @@ judge the steps of `remat.answers.fit_steps`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,8 @@ class FitRow:
     # as the GPU reports the step (`remat.prediction.gpu_memory`), by allocator setting; empty when the
     # allocator is not simulated (a --reserve given)
     gpu_memory: tuple[dict[str, Any], ...] = ()
+    #: the `Plan` behind `plan`, of the whole-model step (a page shows it per rank); not data
+    solved: Any = field(default=None, repr=False, compare=False)
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -89,13 +92,17 @@ def fit_row(
     """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit.
 
     Where the caching allocator is simulated (`steps.gpu_memories`), the row fits when its
-    reserved bytes do (the allocator's limit, under torch's default settings), and the searches
-    for the largest batch and sequence run on live bytes against the limit less the workspaces
-    and the allocator's overhead (reserved - requested) measured at (batch, seq)."""
+    reserved bytes do (the allocator's limit, under torch's default settings), and so do the
+    largest batch and sequence: searched first on live bytes against the limit less the
+    workspaces and the allocator's overhead (reserved - requested) measured at (batch, seq), then
+    from there by the allocator's judgement itself, so that a row that does not fit never names
+    a maximum at or above what was asked."""
+    asked_usable = usable
     judged = judge_step(steps, name, batch, seq, usable)
     if judged is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     peak, p, memories, usable, overhead = judged
+    row_fits = fits_on(peak, memories, usable)
     planner = steps.planner(batch, seq)
     floor = estimate(
         planner.graph,
@@ -114,6 +121,7 @@ def fit_row(
             max_seq=None,
             note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
             gpu_memory=tuple(m.to_dict() for m in memories),
+            solved=p,
         )
     limits: list[str] = []
 
@@ -128,6 +136,22 @@ def fit_row(
         except RematError as err:
             limits.append(str(err).split(";")[0])
             return False
+
+    # by size, with the graph judged: a size model the confirming trace drops takes its with it
+    judgements: dict[tuple[int, int], tuple[Any, bool]] = {(batch, seq): (planner.graph, row_fits)}
+
+    def allocator_fits(b: int, s: int) -> bool:
+        """The row's own rule at (b, s): the step's reserved bytes within the allocator's limit."""
+        try:
+            graph = steps.planner(b, s).graph
+        except RematError as err:  # a length the model cannot build
+            limits.append(str(err).split(";")[0])
+            return False
+        if (b, s) not in judgements or judgements[(b, s)][0] is not graph:
+            found = judge_step(steps, name, b, s, asked_usable)
+            fits = found is not None and fits_on(found[0], found[2], found[3])
+            judgements[(b, s)] = (graph, fits)
+        return judgements[(b, s)][1]
 
     # Batch: a line through two traced sizes past 1 (batch 1 can trace differently: reshapes that
     # are views only there); sequence: a parabola through three traced lengths from the asked one.
@@ -145,14 +169,22 @@ def fit_row(
     b_guess = _guess(b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable)
 
     def largest(
-        axis: str, fixed: int, fits: Callable[[int], bool], guess: int, high: int, degree: int
+        axis: str,
+        fixed: int,
+        fits: Callable[[int], bool],
+        guess: int,
+        high: int,
+        degree: int,
+        low: int = 1,
     ) -> int | None:
-        """The largest size that fits, searched on the size model and confirmed by a trace at
-        the answer. A size can be piecewise polynomial (a table of max(seq, n) rows): where the
-        answer is not confirmed, the model is drawn again through traces at the answer, and
-        where that is not confirmed either, the search runs on traces."""
+        """The largest size in [low, high] that fits, searched on the size model and confirmed
+        by a trace at the answer. A size can be piecewise polynomial (a table of max(seq, n)
+        rows): where the answer is not confirmed, the model is drawn again through traces at the
+        answer, and where that is not confirmed either, the search runs on traces."""
+        if high < low:
+            return None
         scale = 1 if axis == "batch" else SEQ_STEP
-        best = _largest(fits, guess, 1, high)
+        best = _largest(fits, guess, low, high)
         for attempt in range(2):
             if best is None or steps.confirm(axis, fixed, best * scale):
                 return best
@@ -162,22 +194,43 @@ def fit_row(
                     steps.model_through(
                         axis, fixed, [(start + k) * scale for k in range(degree + 1)]
                     )
-            best = _largest(fits, best, 1, high)
+            best = _largest(fits, best, low, high)
         return best
 
     best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
     best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
+    if memories:  # the allocator's judgement, from the live bytes' answer: the row's own rule
+        # a row that fits at (batch, seq) fits at least that much; one that does not, less
+        best_batch = largest(
+            "batch",
+            seq,
+            lambda b: allocator_fits(b, seq),
+            best_batch or 1,
+            max_batch if row_fits else batch - 1,
+            degree=1,
+            low=batch if row_fits else 1,
+        )
+        best_seq = largest(
+            "seq",
+            batch,
+            lambda u: allocator_fits(batch, u * SEQ_STEP),
+            best_seq or 1,
+            max_seq // SEQ_STEP if row_fits else (seq - 1) // SEQ_STEP,
+            degree=2,
+            low=seq // SEQ_STEP if row_fits and seq % SEQ_STEP == 0 else 1,
+        )
     return FitRow(
         strategy=name,
-        apply=_apply_line(p, steps),
+        apply=_apply_line(p, steps, planner, usable),
         plan=p.strategy,
         peak_bytes=peak,
-        fits=fits_on(peak, memories, usable),
+        fits=row_fits,
         overhead=overhead,
         max_batch=best_batch,
         max_seq=None if best_seq is None else best_seq * SEQ_STEP,
         note=_allocator_note(memories) + (f"max seq: {limits[-1]}" if limits else ""),
         gpu_memory=tuple(m.to_dict() for m in memories),
+        solved=p,
     )
 
 
@@ -202,6 +255,8 @@ def judge_step(
                 break
             lower = memories[0].live_bytes_that_fit
             target = lower if lower < target else target - memories[0].limit_bytes // 50
+            if target <= 0:  # the allocator's overhead alone fills its limit
+                break
             peak, p = steps.peak(name, batch, seq, target)
             memories = steps.gpu_memories(batch, seq, p)
         if not memories[0].fits:
@@ -265,14 +320,37 @@ def compiled_row(
     )
 
 
-def _apply_line(p: Any, steps: FitSteps) -> str:
-    """The `remat.auto` call that makes plan `p` on the user's model: a fixed strategy by name; a
-    budgeted plan by the whole-model budget it was solved at (under sharding, not the per-rank
-    capacity), with the optimizer and cost profile it was judged with."""
+def _apply_line(p: Any, steps: FitSteps, planner: Any, usable: int) -> str:
+    """The `remat.auto` call that makes plan `p` on the user's model, its budget in units and, in
+    a comment, what that budget is made of. `remat.auto` plans the whole model's step, so under
+    sharding the budget is the live bytes a rank may reach (`usable`, or what auto was solved
+    at) plus what sharding takes off a rank's store-all step; a fixed strategy is named with the
+    budget it is checked against (never below its own peak)."""
     name = p.strategy.split(" ")[0]
-    if not strategies.get(name, "eager").budgeted:
-        return f'remat.auto(model, *inputs, strategy="{name}", budget="100%")'
-    return (
-        f"remat.auto(model, *inputs, budget={p.budget_bytes}, optimizer={steps.optimizer!r}, "
+    fixed = not strategies.get(name, "eager").budgeted
+    # what sharding takes off a rank: of this plan's step, or of store-all's (as auto is solved)
+    judged = p if fixed else planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
+    moved = judged.predicted_peak_bytes - steps.rank_peak(planner, judged)
+    budget = max(usable + moved, p.predicted_peak_bytes) if fixed else p.budget_bytes
+    rank = budget - moved
+    code = (
+        "remat.auto(model, *inputs, "
+        + (f'strategy="{name}", ' if fixed else "")
+        + f'budget="{budget_text(budget)}", optimizer={steps.optimizer!r}, '
         f'profile="{steps.gpu.profile}")'
     )
+    if moved:
+        made = (
+            f"the whole model's step: {format_bytes(rank)} a rank + {format_bytes(moved)} of "
+            f"parameters, gradients and optimizer state that sharding over {steps.shard} ranks "
+            "takes off each"
+        )
+    else:
+        made = f"the live bytes the step may reach on {steps.gpu.name}"
+    return f"{code}  # {made}"
+
+
+def budget_text(nbytes: int) -> str:
+    """A budget as `remat.auto` reads it, in GiB (MiB below 1 GiB), rounded down to 0.01."""
+    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    return f"{math.floor(nbytes / scale * 100) / 100:g}{unit}"

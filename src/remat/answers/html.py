@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from remat._version import __version__
+from remat.answers.per_rank import RankView
 from remat.errors import InfeasibleBudget
 from remat.planning.planner import Comparison, Planner
 from remat.planning.plans import Plan
@@ -76,8 +77,6 @@ tr.more td { color: var(--muted); font-style: italic; }
 .tag.recompute { background: #fdf0dc; color: #8a5300; }
 footer { margin-top: 40px; font-size: 12px; color: var(--muted); }
 .scroll { overflow-x: auto; max-width: 100%; }
-figure { overflow-x: auto; }
-figure svg { min-width: 900px; }
 .advice { border-left: 4px solid #1f4f8f; background: #eef3fa; padding: 10px 14px;
   border-radius: 0 6px 6px 0; margin: 12px 0; }
 .advice p { margin: 4px 0; overflow-wrap: anywhere; }
@@ -102,6 +101,7 @@ def write_report(
     bench_rows: list | None = None,
     advice: Sequence[str] = (),
     fit_caption: str = "",
+    rank: RankView | None = None,
 ) -> str:
     """Write the HTML report of `planner`'s step at `budget_bytes` to `path` and return `path`.
 
@@ -109,7 +109,9 @@ def write_report(
     when nothing fits). `fit_rows` (dicts, one column per key) and `bench_rows` (objects with
     `to_dict()`, such as `remat.answers.bench.BenchRow`) add their tables when given. `advice` (a fit's
     advice, the command that fits last) leads the page; `fit_caption` is the fit table's
-    arithmetic (what fits means, what usable memory is)."""
+    arithmetic (what fits means, what usable memory is). `rank`: one rank's view of a sharded
+    step (`remat.answers.per_rank.RankView`): every card, figure and table is then that rank's,
+    `budget_bytes` and `chosen` included, and the header says so."""
     text = render_report(
         planner,
         title=title,
@@ -119,6 +121,7 @@ def write_report(
         bench_rows=bench_rows,
         advice=advice,
         fit_caption=fit_caption,
+        rank=rank,
     )
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -135,6 +138,7 @@ def render_report(
     bench_rows: list | None = None,
     advice: Sequence[str] = (),
     fit_caption: str = "",
+    rank: RankView | None = None,
 ) -> str:
     """The page `write_report` writes, as a string."""
     from remat.answers.plots import (
@@ -144,34 +148,39 @@ def render_report(
         timeline_figure,
     )
 
-    graph, est = planner.graph, planner.estimate
+    view = rank or RankView(planner)
+    graph, est = planner.graph, view.estimate
     step = planner.step_seconds
     nothing_fits = ""
     if chosen is None:
         try:
-            chosen = planner.plan(budget_bytes)
+            chosen = planner.plan(view.whole_budget(budget_bytes))
         except InfeasibleBudget as e:
             nothing_fits = str(e)
-    comparison = planner.compare(budget_bytes)
-    frontier = planner.pareto()
+    chosen = None if chosen is None else view.plan(chosen)
+    comparison = view.compare(planner.compare(view.whole_budget(budget_bytes)))
+    frontier = view.frontier(planner.pareto())
+    per_rank = view.describe()
+    if per_rank:  # every figure's title says whose step it is
+        title = f"{title} ({per_rank})" if per_rank not in title else title
 
     # 2. the timeline: store_all, full (a model with blocks), the chosen plan
-    plans: list[tuple[str, Plan | None, Any]] = [("store_all", None, planner.simulate(()))]
+    plans: list[tuple[str, Plan | None, Any]] = [("store_all", None, view.simulate(()))]
     if planner.blocks:
         full = planner.every_block("full")
         if chosen is None or tuple(chosen.regions) != tuple(full):
-            plans.append(("full (every block checkpointed)", None, planner.simulate(full)))
+            plans.append(("full (every block checkpointed)", None, view.simulate(full)))
     if chosen is not None:
         label = f"chosen: {chosen.strategy}"
         if not chosen.regions:
             plans = [(label + " (= store_all)", chosen, plans[0][2]), *plans[1:]]
         else:
-            plans.append((label, chosen, planner.simulate(chosen.regions)))
+            plans.append((label, chosen, view.simulate(chosen.regions)))
     timeline_fig = timeline_figure(
         [(label, sim) for label, _, sim in plans],
         forward_ops=len(graph.forward_ops),
         budget_bytes=budget_bytes,
-        base_bytes=planner.base_bytes,
+        base_bytes=view.base_bytes,
         title=f"{title}: live memory over one training step",
         emphasize_last=chosen is not None and bool(chosen.regions),
     )
@@ -211,7 +220,8 @@ def render_report(
             "blocks": [b.path for b in planner.blocks],
         },
         "estimate": {k: v for k, v in est.to_dict().items() if k != "timeline"}
-        | {"fixed_bytes": est.fixed_bytes, "base_bytes": planner.base_bytes},
+        | {"fixed_bytes": est.fixed_bytes, "base_bytes": view.base_bytes},
+        "per_rank": {"shard": view.shard, "layout": view.layout, "describe": per_rank},
         "chosen": _plan_summary(chosen, step, whole=True) if chosen is not None else None,
         "nothing_fits": nothing_fits or None,
         "timelines": [_timeline_data(label, sim.timeline) for label, _, sim in plans],
@@ -237,7 +247,9 @@ def render_report(
     }
 
     body = [
-        _header(planner, title, budget_bytes, chosen, nothing_fits, fit_rows, bench_rows, advice),
+        _header(
+            planner, view, title, budget_bytes, chosen, nothing_fits, fit_rows, bench_rows, advice
+        ),
     ]
     if fit_rows is not None:  # a fit's answer comes first
         caption = f'<p class="note">{_e(fit_caption)}</p>' if fit_caption else ""
@@ -314,6 +326,7 @@ def render_report(
 # -- sections -------------------------------------------------------------------------------------
 def _header(
     planner: Planner,
+    view: RankView,
     title: str,
     budget_bytes: int,
     chosen: Plan | None,
@@ -322,10 +335,14 @@ def _header(
     bench_rows,
     advice: Sequence[str] = (),
 ) -> str:
-    graph, est = planner.graph, planner.estimate
+    graph, est = planner.graph, view.estimate
     params = graph.info.get("param_count")
     facts = [
-        ("parameters", f"{params:,}" if isinstance(params, int) else "-", ""),
+        (
+            "parameters (whole model)" if view.shard > 1 else "parameters",
+            f"{params:,}" if isinstance(params, int) else "-",
+            "",
+        ),
         ("activations saved", format_bytes(est.activation_bytes), ""),
         ("store-all peak", format_bytes(est.peak_bytes), ""),
         ("fixed (params, grads, state)", format_bytes(est.fixed_bytes), ""),
@@ -384,7 +401,15 @@ def _header(
     return (
         f"<header><h1>{_e(title)}</h1>"
         '<p class="sub">remat report of one traced training step: what autograd saves, what a '
-        "plan keeps and recomputes, and what it costs.</p>"
+        "plan keeps and recomputes, and what it costs."
+        + (
+            f" <strong>Every figure is one rank's ({_e(view.describe())}):</strong> its shards of "
+            "parameters, gradients and optimizer state, the parameters it gathers, its own "
+            "activations."
+            if view.describe()
+            else ""
+        )
+        + "</p>"
         f"<nav>{nav}</nav>{_advice(advice)}"
         f'<div class="facts">{cards}</div>{plan}</header>'
     )

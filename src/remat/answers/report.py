@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rich.measure import Measurement
 from rich.table import Table
 
 from remat.graph import Graph
@@ -15,6 +16,8 @@ from remat.prediction.estimate import MemoryEstimate
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from remat.prediction.compiled_estimate import CompiledEstimate
 
 
@@ -228,6 +231,32 @@ def compact_table(title: str) -> Table:
         collapse_padding=True,
         pad_edge=False,
     )
+
+
+def fitting_table(
+    console: Console, title: str, headers: list[str], rows: list[list[str]], caption: str = ""
+) -> Table:
+    """`rows` under `headers` (the first column names each row) as a table no cell of which the
+    console cuts: as given where it is wide enough, else turned on its side, one column per row
+    (its name broken after a `:`) and one row per header, which needs about the widest row's name
+    and figures, not every column's. Cells never wrap, so a number stays whole."""
+    table = compact_table(title)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    table.caption = caption
+    needed = Measurement.get(console, console.options.update_width(10_000), table).minimum
+    if needed <= console.width:
+        return table
+    turned = compact_table(title)
+    turned.add_column(headers[0], justify="left", no_wrap=True)
+    for row in rows:
+        turned.add_column(row[0].replace(":", ":\n", 1), justify="right", no_wrap=True)
+    for i, header in enumerate(headers[1:], start=1):
+        turned.add_row(header.replace("-\n", "").replace("\n", " "), *(row[i] for row in rows))
+    turned.caption = caption
+    return turned
 
 
 def bench_table(rows, title: str, budget_bytes: int | None = None) -> Table:

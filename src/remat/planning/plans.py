@@ -207,13 +207,14 @@ class Plan:
                 )
         return cls(**d)
 
-    def explain(self, graph: Graph) -> list[dict[str, Any]]:
+    def explain(self, graph: Graph) -> Explanation:
         """Every activation autograd saves in store-all, with what this plan does with it, what
-        recomputing it costs on the plan's device profile, and why."""
+        recomputing it costs on the plan's device profile, and why: a list of dicts that prints
+        as a table, largest first (`Explanation`)."""
         profile = PROFILES.get(self.profile, PROFILES["cpu"])
         op_seconds = op_seconds_all(graph, profile)
         if self.path == "compile":
-            return self._explain_compiled(graph, op_seconds)
+            return Explanation(self._explain_compiled(graph, op_seconds))
         kept = {s.name for s in self.saved}
         recomputed = set(self.recomputed)
         on_host = self._offloaded_storages(graph)
@@ -250,7 +251,7 @@ class Plan:
                     "why": why,
                 }
             )
-        return rows
+        return Explanation(rows)
 
     def _offloaded_storages(self, graph: Graph) -> set[int]:
         """The storages this plan's offload moves to host memory on `graph`."""
@@ -294,6 +295,46 @@ class Plan:
                 }
             )
         return rows
+
+
+class Explanation(list):
+    """`Plan.explain`'s rows, one dict per saved tensor (name, op, bytes, decision,
+    recompute_seconds, why), as a list; printed, a table of the largest `SHOWN` with the totals
+    (a list of dicts printed as a wall of text)."""
+
+    SHOWN = 20
+
+    def __str__(self) -> str:
+        recomputed = [r for r in self if r["decision"] == "recompute"]
+        again = sum(r["bytes"] for r in recomputed)
+        total = sum(r["bytes"] for r in self)
+        lines = [
+            f"{len(self)} saved tensors: {len(recomputed)} recomputed ({format_bytes(again)}), "
+            f"{len(self) - len(recomputed)} kept ({format_bytes(total - again)}); largest first"
+        ]
+        rows = sorted(self, key=lambda r: -r["bytes"])[: self.SHOWN]
+        cells = [
+            (format_bytes(r["bytes"]), r["decision"], _seconds(r["recompute_seconds"]),
+             r["name"], r["why"])
+            for r in rows
+        ]  # fmt: skip
+        head = ("bytes", "decision", "recompute", "tensor", "why")
+        widths = [max(len(c[i]) for c in [head, *cells]) for i in range(4)]
+        for c in [head, *cells]:
+            lines.append(
+                f"{c[0]:>{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:>{widths[2]}}  "
+                f"{c[3]:<{widths[3]}}  {c[4]}"
+            )
+        if len(self) > self.SHOWN:
+            lines.append(f"... {len(self) - self.SHOWN} more (every row: list(explanation))")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _seconds(s: float) -> str:
+    """Seconds as ms or us, three significant digits."""
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 _SCALARS: dict[str, type | tuple[type, ...]] = {

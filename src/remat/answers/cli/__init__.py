@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="the whole pipeline on a built-in model, in about a minute: estimate, plan, apply, measure",
+        help="the whole pipeline on a built-in model: estimate, plan, apply, measure",
     )
     demo.add_argument(
         "--out",

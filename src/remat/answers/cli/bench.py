@@ -35,7 +35,14 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
 def show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> int:
     from remat import models
-    from remat.answers.bench import bench, bench_compiled, progress_total, quartile_range
+    from remat.answers.bench import (
+        BenchInterrupted,
+        BenchRow,
+        bench,
+        bench_compiled,
+        progress_total,
+        quartile_range,
+    )
     from remat.answers.plots import plot_bench
     from remat.answers.report import bench_table
     from remat.planning.plans import describe_budget
@@ -57,26 +64,43 @@ def show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> 
         f"budget {args.budget}: {format_bytes(budget_bytes)} ({describe_budget(args.budget)}), "
         "for every row"
     )
-    with _progress(console, progress_total(names, args.steps, args.compile)) as advance:
-        rows = bench(
-            model, inputs, planner, names, budget=budget_bytes, steps=args.steps, progress=advance
-        )
-        if args.compile:
-            base = next(r for r in rows if r.strategy == "store_all")
-            rows += bench_compiled(
-                model,
-                inputs,
-                budget=budget_bytes,
-                steps=args.steps,
-                compiler=args.compiler,
-                profile=args.profile,
-                base_seconds=base.step_seconds,
-                base_range=quartile_range(list(base.rounds)),
-                progress=advance,
-            )
     title = (
         f"{title_of(args, planner)}, measured on {args.device}, budget {format_bytes(budget_bytes)}"
     )
+    rows: list[BenchRow] = []
+    try:
+        with _progress(console, progress_total(names, args.steps, args.compile)) as advance:
+            rows = bench(
+                model, inputs, planner, names, budget=budget_bytes, steps=args.steps,
+                progress=advance,
+            )  # fmt: skip
+            if args.compile:
+                base = next(r for r in rows if r.strategy == "store_all")
+                rows += bench_compiled(
+                    model,
+                    inputs,
+                    budget=budget_bytes,
+                    steps=args.steps,
+                    compiler=args.compiler,
+                    profile=args.profile,
+                    base_seconds=base.step_seconds,
+                    base_range=quartile_range(list(base.rounds)),
+                    progress=advance,
+                )
+    except KeyboardInterrupt as stopped:  # what was measured is still worth a table
+        done = stopped.rows if isinstance(stopped, BenchInterrupted) else rows
+        rounds = stopped.rounds if isinstance(stopped, BenchInterrupted) else args.steps
+        if done:
+            console.print(
+                bench_table(
+                    done,
+                    title=f"{title} (interrupted: {len(done)} rows measured, "
+                    f"{rounds} of {args.steps} timing rounds)",
+                    budget_bytes=budget_bytes,
+                )
+            )
+        raise
+
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -123,9 +123,51 @@ def fit_report(
         )
 
 
-def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from remat.answers.report import compact_table
+def fit_cells(report: Any, batch: int, seq: int, pipeline: bool = False):
+    """The fit table's headers and rows of cells (markup), one row per strategy."""
     from remat.units import format_bytes
+
+    simulated = any(r.gpu_memory for r in report.rows)
+    headers = [
+        "strategy",
+        "peak\n(live)",
+        "fits",
+        "step\ntime",
+        f"max batch\n(seq {seq})",
+        f"max seq\n(batch {batch})",
+    ]
+    if pipeline:  # micro-batches, no sequence search
+        headers[-2:] = [f"max micro-\nbatch (seq {seq})"]
+    if simulated:
+        headers[2:2] = ["allocated", "reserved", "expand-\nable"]
+    rows = []
+    for r in report.rows:
+        # a simulation that ran out of memory stopped at the limit: its peaks are not the step's
+        memory = [
+            "OOM" if m["out_of_memory"] else format_bytes(m[k])
+            for m in r.gpu_memory[:1]
+            for k in ("allocated_bytes", "reserved_bytes")
+        ]
+        expandable = [
+            "OOM" if m["out_of_memory"] else format_bytes(m["reserved_bytes"])
+            for m in r.gpu_memory[1:2]
+        ]
+        rows.append(
+            [
+                r.strategy,
+                "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
+                *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
+                "[green]yes[/green]" if r.fits else "[red]no[/red]",
+                "-" if r.overhead is None else f"+{r.overhead:.1%}",
+                str(r.max_batch) if r.max_batch else "-",
+                *([] if pipeline else [str(r.max_seq) if r.max_seq else "-"]),
+            ]
+        )
+    return headers, rows
+
+
+def cmd_fit(args: argparse.Namespace, console: Console) -> int:
+    from remat.answers.report import fitting_table
 
     writable(args.html, "--html")
     if args.ac and args.compile != "blocks":
@@ -144,21 +186,32 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         found["batch"] = report.extra["microbatch"] * laid_out["microbatches"]
     run = [f"run: {_fit_command(args, found)}"] if found else []
     if args.html:
+        from remat.answers.fit_steps import PRECISIONS
         from remat.answers.html import write_report
+        from remat.answers.per_rank import RankView
 
+        # the page answers for the step the table judges: one rank's, under remat's plan
+        auto = next((r.solved for r in report.rows if r.strategy == "auto"), None)
         write_report(
             args.html,
             report.planner,
             title=f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}"
-            + (f", one rank of {report.layout}" if report.layout else "")
             + (" (its step: the tightest rank's first stage)" if "stages" in report.extra else ""),
             budget_bytes=report.usable_bytes,
+            chosen=auto,
             fit_rows=report.table_rows(),
             advice=[*report.advice, *run],
             fit_caption=_fit_caption(report),
+            rank=RankView(
+                report.planner,
+                report.shard,
+                PRECISIONS[report.precision].master_scale,
+                report.layout,
+            ),
         )
     if args.json:
-        answer = report.to_dict()
+        # the advice as data: its lines, the line that applies it, the command that fits
+        answer = report.to_dict() | {"run": run[0].removeprefix("run: ") if run else None}
         if offloaded is not None:
             answer["offload"] = offloaded.to_dict()
         print(json.dumps(answer, indent=2))
@@ -174,44 +227,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         + (f", {report.layout}" if report.layout else "")
         + (" (per-rank figures)" if args.shard > 1 or report.layout else "")
     )
-    table = compact_table(title)
-    simulated = any(r.gpu_memory for r in report.rows)
-    columns = [
-        "strategy",
-        "peak\n(live)",
-        "fits",
-        "step\ntime",
-        f"max batch\n(seq {args.seq})",
-        f"max seq\n(batch {args.batch})",
-    ]
-    if getattr(args, "pp", 1) > 1:  # a pipeline: micro-batches, no sequence search
-        columns[-2:] = [f"max micro-\nbatch (seq {args.seq})"]
-    if simulated:
-        columns[2:2] = ["allocated", "reserved", "expand-\nable"]
-    for col in columns:
-        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
-    for r in report.rows:
-        # a simulation that ran out of memory stopped at the limit: its peaks are not the step's
-        memory = [
-            "OOM" if m["out_of_memory"] else format_bytes(m[k])
-            for m in r.gpu_memory[:1]
-            for k in ("allocated_bytes", "reserved_bytes")
-        ]
-        expandable = [
-            "OOM" if m["out_of_memory"] else format_bytes(m["reserved_bytes"])
-            for m in r.gpu_memory[1:2]
-        ]
-        cells = [
-            r.strategy,
-            "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
-            *((memory or ["-", "-"]) + (expandable or ["-"]) if simulated else []),
-            "[green]yes[/green]" if r.fits else "[red]no[/red]",
-            "-" if r.overhead is None else f"+{r.overhead:.1%}",
-            str(r.max_batch) if r.max_batch else "-",
-            *([] if getattr(args, "pp", 1) > 1 else [str(r.max_seq) if r.max_seq else "-"]),
-        ]
-        table.add_row(*cells)
-    table.caption = _fit_caption(report)
+    headers, rows = fit_cells(report, args.batch, args.seq, pipeline=getattr(args, "pp", 1) > 1)
+    table = fitting_table(console, title, headers, rows, _fit_caption(report))
     console.print(table)
     by_note: dict[str, list[str]] = {}
     for r in report.rows:
@@ -261,19 +278,15 @@ def _print_stages(console: Console, report: Any) -> None:
     """A pipeline's stages under remat's plan (auto), or the first strategy fitted: per stage,
     its rank, blocks, micro-batches in flight, bytes held per micro-batch, fixed bytes and its
     rank's peak; and the most micro-batches each strategy fits."""
-    from remat.answers.report import compact_table
+    from remat.answers.report import fitting_table
 
     stages = report.extra.get("stages")
     if not stages:
         return
     name = "auto" if "auto" in stages else next(iter(stages))
-    table = compact_table(f"stages under {name}, per rank")
     rows = stages[name]
-    for col in rows[0]:
-        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*(escape(v) for v in row.values()))
-    console.print(table)
+    cells = [[escape(v) for v in row.values()] for row in rows]
+    console.print(fitting_table(console, f"stages under {name}, per rank", list(rows[0]), cells))
     counts = report.extra.get("max_microbatches", {})
     if counts:
         most = ", ".join(f"{k} {v if v else '-'}" for k, v in counts.items())
