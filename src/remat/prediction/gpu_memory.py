@@ -208,13 +208,16 @@ def _fsdp_events(
         return events
 
     for k, unit in enumerate(ordered):
-        first, last = span[unit]
+        first = span[unit][0]
         events = [] if k else gather(unit, "bwd")  # later units were prefetched
         events += unsharded(unit, "bwd") + [Free(("ag", step, "bwd", unit))]
         if k + 1 < len(ordered):
             events += gather(ordered[k + 1], "bwd")
         at.before[first] += events
-        at.after[last] += reduce_scatter(unit) + reshard(unit, "bwd")
+    # post-backward in the order the units' backward ends: a checkpointed run of several blocks
+    # replays them all before the last one's backward, so their spans nest, not follow
+    for unit in sorted(span, key=lambda u: span[u][1]):
+        at.after[span[unit][1]] += reduce_scatter(unit) + reshard(unit, "bwd")
     after_backward = reduce_scatter("") + reshard("", "fwd")
     after_backward += [Free(("rs_in", step, u)) for u in rs_held]
     return before_step, after_backward, shard_bytes
