@@ -332,10 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.tiny = args.tiny or ":" not in args.model or args.model.startswith("hf:")
         if hasattr(args, "steps"):
             args.steps = min(args.steps, 2)
-    console = Console()
+    console = Console(emoji=False)  # "hf:llama:..." is a name, not rich's :llama: emoji
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=120)  # piped or captured: rich would assume 80 columns
-    err = Console(stderr=True, soft_wrap=True)  # paths and sizes in messages stay whole
+        console = Console(width=120, emoji=False)  # piped or captured: rich would assume 80 columns
+    err = Console(stderr=True, soft_wrap=True, emoji=False)  # paths and sizes stay whole
     try:
         return args.func(args, console)
     except RematError as e:

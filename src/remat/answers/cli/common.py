@@ -105,7 +105,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FIELD=VALUE",
         help="override a config field of the preset, e.g. --set n_layer=2 for gpt2 or --set "
-        "n_layers=2 for llama (repeatable; an unknown field lists the valid ones)",
+        "n_layers=2 for llama (repeatable; an unknown field lists the valid ones). Values read "
+        "as Python or JSON: True/false, None/null, 2, 1e-5, 'text', [1, 2]; a bare name is text",
     )
     p.add_argument(
         "--trace-device",
