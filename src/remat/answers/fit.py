@@ -87,6 +87,7 @@ class FitReport:
         `reserved_bytes`, `nvidia_smi_bytes`) and every setting's in `gpu_memory`."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "planner"}
         out["rows"] = [_row_dict(r) for r in self.rows]
+        out["bytes_legend"] = BYTES_LEGEND
         return out
 
     def table_rows(self) -> list[dict[str, Any]]:
@@ -108,10 +109,33 @@ class FitReport:
         ]
 
 
+#: Which torch statistic each byte figure of a row compares with, per rank (`--json`'s
+#: `bytes_legend`). The allocator's figures are those of `gpu_memory[0]` (torch's default
+#: settings), None where a --reserve replaced the allocator's judgement.
+BYTES_LEGEND: dict[str, str] = {
+    "peak_bytes": "remat.estimate's peak of live tensors, no allocator rounding and no BLAS "
+    "workspaces: what the max batch / max seq searches compare. Under --shard a closed-form bound "
+    "that holds the root unit's and two blocks' gathered parameters (and one block's unsharded "
+    "gradients in backward) at every point, so it can exceed requested_bytes, which the allocator "
+    "walk gathers and frees in order; compare requested_bytes with torch",
+    "requested_bytes": "torch.cuda.memory_stats()['requested_bytes.all.peak']: the tensors as "
+    "requested, BLAS workspaces included",
+    "active_bytes": "memory_stats()['active_bytes.all.peak'] (torchtune's peak_memory_active): "
+    "equal to allocated_bytes, as no block is freed while another stream uses it",
+    "allocated_bytes": "torch.cuda.max_memory_allocated(): blocks as handed out (512 B rounding)",
+    "reserved_bytes": "torch.cuda.max_memory_reserved(): segments taken from cudaMalloc; a row "
+    "fits when these are within gpu_memory[0].limit_bytes",
+    "expandable_reserved_bytes": "max_memory_reserved() under PYTORCH_CUDA_ALLOC_CONF="
+    "expandable_segments:True",
+    "nvidia_smi_bytes": "nvidia-smi's memory of the process: reserved + CUDA context + NCCL buffers",
+}
+
+
 def _row_dict(row: FitRow) -> dict[str, Any]:
     out = asdict(row)
     judged = row.gpu_memory[0] if row.gpu_memory else {}
-    for key in ("requested_bytes", "allocated_bytes", "reserved_bytes", "nvidia_smi_bytes"):
+    keys = ("requested_bytes", "active_bytes", "allocated_bytes", "reserved_bytes")
+    for key in (*keys, "nvidia_smi_bytes"):
         out[key] = judged.get(key)
     expandable = [m for m in row.gpu_memory if "expandable_segments:True" in m["settings"]]
     out["expandable_reserved_bytes"] = expandable[0]["reserved_bytes"] if expandable else None

@@ -200,7 +200,7 @@ def judge_step(
         for _ in range(4):
             if memories[0].fits:
                 break
-            lower = memories[0].live_bytes_that_fit
+            lower = live_limit(peak, memories[0])
             target = lower if lower < target else target - memories[0].limit_bytes // 50
             peak, p = steps.peak(name, batch, seq, target)
             memories = steps.gpu_memories(batch, seq, p)
@@ -211,9 +211,19 @@ def judge_step(
                     peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
                     break
     if memories:
-        usable = memories[0].live_bytes_that_fit
+        usable = live_limit(peak, memories[0])
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
     return peak, p, memories, usable, overhead
+
+
+def live_limit(peak: int, memory: Any) -> int:
+    """The `peak` (the per-rank live bytes the searches compare) a step may reach by `memory`'s
+    judgement at one size: `peak` plus the room the reserved bytes leave under the limit. So the
+    asked size fits in a search exactly when its reserved bytes fit. (`live_bytes_that_fit`
+    counts from `requested_bytes`, which under --shard is the event walk's, below `peak`'s
+    closed-form bound: a row could fit with no batch that fits.)"""
+    room = memory.limit_bytes - memory.reserved_bytes
+    return peak + room if memory.fits else min(peak + room, peak - 1)
 
 
 def fits_on(peak: int, memories: list[Any], usable: int) -> bool:

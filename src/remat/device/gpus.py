@@ -352,6 +352,21 @@ def custom_gpu(capacity: int | str, profile: str = DEFAULT_CUSTOM_PROFILE) -> Gp
     )
 
 
+def with_capacity(gpu: Gpu | str, capacity: int | str) -> Gpu:
+    """`gpu` (a catalogue name or a `Gpu`) with `capacity` bytes ("22GiB", an int) instead of its
+    own: its architecture, compute capability and cost profile kept, e.g. a MIG slice or a card
+    whose driver reports another size. Raises as `custom_gpu` does for an unreadable size."""
+    base = get_gpu(gpu)
+    sized = custom_gpu(capacity, base.profile)
+    return replace(
+        base,
+        name=f"{base.name}@{capacity}",
+        capacity_bytes=sized.capacity_bytes,
+        description=f"{base.description or base.name} with {format_bytes(sized.capacity_bytes)}",
+        source=f"--capacity {capacity} given by the user",
+    )
+
+
 def get_gpu(gpu: Gpu | str, profile: str | None = None) -> Gpu:
     """A catalogue entry by name (case-insensitive; "h100", "H100-80GB", "nvidia h100 80gb", "4090",
     or the name torch reports), a device of any capacity given as a size ("70GiB": `custom_gpu`),

@@ -333,6 +333,13 @@ class GpuMemory:
     alloc_retries: int
 
     @property
+    def active_bytes(self) -> int:
+        """torch's `active_bytes.all.peak` (torchtune's `peak_memory_active`): blocks allocated,
+        plus blocks freed while another stream still uses them (`record_stream`). A simulated
+        step frees no block under another stream's use, so it equals `allocated_bytes`."""
+        return self.allocated_bytes
+
+    @property
     def nvidia_smi_bytes(self) -> int:
         return self.reserved_bytes + self.context_bytes + self.nccl_bytes
 
@@ -348,7 +355,12 @@ class GpuMemory:
         return not self.out_of_memory and self.reserved_bytes <= self.limit_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "nvidia_smi_bytes": self.nvidia_smi_bytes, "fits": self.fits}
+        return {
+            **asdict(self),
+            "active_bytes": self.active_bytes,
+            "nvidia_smi_bytes": self.nvidia_smi_bytes,
+            "fits": self.fits,
+        }
 
 
 #: The allocator settings `gpu_memory` reports by default: torch's, and expandable segments.

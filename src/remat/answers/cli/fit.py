@@ -27,7 +27,7 @@ def _fit_caption(report: Any) -> str:
             "it ran out of memory), expandable: reserved with expandable_segments:True; fits: "
             f"{report.allocator} ({format_bytes(limit)} = total_memory "
             f"{format_bytes(report.capacity_bytes)} - CUDA context - NCCL buffers; nvidia-smi "
-            "shows reserved + context, see --json)"
+            "shows reserved + context; --json's bytes_legend names torch's statistic of each)"
         )
     else:
         judged = (
@@ -83,9 +83,9 @@ def fit_report(
     from remat import models
     from remat.answers.fit import fit
     from remat.answers.fit_steps import PRECISIONS
-    from remat.device.gpus import custom_gpu, get_gpu
+    from remat.device.gpus import get_gpu, with_capacity
 
-    gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
+    gpu = with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
     overrides = models.parse_overrides(args.set)
 
     def build_for(precision: str):
