@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--gpu",
         default="h100",
-        help="h100, h100-pcie, h200, a100-40gb, a100-80gb, l4, rtx4090, mi300x, v100-16gb, "
+        help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, a10g, l4, t4, rtx3090, "
+        "rtx4070-ti-super, rtx4080, rtx4090, mi300x, v100-16gb, "
         "v100-32gb, or the name torch reports (default: %(default)s)",
     )
     ft.add_argument(
@@ -264,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--html", metavar="REPORT.html", required=True, help="where to write it")
     rp.add_argument(
         "--gpu",
-        help="add the fit table for this GPU (h100, h200, a100-40gb, a100-80gb, l4, rtx4090, "
-        "mi300x) at --batch, --seq, --dtype and --optimizer; `remat fit --html` for mixed "
+        help="add the fit table for this GPU (h100, h200, b200, a100-80gb, a10g, l4, t4, rtx4090, "
+        "mi300x, ...: remat fit --help) at --batch, --seq, --dtype and --optimizer; `remat fit --html` for mixed "
         "precision and sharding",
     )
     rp.add_argument("--capacity", help="add the fit table for a GPU of this memory, e.g. 24GiB")
