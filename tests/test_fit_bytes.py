@@ -71,3 +71,20 @@ def test_fit_json_names_the_torch_statistic_of_each_byte_figure(capsys):
         assert row["requested_bytes"] <= row["allocated_bytes"] <= row["reserved_bytes"]
         assert row["nvidia_smi_bytes"] > row["reserved_bytes"]
     assert "active_bytes.all.peak" in legend["active_bytes"]
+
+
+def test_context_parallel_ranks_share_fsdp_shards_as_torchtitan_meshes_them():
+    """torchtitan applies fully_shard over its dp_shard_cp mesh: with --shard 2 --cp 2 each rank
+    holds a quarter of the parameters, gradients and optimizer state (it held a half)."""
+    from remat.layouts.parallel import Layout
+    from remat.prediction.estimate import estimate
+
+    kw = {**FIT, "shard": 2, "batch": 2, "max_batch": 2, "max_seq": 64}
+    report = fit(_build, gpu=get_gpu("h100"), layout=Layout(cp=2), **kw)
+    graph = report.planner.graph  # one CP rank's step: seq / 2 tokens
+    row = report.rows[0]
+
+    def peak(ranks: int) -> int:
+        return estimate(graph, optimizer="adamw", shard=ranks, master_scale=1).peak_bytes
+
+    assert row.peak_bytes == peak(4) < peak(2)

@@ -193,14 +193,16 @@ def fit(
 
     `layout`: tensor and context parallelism (`remat.layouts.parallel.Layout`): every figure is then one
     rank's, its step traced as that rank runs it (its shards, its collectives); `shard` is the
-    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks."""
+    data-parallel degree; FSDP2 shards parameters, gradients and optimizer state over `shard` x
+    `layout.cp` ranks (torchtitan's `dp_shard_cp` mesh), and the GPU's NCCL buffers count all
+    ranks."""
     import time
 
     if precision not in PRECISIONS:
         raise RematError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if shard < 1:
         raise RematError(f"shard={shard}: the number of ranks must be at least 1")
-    if shard == 1 and PRECISIONS[precision].master_scale != 1:
+    if shard * layout.cp == 1 and PRECISIONS[precision].master_scale != 1:
         raise RematError(
             f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"

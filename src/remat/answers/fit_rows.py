@@ -100,7 +100,7 @@ def fit_row(
     floor = estimate(
         planner.graph,
         optimizer=steps.optimizer,
-        shard=steps.shard,
+        shard=steps.fsdp_ranks,
         master_scale=steps.setup.master_scale,
     ).fixed_bytes
     if floor > usable:  # parameters, gradients and optimizer state alone: no size fits

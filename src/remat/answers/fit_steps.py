@@ -74,6 +74,13 @@ class FitSteps:
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
 
+    @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP2 shards parameters, gradients and optimizer state over: the
+        data-parallel ranks times the context-parallel ones, as torchtitan's mesh does it
+        (`fully_shard` on its `dp_shard_cp` mesh: CP ranks hold the same parameters)."""
+        return self.shard * self.layout.cp
+
     def trace(self, batch: int, seq: int) -> Graph:
         key = (batch, seq)
         if key not in self.traced:
@@ -135,8 +142,9 @@ class FitSteps:
 
     def rank_peak(self, planner: Planner, plan: Any, shard: int | None = None) -> int:
         """`plan`'s peak per rank: its simulation with parameters, gradients and optimizer state
-        sharded over `shard` ranks (`remat.prediction.estimate.shard_step`), the optimizer step included."""
-        shard = self.shard if shard is None else shard
+        sharded over `shard` data-parallel ranks (default: the asked ones) times the
+        context-parallel ones (`remat.prediction.estimate.shard_step`), the optimizer step included."""
+        shard = (self.shard if shard is None else shard) * self.layout.cp
         if shard == 1 and self.setup.master_scale == 1:
             return plan.predicted_peak_bytes
         sharded = shard_step(
@@ -158,7 +166,7 @@ class FitSteps:
         from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, gpu_memory
 
         graph = self.planner(batch, seq).graph
-        fsdp = Fsdp(self.shard, self.setup.master_scale) if self.shard > 1 else None
+        fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
         return [
             gpu_memory(graph, self.gpu, plan.regions, self.optimizer, fsdp=fsdp, settings=s)
             for s in ALLOCATOR_SETTINGS

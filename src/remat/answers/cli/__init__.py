@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         type=positive_int,
         default=1,
-        help="FSDP2 / ZeRO-3 ranks that share parameters, gradients and optimizer state (default: %(default)s)",
+        help="data-parallel ranks; FSDP2 / ZeRO-3 shards parameters, gradients and optimizer "
+        "state over them times --cp, as torchtitan's dp_shard_cp mesh does (default: %(default)s)",
     )
     ft.add_argument(
         "--tp",
@@ -207,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp",
         type=positive_int,
         default=1,
-        help="context-parallel ranks, each holding seq / cp tokens (ring attention) "
-        "(default: %(default)s)",
+        help="context-parallel ranks, each holding seq / cp tokens (ring attention); FSDP "
+        "shards over --shard x --cp ranks (default: %(default)s)",
     )
     ft.add_argument("--json", action="store_true", help="print the answer as JSON")
     ft.add_argument(
