@@ -93,6 +93,8 @@ def optimizer_events(
     params = sorted(sizes)
     events: list[Event] = []
     if create_state:
+        shared = memory.quantized.shared_bytes if memory.quantized and params else 0
+        events += [Alloc(("state", "shared", 0), shared)] if shared else []  # bnb's two maps
         for sid in params:
             traced = graph.storages[sid]
             elements = (
@@ -101,6 +103,10 @@ def optimizer_events(
             state = [sizes[sid]] * memory.state_per_param_byte + [
                 elements
             ] * memory.state_per_element
+            if memory.quantized is not None:  # paged moments live outside the allocator
+                q = memory.quantized
+                moment = q.moment_bytes(elements, sizes[sid] // max(elements, 1))
+                state = [] if q.paged(elements) else [moment, moment]
             events += [Alloc(("state", sid, k), n) for k, n in enumerate(state) if n]
     if memory.step_temp_per_param_byte:  # foreach: the whole list at once, then freed
         events += [Alloc(("tmp", step, sid), sizes[sid]) for sid in params]

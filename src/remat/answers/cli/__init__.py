@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="adamw",
         choices=["none", *OPTIMIZERS],
         help="optimizer state and step counted in the peak; adamw is torch's default on a GPU, "
-        "foreach (default: %(default)s)",
+        "foreach; 8-bit / 4-bit, paged and CPU-offload ones as for estimate (default: "
+        "%(default)s)",
     )
     ft.add_argument(
         "--shard",

@@ -28,7 +28,9 @@ def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         help="count optimizer state and step in the peak. adamw: torch's default implementation "
         "for the device (foreach on a GPU, for-loop on the CPU); adamw-foreach/-fused/-for-loop "
-        "name one (AdamW(foreach=True), fused=True, foreach=False); adamw-8bit: bitsandbytes",
+        "name one (AdamW(foreach=True), fused=True, foreach=False); adamw-8bit(-paged): "
+        "bitsandbytes AdamW8bit (PagedAdamW8bit: unified memory, reported apart); "
+        "adamw-8bit-torchao, adamw-4bit: torchao; adamw-cpu-offload: torchao's CPUOffloadOptimizer",
     )
 
 

@@ -1,0 +1,66 @@
+"""The optimizers people use, sized as their libraries allocate them: bitsandbytes' and torchao's
+block-wise quantized AdamW moments (scales per block, a minimum size below which moments stay
+unquantized, per FSDP rank's local tensor for torchao), paged moments reported apart from the
+allocator's, torchao's CPU-offload optimizer holding nothing on the GPU. The expected bytes are
+worked out by hand from each library's rules (remat.prediction.optimizer_state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.prediction.estimate import estimate
+from remat.prediction.gpu_memory import gpu_memory
+
+
+def _graph(out_features: int = 64):
+    """fp32 Linear(64, 64) (weight 4096 elements: quantized; bias 64: not) and
+    Linear(64, out_features)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, out_features))
+    return remat.trace(model, torch.randn(4, 64), target="cuda:sm90")
+
+
+# Per parameter, two moments. Weight 4096 elements; bias 64; second layer weight 4096, bias 64.
+BNB = 2 * (4096 + 16 * 4) * 2 + 2 * 64 * 4 * 2 + 2 * 256 * 4  # uint8 + absmax; fp32 small; maps
+TORCHAO_8 = 2 * (4096 + 16 * 4 + 256 * 4) * 2 + 2 * 64 * 4 * 2  # + its own map; small: fp32 param
+TORCHAO_4 = 2 * (2048 + 32 * 4 + 16 * 4) * 2 + 2 * 64 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "state"),
+    [
+        ("adamw-8bit", BNB),
+        ("adamw-8bit-torchao", TORCHAO_8),
+        ("adamw-4bit", TORCHAO_4),
+        ("adamw-cpu-offload", 0),
+        ("adamw", 2 * 4 * (2 * 4096 + 2 * 64)),
+    ],
+)
+def test_optimizer_state_is_sized_per_tensor_as_the_library_allocates_it(optimizer, state):
+    graph = _graph()
+    est = estimate(graph, optimizer)
+    assert est.optimizer_state_bytes == state
+    # the caching allocator's walk allocates the same state, tensor by tensor
+    memory = gpu_memory(graph, "h100", optimizer=optimizer)
+    assert memory.requested_bytes - memory.blas_workspace_bytes == est.peak_bytes
+
+
+def test_torchao_quantizes_a_ranks_local_shard_only_from_4096_elements():
+    """Under FSDP2 over 2 ranks a 4096-element weight is 2048 elements a rank: torchao keeps its
+    moments in the parameter's dtype (fp32 here), bitsandbytes' rule is not per rank."""
+    graph = _graph()
+    sharded = estimate(graph, "adamw-8bit-torchao", shard=2).optimizer_state_bytes
+    assert sharded == 2 * (2048 * 4) * 2 + 2 * 32 * 4 * 2
+
+
+def test_paged_moments_are_reported_apart_from_the_allocators():
+    """PagedAdamW8bit: a moment of 100,000 elements or more lives in unified memory (Linear(64,
+    2048): 131,072 elements), outside the caching allocator and the peak."""
+    graph = _graph(out_features=2048)
+    plain, paged = estimate(graph, "adamw-8bit"), estimate(graph, "adamw-8bit-paged")
+    big = 2 * (131072 + 512 * 4)
+    assert paged.paged_optimizer_state_bytes == big
+    assert paged.optimizer_state_bytes == plain.optimizer_state_bytes - big
+    assert paged.peak_bytes == plain.peak_bytes - big
