@@ -172,6 +172,7 @@ def fit(
     progress: Callable[[str], None] | None = None,
     build_for: Callable[[str], Build] | None = None,
     layout: Layout = ONE_RANK,
+    optimizer_in_backward: bool = False,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -195,7 +196,10 @@ def fit(
     rank's, its step traced as that rank runs it (its shards, its collectives); `shard` is the
     data-parallel degree; FSDP2 shards parameters, gradients and optimizer state over `shard` x
     `layout.cp` ranks (torchtitan's `dp_shard_cp` mesh), and the GPU's NCCL buffers count all
-    ranks."""
+    ranks.
+
+    `optimizer_in_backward`: the loop steps each parameter in backward and frees its gradient
+    (torchtune's `optimizer_in_bwd`; `remat.prediction.loop.optimizer_in_backward`); on one rank."""
     import time
 
     if precision not in PRECISIONS:
@@ -216,6 +220,11 @@ def fit(
             f"compile={compile!r} is predicted on one rank: drop --shard, or leave out --compile "
             "(FSDP's per-rank arithmetic runs on the eager step)"
         )
+    if optimizer_in_backward and (shard * layout.ranks > 1 or compile is not None):
+        raise RematError(
+            "optimizer_in_backward is predicted for an eager step on one rank: leave out --shard, "
+            "--tp, --cp, --pp and --compile with it"
+        )
     start = time.perf_counter()
     usable = _usable(gpu, shard * layout.ranks, reserve)
     if layout.pp > 1:
@@ -229,6 +238,7 @@ def fit(
         )  # fmt: skip
     steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
+    steps.optimizer_in_backward = optimizer_in_backward
     rows = [
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]

@@ -70,6 +70,8 @@ class FitSteps:
         self.layout = layout
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.simulate_allocator = True
+        #: the loop steps each parameter in backward and drops its gradient (`--optimizer-in-backward`)
+        self.optimizer_in_backward = False
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
@@ -86,9 +88,14 @@ class FitSteps:
         if key not in self.traced:
             if self.progress:
                 self.progress(f"tracing batch {batch}, seq {seq}")
-            self.traced[key] = self.layout.trace(
+            graph = self.layout.trace(
                 self.build, batch, seq, autocast=self.setup.autocast, target=self.gpu.target
             )
+            if self.optimizer_in_backward:
+                from remat.prediction.loop import optimizer_in_backward
+
+                graph = optimizer_in_backward(graph)
+            self.traced[key] = graph
         return self.traced[key]
 
     def planner(self, batch: int, seq: int) -> Planner:

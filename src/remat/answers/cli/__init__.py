@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s)",
     )
     ft.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="the loop steps each parameter in backward and frees its gradient (torchtune's "
+        "optimizer_in_bwd): the gradients never all live at once; one rank, eager",
+    )
+    ft.add_argument(
         "--shard",
         type=positive_int,
         default=1,

@@ -32,6 +32,12 @@ def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
         "bitsandbytes AdamW8bit (PagedAdamW8bit: unified memory, reported apart); "
         "adamw-8bit-torchao, adamw-4bit: torchao; adamw-cpu-offload: torchao's CPUOffloadOptimizer",
     )
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="the loop steps each parameter in backward and frees its gradient (torchtune's "
+        "optimizer_in_bwd): the gradients never all live at once",
+    )
 
 
 def add_budget_arg(p: argparse.ArgumentParser) -> None:
@@ -164,6 +170,10 @@ def trace_model(args: argparse.Namespace, console: Console):
             graph.info["layout"] = layout.describe(graph)
         else:
             graph = trace(model, *inputs, device=device, target=target)
+    if getattr(args, "optimizer_in_backward", False):
+        from remat.prediction.loop import optimizer_in_backward
+
+        graph = optimizer_in_backward(graph)
     graph.info.update(
         model=args.model,
         shape=_shape(args, inputs)

@@ -65,6 +65,7 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
         parts += ["--schedule", setup.get("schedule", getattr(args, "schedule", "1f1b"))]
     parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
     parts += ["--tiny"] if args.tiny else []
+    parts += ["--optimizer-in-backward"] if getattr(args, "optimizer_in_backward", False) else []
     for item in args.set or []:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)
@@ -118,6 +119,7 @@ def fit_report(
             progress=lambda text: status.update(text),
             build_for=build_for,
             layout=layout_of(args),
+            optimizer_in_backward=getattr(args, "optimizer_in_backward", False),
         )
 
 
