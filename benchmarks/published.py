@@ -370,7 +370,10 @@ SKIPPED = (
     (
         "torchtune + optimizer in backward (23.1), + activation offloading (21.8), + 8-bit AdamW "
         "(17.6)",
-        "optimizer-in-backward and CPU offloading are not modelled yet",
+        "the optimizer in backward is modelled for eager steps (`--optimizer-in-backward`), not "
+        "under torch.compile, which these runs use; activation offloading is not modelled; 8-bit "
+        "AdamW is (`--optimizer adamw-8bit`, `adamw-8bit-torchao`), but not on top of the two "
+        "before",
     ),
     (
         "HF Adafactor (12295 MiB) and 8-bit Adam (13085 MiB)",
@@ -482,6 +485,62 @@ def _trace_pred_alive(model: torch.nn.Module, inputs: tuple, point: Point, targe
     )
 
 
+#: The fit row each strategy of a point is read from, and the JSON field of each statistic.
+_ROW = {"store_all": "store_all", "full": "full", "selective:torchtitan": "selective:torchtitan"}
+_FIELD = {
+    "active": "active_bytes",
+    "allocated": "allocated_bytes",
+    "reserved": "reserved_bytes",
+    "nvidia-smi": "nvidia_smi_bytes",
+}
+
+
+def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
+    """The `remat fit` command that predicts `point` from `source`'s model, where in its JSON to
+    read the figure, and what of the run it cannot express ("" when nothing): the row's loop or
+    precision that no option gives."""
+    import shlex
+
+    if point.master_scale == 2:
+        precision = "bf16-fsdp"
+    elif point.autocast is torch.bfloat16:
+        precision = "bf16-mixed"
+    elif point.autocast is None:
+        precision = "bf16" if point.dtype == "bf16" else "fp32"
+    else:
+        precision = "fp32"
+    parts = ["remat", "fit", "--model", source.model]
+    for key, value in source.overrides.items():
+        parts += ["--set", f"{key}={value}"]  # a bare name reads as text (remat.models.parse_value)
+    parts += ["--batch", str(point.batch), "--seq", str(point.seq), "--gpu", point.gpu]
+    parts += ["--precision", precision, "--optimizer", point.optimizer or "none"]
+    parts += ["--shard", str(point.shard)] if point.shard > 1 else []
+    parts += ["--keep-grads"] if point.keep_grads else []  # as a micro-step of accumulation
+    if point.compile is not None:
+        parts += ["--compile", point.compile] + (
+            ["--ac", "full"] if point.strategy == "full" else []
+        )
+        read = f"row compile:{point.compile}, peak_bytes (live bytes)"
+    else:
+        read = f"row {_ROW[point.strategy]}, {_FIELD[point.statistic]}"
+    missing = [
+        why
+        for why, lacks in (
+            ("the fp32 prediction kept through backward (no CLI option)", point.pred_alive),
+            (
+                f"torch {point.torch_version[0]}.{point.torch_version[1]}'s autograd (no CLI option)"
+                if point.torch_version
+                else "",
+                point.torch_version is not None,
+            ),
+            ("fp16 autocast (no fp16-mixed precision)", point.autocast is torch.float16),
+        )
+        if lacks
+    ]
+    parts.append("--json")
+    return " ".join(shlex.quote(p) for p in parts), read, "; ".join(missing)
+
+
 def _cell(n: int | None, statistic: str) -> str:
     if n is None:
         return "-"
@@ -499,6 +558,21 @@ def _versions() -> str:
         except PackageNotFoundError:
             out.append(f"{package} not installed (its rows skipped)")
     return ", ".join(out)
+
+
+def cli_section() -> list[str]:
+    """Each row's `remat fit` command, and what of the run the command line cannot express."""
+    lines = [
+        "CLI command of each row (`remat fit ... --json`; the figure is the named row's field; the",
+        "table's figures come from this script, which also expresses what the CLI cannot):",
+        "",
+    ]
+    for point in POINTS:
+        for source in point.sources:
+            command, read, missing = cli_command(point, source)
+            lacking = f" Not expressible: {missing}." if missing else ""
+            lines.append(f"- {point.id} ({source.label}): `{command}`, {read}.{lacking}")
+    return lines
 
 
 def markdown(rows: list[Prediction], seconds: float) -> str:
@@ -528,6 +602,7 @@ def markdown(rows: list[Prediction], seconds: float) -> str:
     lines += ["", "Code versions traced: " + _versions() + ".", "", "Sources:", ""]
     for source in sorted({p.source for p in POINTS}):
         lines.append(f"- {source}")
+    lines += ["", *cli_section()]
     notes = [f"- {p.id}: {p.note}" for p in POINTS if p.note]
     if notes:
         lines += ["", "Notes:", "", *notes]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.errors import RematError
 from remat.prediction.estimate import estimate
 from remat.prediction.gpu_memory import gpu_memory
 
@@ -99,3 +100,23 @@ def test_fit_takes_the_optimizer_in_backward_on_one_rank(capsys):
     stepped = json.loads(capsys.readouterr().out)["rows"][0]
     assert stepped["requested_bytes"] < plain["requested_bytes"]
     assert main([*argv, "--optimizer-in-backward", "--shard", "2"]) == 2
+
+
+def test_kept_gradients_live_through_the_step_as_the_allocator_walk_keeps_them():
+    """zero_grad(set_to_none=False) or a later micro-step of gradient accumulation: the kept
+    gradients exist from the start, each backward gradient a temporary added into them. The live
+    bytes of the loop's graph equal the allocator walk's with its own keep_grads events (what
+    benchmarks/published.py uses for Hugging Face's 2022 rows), and exceed the plain step's by
+    what the kept gradients add at the plain step's peak."""
+    from remat.prediction.loop import Loop
+
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    graph = remat.trace(model, torch.randn(2, 256), target="cuda:sm90")
+    kept = Loop(keep_grads=True).apply(graph)
+    walk = gpu_memory(graph, "h100", optimizer="adamw-fused", keep_grads=True)
+    est = estimate(kept, "adamw-fused")
+    assert est.peak_bytes == walk.requested_bytes - walk.blas_workspace_bytes
+    assert est.grad_bytes == graph.grad_bytes  # the kept gradients, counted once
+    assert est.peak_bytes > estimate(graph, "adamw-fused").peak_bytes
+    with pytest.raises(RematError, match="choose one"):
+        Loop(keep_grads=True, optimizer_in_backward=True)

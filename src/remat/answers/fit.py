@@ -31,6 +31,7 @@ from remat.graph import Graph
 from remat.layouts.parallel import ONE_RANK, Layout
 from remat.planning.planner import Planner
 from remat.prediction.estimate import Optimizer
+from remat.prediction.loop import Loop
 from remat.units import format_bytes
 
 #: The strategies a fit compares: no recomputation, the usual two, and remat's choice.
@@ -172,7 +173,7 @@ def fit(
     progress: Callable[[str], None] | None = None,
     build_for: Callable[[str], Build] | None = None,
     layout: Layout = ONE_RANK,
-    optimizer_in_backward: bool = False,
+    loop: Loop | None = None,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -198,8 +199,9 @@ def fit(
     `layout.cp` ranks (torchtitan's `dp_shard_cp` mesh), and the GPU's NCCL buffers count all
     ranks.
 
-    `optimizer_in_backward`: the loop steps each parameter in backward and frees its gradient
-    (torchtune's `optimizer_in_bwd`; `remat.prediction.loop.optimizer_in_backward`); on one rank."""
+    `loop`: how the training loop treats gradients (`remat.prediction.loop.Loop`: the optimizer
+    stepped in backward, or gradients kept between steps as under gradient accumulation); on one
+    rank."""
     import time
 
     if precision not in PRECISIONS:
@@ -220,9 +222,10 @@ def fit(
             f"compile={compile!r} is predicted on one rank: drop --shard, or leave out --compile "
             "(FSDP's per-rank arithmetic runs on the eager step)"
         )
-    if optimizer_in_backward and (shard * layout.ranks > 1 or compile is not None):
+    loop = loop or Loop()
+    if loop.describe() and (shard * layout.ranks > 1 or compile is not None):
         raise RematError(
-            "optimizer_in_backward is predicted for an eager step on one rank: leave out --shard, "
+            f"{loop.describe()} is predicted for an eager step on one rank: leave out --shard, "
             "--tp, --cp, --pp and --compile with it"
         )
     start = time.perf_counter()
@@ -238,7 +241,7 @@ def fit(
         )  # fmt: skip
     steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
-    steps.optimizer_in_backward = optimizer_in_backward
+    steps.loop = loop
     rows = [
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]

@@ -23,6 +23,7 @@ from remat.layouts.parallel import ONE_RANK, Layout
 from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.prediction.estimate import Optimizer, shard_step
+from remat.prediction.loop import Loop
 from remat.prediction.sizes import SizeModel, same_graph
 
 Precision = Literal["fp32", "bf16", "bf16-mixed", "bf16-fsdp"]
@@ -70,8 +71,8 @@ class FitSteps:
         self.layout = layout
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.simulate_allocator = True
-        #: the loop steps each parameter in backward and drops its gradient (`--optimizer-in-backward`)
-        self.optimizer_in_backward = False
+        #: how the loop treats gradients (`remat.prediction.loop.Loop`): applied to every trace
+        self.loop = Loop()
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
@@ -91,11 +92,7 @@ class FitSteps:
             graph = self.layout.trace(
                 self.build, batch, seq, autocast=self.setup.autocast, target=self.gpu.target
             )
-            if self.optimizer_in_backward:
-                from remat.prediction.loop import optimizer_in_backward
-
-                graph = optimizer_in_backward(graph)
-            self.traced[key] = graph
+            self.traced[key] = self.loop.apply(graph)
         return self.traced[key]
 
     def planner(self, batch: int, seq: int) -> Planner:

@@ -17,6 +17,7 @@ from remat.answers.cli.bench import BENCH_STRATEGIES, cmd_bench
 from remat.answers.cli.common import (
     add_budget_arg,
     add_compile_arg,
+    add_loop_args,
     add_model_args,
     add_optimizer_arg,
     add_profile_arg,
@@ -171,12 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "foreach; 8-bit / 4-bit, paged and CPU-offload ones as for estimate (default: "
         "%(default)s)",
     )
-    ft.add_argument(
-        "--optimizer-in-backward",
-        action="store_true",
-        help="the loop steps each parameter in backward and frees its gradient (torchtune's "
-        "optimizer_in_bwd): the gradients never all live at once; one rank, eager",
-    )
+    add_loop_args(ft)
     ft.add_argument(
         "--shard",
         type=positive_int,

@@ -32,11 +32,43 @@ def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
         "bitsandbytes AdamW8bit (PagedAdamW8bit: unified memory, reported apart); "
         "adamw-8bit-torchao, adamw-4bit: torchao; adamw-cpu-offload: torchao's CPUOffloadOptimizer",
     )
+    add_loop_args(p)
+
+
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    """The training loop's treatment of gradients (`remat.prediction.loop.Loop`)."""
     p.add_argument(
         "--optimizer-in-backward",
         action="store_true",
         help="the loop steps each parameter in backward and frees its gradient (torchtune's "
         "optimizer_in_bwd): the gradients never all live at once",
+    )
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="zero_grad(set_to_none=False): the gradients live between steps, and each "
+        "backward's gradient is a temporary added into them",
+    )
+    p.add_argument(
+        "--grad-accumulation",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches a step accumulates (--batch is one micro-batch): above 1 the "
+        "gradients live through every micro-step after the first, as with --keep-grads",
+    )
+
+
+def loop_of(args: argparse.Namespace) -> Any:
+    """The `Loop` of --optimizer-in-backward, --keep-grads and --grad-accumulation."""
+    from remat.prediction.loop import Loop
+
+    accumulation = getattr(args, "grad_accumulation", 1)
+    if accumulation < 1:
+        raise RematError(f"--grad-accumulation {accumulation}: give 1 or more micro-batches")
+    return Loop(
+        optimizer_in_backward=getattr(args, "optimizer_in_backward", False),
+        keep_grads=getattr(args, "keep_grads", False) or accumulation > 1,
     )
 
 
@@ -170,10 +202,7 @@ def trace_model(args: argparse.Namespace, console: Console):
             graph.info["layout"] = layout.describe(graph)
         else:
             graph = trace(model, *inputs, device=device, target=target)
-    if getattr(args, "optimizer_in_backward", False):
-        from remat.prediction.loop import optimizer_in_backward
-
-        graph = optimizer_in_backward(graph)
+    graph = loop_of(args).apply(graph)
     graph.info.update(
         model=args.model,
         shape=_shape(args, inputs)

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from remat.answers.cli.common import layout_of, model_name, writable
+from remat.answers.cli.common import layout_of, loop_of, model_name, writable
 from remat.errors import RematError
 
 
@@ -66,6 +66,9 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
     parts += ["--tiny"] if args.tiny else []
     parts += ["--optimizer-in-backward"] if getattr(args, "optimizer_in_backward", False) else []
+    parts += ["--keep-grads"] if getattr(args, "keep_grads", False) else []
+    accumulation = getattr(args, "grad_accumulation", 1)
+    parts += ["--grad-accumulation", str(accumulation)] if accumulation > 1 else []
     for item in args.set or []:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)
@@ -119,7 +122,7 @@ def fit_report(
             progress=lambda text: status.update(text),
             build_for=build_for,
             layout=layout_of(args),
-            optimizer_in_backward=getattr(args, "optimizer_in_backward", False),
+            loop=loop_of(args),
         )
 
 
