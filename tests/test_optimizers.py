@@ -97,8 +97,14 @@ def test_fit_takes_the_optimizer_in_backward_on_one_rank(capsys):
     assert main([*argv, "--optimizer", "adamw-fused"]) == 0
     plain = json.loads(capsys.readouterr().out)["rows"][0]
     assert main([*argv, "--optimizer", "adamw-fused", "--optimizer-in-backward"]) == 0
-    stepped = json.loads(capsys.readouterr().out)["rows"][0]
+    stepped_report = json.loads(capsys.readouterr().out)
+    stepped = stepped_report["rows"][0]
+    assert stepped_report["loop"] == "optimizer in backward"
     assert stepped["requested_bytes"] < plain["requested_bytes"]
+    assert main([*argv, "--optimizer", "adamw-fused", "--grad-accumulation", "4"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["loop"] == "gradients kept between steps"
+    assert kept["rows"][0]["requested_bytes"] > plain["requested_bytes"]
     assert main([*argv, "--optimizer-in-backward", "--shard", "2"]) == 2
 
 

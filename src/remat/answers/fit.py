@@ -63,6 +63,8 @@ class FitReport:
     allocator: str = ""
     #: tensor / context parallelism of every per-rank figure ("tp 8 + sp, cp 2"), "" for none
     layout: str = ""
+    #: how the loop treats gradients (`remat.prediction.loop.Loop.describe`), "" for torch's default
+    loop: str = ""
     planner: Planner | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -275,6 +277,7 @@ def fit(
         extra=extra,
         allocator=_judged_by(steps),
         layout=layout.describe(steps.planner(batch, seq).graph),
+        loop=loop.describe(),
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))
