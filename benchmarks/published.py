@@ -305,6 +305,9 @@ POINTS: tuple[Point, ...] = (
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
         torch_version=(1, 10),
+        note="its CLI command as printed (above) gives 7,090 MiB (0.817) on this machine: the "
+        "1,343 MiB context the page measured (the CLI takes a V100's 256 MiB) and torch 1.10's "
+        "softmax saves, which this script adds, come to 1,459 MiB",
     ),
     Point(
         "H3",
@@ -369,7 +372,9 @@ SKIPPED = (
     ),
     (
         "torchtune + optimizer in backward (23.1), + 8-bit AdamW (17.6)",
-        "optimizer-in-backward and bitsandbytes' 8-bit state are not modelled yet (the drop that "
+        "the optimizer in backward is modelled for eager steps (`--optimizer-in-backward`), not "
+        "under torch.compile, which these runs use; 8-bit AdamW is (`--optimizer adamw-8bit`, "
+        "`adamw-8bit-torchao`), but not on top of the optimizer in backward (the drop that "
         "activation offloading makes, 23.1 -> 21.8, is rebuilt above)",
     ),
     (
@@ -579,6 +584,67 @@ def _trace_pred_alive(model: torch.nn.Module, inputs: tuple, point: Point, targe
     )
 
 
+#: The fit row each strategy of a point is read from, and the JSON field of each statistic.
+_ROW = {"store_all": "store_all", "full": "full", "selective:torchtitan": "selective:torchtitan"}
+_FIELD = {
+    "active": "active_bytes",
+    "allocated": "allocated_bytes",
+    "reserved": "reserved_bytes",
+    "nvidia-smi": "nvidia_smi_bytes",
+}
+
+
+def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
+    """The `remat fit` command that predicts `point` from `source`'s model, where in its JSON to
+    read the figure, and what of the run it cannot express ("" when nothing): the row's loop or
+    precision that no option gives."""
+    import shlex
+
+    if point.master_scale == 2:
+        precision = "bf16-fsdp"
+    elif point.autocast is torch.bfloat16:
+        precision = "bf16-mixed"
+    elif point.autocast is None:
+        precision = "bf16" if point.dtype == "bf16" else "fp32"
+    else:
+        precision = "fp32"
+    parts = ["remat", "fit", "--model", source.model]
+    for key, value in source.overrides.items():
+        parts += ["--set", f"{key}={value}"]  # a bare name reads as text (remat.models.parse_value)
+    parts += ["--batch", str(point.batch), "--seq", str(point.seq), "--gpu", point.gpu]
+    parts += ["--precision", precision, "--optimizer", point.optimizer or "none"]
+    parts += ["--shard", str(point.shard)] if point.shard > 1 else []
+    parts += ["--keep-grads"] if point.keep_grads else []  # as a micro-step of accumulation
+    if point.compile is not None:
+        parts += ["--compile", point.compile] + (
+            ["--ac", "full"] if point.strategy == "full" else []
+        )
+        read = f"row compile:{point.compile}, peak_bytes (live bytes)"
+    else:
+        read = f"row {_ROW[point.strategy]}, {_FIELD[point.statistic]}"
+    missing = [
+        why
+        for why, lacks in (
+            ("the fp32 prediction kept through backward (no CLI option)", point.pred_alive),
+            (
+                f"torch {point.torch_version[0]}.{point.torch_version[1]}'s autograd (no CLI option)"
+                if point.torch_version
+                else "",
+                point.torch_version is not None,
+            ),
+            ("fp16 autocast (no fp16-mixed precision)", point.autocast is torch.float16),
+            (
+                f"the CUDA context the publication measured ({(point.context_bytes or 0) // MIB} "
+                "MiB; the CLI takes --gpu's)",
+                point.context_bytes is not None and point.statistic == "nvidia-smi",
+            ),
+        )
+        if lacks
+    ]
+    parts.append("--json")
+    return " ".join(shlex.quote(p) for p in parts), read, "; ".join(missing)
+
+
 def _cell(n: int | None, statistic: str) -> str:
     if n is None:
         return "-"
@@ -596,6 +662,21 @@ def _versions() -> str:
         except PackageNotFoundError:
             out.append(f"{package} not installed (its rows skipped)")
     return ", ".join(out)
+
+
+def cli_section() -> list[str]:
+    """Each row's `remat fit` command, and what of the run the command line cannot express."""
+    lines = [
+        "CLI command of each row (`remat fit ... --json`; the figure is the named row's field; the",
+        "table's figures come from this script, which also expresses what the CLI cannot):",
+        "",
+    ]
+    for point in POINTS:
+        for source in point.sources:
+            command, read, missing = cli_command(point, source)
+            lacking = f" Not expressible: {missing}." if missing else ""
+            lines.append(f"- {point.id} ({source.label}): `{command}`, {read}.{lacking}")
+    return lines
 
 
 def markdown(
@@ -629,6 +710,7 @@ def markdown(
     lines += ["", "Code versions traced: " + _versions() + ".", "", "Sources:", ""]
     for source in sorted({p.source for p in POINTS}):
         lines.append(f"- {source}")
+    lines += ["", *cli_section()]
     notes = [f"- {p.id}: {p.note}" for p in POINTS if p.note]
     if notes:
         lines += ["", "Notes:", "", *notes]

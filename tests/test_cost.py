@@ -90,7 +90,8 @@ def test_get_profile():
     assert get_profile(custom) is custom
     with pytest.raises(
         UnknownProfileError,
-        match="a100, a100-40gb, cpu, h100, h100-pcie, h200, l4, mi300x, rtx4090, v100",
+        match="a100, a100-40gb, a10g, b200, cpu, h100, h100-pcie, h200, l4, mi300x, rtx3090, "
+        "rtx4070-ti-super, rtx4080, rtx4090, t4, v100",
     ):
         get_profile("tpu")
 

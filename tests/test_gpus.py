@@ -46,6 +46,12 @@ PRINTED = {
     "mi300x-192gb": ("torch", 196592, None),
     "v100-16gb": ("torch", 16160, None),
     "v100-32gb": ("torch", 32510, None),
+    "b200-180gb": ("torch", 182642, None),
+    "a10g-24gb": ("torch", 22587, None),
+    "rtx3090-24gb": ("torch", 24268, None),
+    "rtx4080-16gb": ("torch", 16049, None),
+    "rtx4070-ti-super-16gb": ("torch", 15974, None),
+    "t4-16gb": ("torch", 15109, None),
 }
 
 PROFILE_AND_CAPABILITY = {
@@ -60,6 +66,12 @@ PROFILE_AND_CAPABILITY = {
     "mi300x-192gb": ("mi300x", (9, 4)),  # gfx942, as HIP and torch on ROCm report it
     "v100-16gb": ("v100", (7, 0)),
     "v100-32gb": ("v100", (7, 0)),
+    "b200-180gb": ("b200", (10, 0)),
+    "a10g-24gb": ("a10g", (8, 6)),
+    "rtx3090-24gb": ("rtx3090", (8, 6)),
+    "rtx4080-16gb": ("rtx4080", (8, 9)),
+    "rtx4070-ti-super-16gb": ("rtx4070-ti-super", (8, 9)),
+    "t4-16gb": ("t4", (7, 5)),
 }
 
 
@@ -98,7 +110,12 @@ def test_every_figure_has_a_source_and_estimates_say_so():
     assert all(g.source for g in GPUS.values())
     assert all(a.context_source for a in ARCHITECTURES.values())
     estimated = {a.name for a in ARCHITECTURES.values() if a.context_source.startswith("estimate")}
-    assert estimated == {"volta", "hopper", "cdna3"}  # no measurement found: marked, with why
+    assert estimated == {
+        "volta",
+        "turing",
+        "hopper",
+        "cdna3",
+    }  # no measurement found: marked, with why
     lines = fixed_memory("h100", ranks=8)
     assert "CublasHandlePool.cpp" in lines.cublas_workspace_source
     assert "NCCL_BUFFSIZE" in lines.nccl_source
@@ -132,6 +149,14 @@ def test_every_figure_has_a_source_and_estimates_say_so():
         ("v100-16gb", "v100-16gb"),
         ("Tesla V100-SXM2-16GB", "v100-16gb"),
         ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ("NVIDIA B200", "b200-180gb"),  # the names torch reports, from the sources
+        ("NVIDIA A10G", "a10g-24gb"),
+        ("GeForce RTX 3090", "rtx3090-24gb"),
+        ("NVIDIA GeForce RTX 3090", "rtx3090-24gb"),
+        ("NVIDIA GeForce RTX 4080", "rtx4080-16gb"),
+        ("NVIDIA GeForce RTX 4070 Ti SUPER", "rtx4070-ti-super-16gb"),
+        ("Tesla T4", "t4-16gb"),
+        ("t4", "t4-16gb"),
     ],
 )
 def test_names_resolve_case_insensitively(spelling, name):
@@ -143,7 +168,7 @@ def test_a_gpu_is_returned_as_given_and_its_profile_can_be_replaced():
     assert get_gpu(g) is g
     swapped = get_gpu("h100", profile="h200")
     assert swapped.profile == "h200" and swapped.capacity_bytes == g.capacity_bytes
-    with pytest.raises(UnknownProfileError, match="a100, a100-40gb, cpu"):
+    with pytest.raises(UnknownProfileError, match="a100, a100-40gb, a10g, b200, cpu"):
         get_gpu("h100", profile="tpu")
 
 
@@ -183,6 +208,12 @@ def test_blas_workspaces_are_torchs_defaults_by_architecture():
         "a100-80gb": 8_519_680,
         "l4-24gb": 8_519_680,
         "rtx4090-24gb": 8_519_680,
+        "b200-180gb": 32 * MiB,  # sm_100
+        "a10g-24gb": 8_519_680,
+        "rtx3090-24gb": 8_519_680,
+        "rtx4080-16gb": 8_519_680,
+        "rtx4070-ti-super-16gb": 8_519_680,
+        "t4-16gb": 8_519_680,
         "v100-16gb": 8_519_680,
         "v100-32gb": 8_519_680,
         "mi300x-192gb": 128 * MiB + 76 * MiB,

@@ -31,6 +31,7 @@ from remat.graph import Graph
 from remat.layouts.parallel import ONE_RANK, Layout
 from remat.planning.planner import Planner
 from remat.prediction.estimate import Optimizer
+from remat.prediction.loop import Loop
 from remat.units import format_bytes
 
 #: The strategies a fit compares: no recomputation, the usual two, and remat's choice.
@@ -62,6 +63,8 @@ class FitReport:
     allocator: str = ""
     #: tensor / context parallelism of every per-rank figure ("tp 8 + sp, cp 2"), "" for none
     layout: str = ""
+    #: how the loop treats gradients (`remat.prediction.loop.Loop.describe`), "" for torch's default
+    loop: str = ""
     planner: Planner | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -91,6 +94,7 @@ class FitReport:
         # the advice as data: the row it applies and its line (None: nothing to apply)
         out["advised"] = None if best is None else {"strategy": best.strategy, "plan": best.plan}
         out["apply"] = None if best is None else best.apply
+        out["bytes_legend"] = BYTES_LEGEND
         return out
 
     def table_rows(self) -> list[dict[str, Any]]:
@@ -112,11 +116,34 @@ class FitReport:
         ]
 
 
+#: Which torch statistic each byte figure of a row compares with, per rank (`--json`'s
+#: `bytes_legend`). The allocator's figures are those of `gpu_memory[0]` (torch's default
+#: settings), None where a --reserve replaced the allocator's judgement.
+BYTES_LEGEND: dict[str, str] = {
+    "peak_bytes": "remat.estimate's peak of live tensors, no allocator rounding and no BLAS "
+    "workspaces: what the max batch / max seq searches compare. Under --shard a closed-form bound "
+    "that holds the root unit's and two blocks' gathered parameters (and one block's unsharded "
+    "gradients in backward) at every point, so it can exceed requested_bytes, which the allocator "
+    "walk gathers and frees in order; compare requested_bytes with torch",
+    "requested_bytes": "torch.cuda.memory_stats()['requested_bytes.all.peak']: the tensors as "
+    "requested, BLAS workspaces included",
+    "active_bytes": "memory_stats()['active_bytes.all.peak'] (torchtune's peak_memory_active): "
+    "equal to allocated_bytes, as no block is freed while another stream uses it",
+    "allocated_bytes": "torch.cuda.max_memory_allocated(): blocks as handed out (512 B rounding)",
+    "reserved_bytes": "torch.cuda.max_memory_reserved(): segments taken from cudaMalloc; a row "
+    "fits when these are within gpu_memory[0].limit_bytes",
+    "expandable_reserved_bytes": "max_memory_reserved() under PYTORCH_CUDA_ALLOC_CONF="
+    "expandable_segments:True",
+    "nvidia_smi_bytes": "nvidia-smi's memory of the process: reserved + CUDA context + NCCL buffers",
+}
+
+
 def _row_dict(row: FitRow) -> dict[str, Any]:
     out = asdict(replace(row, solved=None))
     del out["solved"]
     judged = row.gpu_memory[0] if row.gpu_memory else {}
-    for key in ("requested_bytes", "allocated_bytes", "reserved_bytes", "nvidia_smi_bytes"):
+    keys = ("requested_bytes", "active_bytes", "allocated_bytes", "reserved_bytes")
+    for key in (*keys, "nvidia_smi_bytes"):
         out[key] = judged.get(key)
     expandable = [m for m in row.gpu_memory if "expandable_segments:True" in m["settings"]]
     out["expandable_reserved_bytes"] = expandable[0]["reserved_bytes"] if expandable else None
@@ -153,6 +180,7 @@ def fit(
     progress: Callable[[str], None] | None = None,
     build_for: Callable[[str], Build] | None = None,
     layout: Layout = ONE_RANK,
+    loop: Loop | None = None,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -174,17 +202,22 @@ def fit(
 
     `layout`: tensor and context parallelism (`remat.layouts.parallel.Layout`): every figure is then one
     rank's, its step traced as that rank runs it (its shards, its collectives); `shard` is the
-    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks.
-    With pipeline stages, `batch` is still the step's (a data-parallel rank's), cut into
+    data-parallel degree; FSDP2 shards parameters, gradients and optimizer state over `shard` x
+    `layout.cp` ranks (torchtitan's `dp_shard_cp` mesh), and the GPU's NCCL buffers count all
+    ranks. With pipeline stages, `batch` is still the step's (a data-parallel rank's), cut into
     `layout.microbatches` micro-batches, as `remat.layouts.pipeline.predict` takes it; the
-    largest batch searched is the largest micro-batch (`extra["microbatch"]`: the asked one)."""
+    largest batch searched is the largest micro-batch (`extra["microbatch"]`: the asked one).
+
+    `loop`: how the training loop treats gradients (`remat.prediction.loop.Loop`: the optimizer
+    stepped in backward, or gradients kept between steps as under gradient accumulation); on one
+    rank."""
     import time
 
     if precision not in PRECISIONS:
         raise RematError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if shard < 1:
         raise RematError(f"shard={shard}: the number of ranks must be at least 1")
-    if shard == 1 and PRECISIONS[precision].master_scale != 1:
+    if shard * layout.cp == 1 and PRECISIONS[precision].master_scale != 1:
         raise RematError(
             f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
@@ -197,6 +230,12 @@ def fit(
         raise RematError(
             f"compile={compile!r} is predicted on one rank: drop --shard, or leave out --compile "
             "(FSDP's per-rank arithmetic runs on the eager step)"
+        )
+    loop = loop or Loop()
+    if loop.describe() and (shard * layout.ranks > 1 or compile is not None):
+        raise RematError(
+            f"{loop.describe()} is predicted for an eager step on one rank: leave out --shard, "
+            "--tp, --cp, --pp and --compile with it"
         )
     start = time.perf_counter()
     usable = _usable(gpu, shard * layout.ranks, reserve)
@@ -217,6 +256,7 @@ def fit(
         )  # fmt: skip
     steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
+    steps.loop = loop
     rows = [
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
@@ -250,6 +290,7 @@ def fit(
         extra=extra,
         allocator=_judged_by(steps),
         layout=layout.describe(steps.planner(batch, seq).graph),
+        loop=loop.describe(),
         planner=steps.planner(batch, seq),
     )
     return replace(report, advice=advice(report))

@@ -107,7 +107,7 @@ def fit_row(
     floor = estimate(
         planner.graph,
         optimizer=steps.optimizer,
-        shard=steps.shard,
+        shard=steps.fsdp_ranks,
         master_scale=steps.setup.master_scale,
     ).fixed_bytes
     if floor > usable:  # parameters, gradients and optimizer state alone: no size fits
@@ -253,7 +253,7 @@ def judge_step(
         for _ in range(4):
             if memories[0].fits:
                 break
-            lower = memories[0].live_bytes_that_fit
+            lower = live_limit(peak, memories[0])
             target = lower if lower < target else target - memories[0].limit_bytes // 50
             if target <= 0:  # the allocator's overhead alone fills its limit
                 break
@@ -266,9 +266,19 @@ def judge_step(
                     peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
                     break
     if memories:
-        usable = memories[0].live_bytes_that_fit
+        usable = live_limit(peak, memories[0])
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
     return peak, p, memories, usable, overhead
+
+
+def live_limit(peak: int, memory: Any) -> int:
+    """The `peak` (the per-rank live bytes the searches compare) a step may reach by `memory`'s
+    judgement at one size: `peak` plus the room the reserved bytes leave under the limit. So the
+    asked size fits in a search exactly when its reserved bytes fit. (`live_bytes_that_fit`
+    counts from `requested_bytes`, which under --shard is the event walk's, below `peak`'s
+    closed-form bound: a row could fit with no batch that fits.)"""
+    room = memory.limit_bytes - memory.reserved_bytes
+    return peak + room if memory.fits else min(peak + room, peak - 1)
 
 
 def fits_on(peak: int, memories: list[Any], usable: int) -> bool:

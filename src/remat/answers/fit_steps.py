@@ -23,6 +23,7 @@ from remat.layouts.parallel import ONE_RANK, Layout
 from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.prediction.estimate import Optimizer, shard_step
+from remat.prediction.loop import Loop
 from remat.prediction.sizes import SizeModel, same_graph
 
 Precision = Literal["fp32", "bf16", "bf16-mixed", "bf16-fsdp"]
@@ -70,18 +71,28 @@ class FitSteps:
         self.layout = layout
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.simulate_allocator = True
+        #: how the loop treats gradients (`remat.prediction.loop.Loop`): applied to every trace
+        self.loop = Loop()
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
+
+    @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP2 shards parameters, gradients and optimizer state over: the
+        data-parallel ranks times the context-parallel ones, as torchtitan's mesh does it
+        (`fully_shard` on its `dp_shard_cp` mesh: CP ranks hold the same parameters)."""
+        return self.shard * self.layout.cp
 
     def trace(self, batch: int, seq: int) -> Graph:
         key = (batch, seq)
         if key not in self.traced:
             if self.progress:
                 self.progress(f"tracing batch {batch}, seq {seq}")
-            self.traced[key] = self.layout.trace(
+            graph = self.layout.trace(
                 self.build, batch, seq, autocast=self.setup.autocast, target=self.gpu.target
             )
+            self.traced[key] = self.loop.apply(graph)
         return self.traced[key]
 
     def planner(self, batch: int, seq: int) -> Planner:
@@ -135,8 +146,9 @@ class FitSteps:
 
     def rank_peak(self, planner: Planner, plan: Any, shard: int | None = None) -> int:
         """`plan`'s peak per rank: its simulation with parameters, gradients and optimizer state
-        sharded over `shard` ranks (`remat.prediction.estimate.shard_step`), the optimizer step included."""
-        shard = self.shard if shard is None else shard
+        sharded over `shard` data-parallel ranks (default: the asked ones) times the
+        context-parallel ones (`remat.prediction.estimate.shard_step`), the optimizer step included."""
+        shard = (self.shard if shard is None else shard) * self.layout.cp
         if shard == 1 and self.setup.master_scale == 1:
             return plan.predicted_peak_bytes
         sharded = shard_step(
@@ -158,7 +170,7 @@ class FitSteps:
         from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, gpu_memory
 
         graph = self.planner(batch, seq).graph
-        fsdp = Fsdp(self.shard, self.setup.master_scale) if self.shard > 1 else None
+        fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
         return [
             gpu_memory(graph, self.gpu, plan.regions, self.optimizer, fsdp=fsdp, settings=s)
             for s in ALLOCATOR_SETTINGS

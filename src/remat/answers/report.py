@@ -45,6 +45,7 @@ def estimate_dict(
         "input_bytes": est.input_bytes,
         "grad_bytes": est.grad_bytes,
         "optimizer_state_bytes": est.optimizer_state_bytes,
+        "paged_optimizer_state_bytes": est.paged_optimizer_state_bytes,
         "peak_op": est.peak_op,
         "peak_phase": est.peak_phase,
         "param_count": graph.info.get("param_count"),
@@ -110,6 +111,14 @@ def estimate_tables(
         ("optimizer state", est.optimizer_state_bytes, ""),
         ("buffers + inputs", est.buffer_bytes + est.input_bytes, ""),
     ]
+    if est.paged_optimizer_state_bytes:  # unified memory: not in the peak, nor the allocator's
+        rows.append(
+            (
+                "paged optimizer state",
+                est.paged_optimizer_state_bytes,
+                "CUDA unified memory, outside the peak",
+            )
+        )
     if blocks:
         per = [b for _, b in blocks]
         note = f"{len(per)} blocks" + (

@@ -125,6 +125,44 @@ PROFILES: dict[str, DeviceProfile] = {
         bandwidth=1.008e12,
         link_bandwidth=32e9,
     ),
+    # "NVIDIA DGX B200" datasheet (8 GPUs: 72 PFLOPS FP8 training with sparsity, 64 TB/s HBM3e,
+    # 14.4 TB/s NVLink) per GPU: BF16 tensor 2.25 PFLOPS dense, HBM3e 8 TB/s, NVLink 5 900 GB/s a
+    # direction; FP32 75 TFLOPS ("NVIDIA HGX B200" spec table).
+    "b200": DeviceProfile(
+        "b200", peak_flops=2.25e15, vector_flops=75e12, bandwidth=8e12, link_bandwidth=900e9
+    ),
+    # "NVIDIA A10 Tensor Core GPU" datasheet: BF16 tensor 125 TFLOPS dense (250 with sparsity),
+    # FP32 31.2 TFLOPS, GDDR6 600 GB/s, PCIe Gen4. AWS's A10G (g5 instances) has no datasheet of
+    # its own; the A10's figures stand for it.
+    "a10g": DeviceProfile(
+        "a10g", peak_flops=125e12, vector_flops=31.2e12, bandwidth=600e9, link_bandwidth=32e9
+    ),
+    # "NVIDIA T4 Tensor Core GPU" datasheet: FP16 tensor (mixed precision) 65 TFLOPS (Turing has
+    # no BF16), FP32 8.1 TFLOPS, GDDR6 320 GB/s, PCIe Gen3 x16.
+    "t4": DeviceProfile(
+        "t4", peak_flops=65e12, vector_flops=8.1e12, bandwidth=320e9, link_bandwidth=16e9
+    ),
+    # GeForce RTX 3090, "NVIDIA Ampere GA102 GPU Architecture" whitepaper (table 1): FP16 tensor
+    # with FP32 accumulate 71 TFLOPS dense, FP32 35.6 TFLOPS, GDDR6X 936 GB/s.
+    "rtx3090": DeviceProfile(
+        "rtx3090", peak_flops=71e12, vector_flops=35.6e12, bandwidth=936e9, link_bandwidth=32e9
+    ),
+    # GeForce RTX 4080, the Ada whitepaper's appendix table: FP16 tensor with FP32 accumulate
+    # 97.5 TFLOPS dense, FP32 48.7 TFLOPS, GDDR6X 716.8 GB/s.
+    "rtx4080": DeviceProfile(
+        "rtx4080", peak_flops=97.5e12, vector_flops=48.7e12, bandwidth=716.8e9, link_bandwidth=32e9
+    ),
+    # GeForce RTX 4070 Ti SUPER (2024, after the whitepaper): derived from NVIDIA's product page
+    # (66 SMs, 2.61 GHz boost, 256-bit GDDR6X at 21 Gbps) at the Ada per-SM rates the whitepaper
+    # gives the 4090 (512 FP16-with-FP32-accumulate tensor and 256 FP32 FLOP per SM and clock):
+    # 88.2 TFLOPS tensor, 44.1 TFLOPS FP32, 672 GB/s.
+    "rtx4070-ti-super": DeviceProfile(
+        "rtx4070-ti-super",
+        peak_flops=88.2e12,
+        vector_flops=44.1e12,
+        bandwidth=672e9,
+        link_bandwidth=32e9,
+    ),
     # "AMD Instinct MI300X Accelerator" data sheet: BF16 matrix 1,307.4 TFLOPS dense (2,614.9 with
     # sparsity), FP32 vector 163.4 TFLOPS, HBM3 5.3 TB/s.
     "mi300x": DeviceProfile(

@@ -60,6 +60,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             "figure (InvokeAI#9413, 256 MiB) is used",
         ),
         Architecture(
+            "turing",
+            "cuda",
+            256 * MiB,
+            "estimate: no measurement of a lazily loaded context on a T4 was found; the Ampere "
+            "figure (InvokeAI#9413, 256 MiB) is used",
+        ),
+        Architecture(
             "ampere",
             "cuda",
             256 * MiB,
@@ -86,11 +93,23 @@ ARCHITECTURES: dict[str, Architecture] = {
             "(nvidia-smi --query-compute-apps), still 612 MiB after empty_cache()",
         ),
         Architecture(
+            "blackwell",
+            "cuda",
+            612 * MiB,
+            "unslothai/unsloth#8669: torch.cuda.mem_get_info(0) leaves a 612 MiB context on a B200 "
+            "(nvidia-smi --query-compute-apps), still 612 MiB after empty_cache()",
+        ),
+        Architecture(
             "cdna3",
             "rocm",
             612 * MiB,
             "estimate: no measurement of a HIP context on an MI300X was found; the largest CUDA "
-            "context measured (B200, unslothai/unsloth#8669, 612 MiB) is used",
+            "context measured (B200, unslothai/unsloth#8669, 612 MiB) is used. The allocator is "
+            "modelled as CUDA's: torch's ROCm build hipifies c10/cuda/CUDACachingAllocator.cpp, "
+            "so its rounding (512 B blocks, 2 MiB small and 20 MiB large-pool segments) and "
+            "caching are the same code; PYTORCH_HIP_ALLOC_CONF is read as "
+            "PYTORCH_CUDA_ALLOC_CONF. What differs is sized apart: the HIP context, and "
+            "hipBLAS's and hipBLASLt's separate workspaces (blas_workspace_bytes)",
         ),
     )
 }
@@ -285,6 +304,82 @@ GPUS: dict[str, Gpu] = {
             "reports gfx942 as compute capability 9.4",
         ),
         Gpu(
+            "b200-180gb",
+            _mib(182642),
+            "b200",
+            "NVIDIA B200 180GB HBM3e (HGX/DGX B200)",
+            ("b200",),
+            (10, 0),
+            "blackwell",
+            "github.com/ai-bot-pro/achatbot deploy/modal/src/llm/vllm/vlm/skywork_r1v.py: torch "
+            "on Modal prints _CudaDeviceProperties(name='NVIDIA B200', major=10, minor=0, "
+            "total_memory=182642MB, multi_processor_count=148, L2_cache_size=126MB); a Triton "
+            "benchmark's log (torch 2.8.0+cu128, repository not identified by the code index) "
+            "prints total_memory=182631MB on another driver",
+        ),
+        Gpu(
+            "a10g-24gb",
+            _mib(22587),
+            "a10g",
+            "NVIDIA A10G 24GB (AWS g5)",
+            ("a10g",),
+            (8, 6),
+            "ampere",
+            "pytorch/torchcodec docs, 'Accelerated video decoding on GPUs with CUDA and NVDEC' "
+            "(generated with torch 2.15.0.dev20260909+cu130): _CudaDeviceProperties(name='NVIDIA "
+            "A10G', major=8, minor=6, total_memory=22587MB, multi_processor_count=80)",
+        ),
+        Gpu(
+            "rtx3090-24gb",
+            _mib(24268),
+            "rtx3090",
+            "NVIDIA GeForce RTX 3090 24GB",
+            ("rtx3090", "3090"),
+            (8, 6),
+            "ampere",
+            "huggingface/transformers docs/source/en/deepspeed.md (TORCH_CUDA_ARCH_LIST step): "
+            "_CudaDeviceProperties(name='GeForce RTX 3090', major=8, minor=6, "
+            "total_memory=24268MB, multi_processor_count=82); a newer driver's log shows 24259MB",
+        ),
+        Gpu(
+            "rtx4080-16gb",
+            _mib(16049),
+            "rtx4080",
+            "NVIDIA GeForce RTX 4080 16GB",
+            ("rtx4080", "4080"),
+            (8, 9),
+            "ada",
+            "brainglobe cellfinder docs, 'Speeding up cellfinder' (GPU check): "
+            "_CudaDeviceProperties(name='NVIDIA GeForce RTX 4080', major=8, minor=9, "
+            "total_memory=16049MB, multi_processor_count=76)",
+        ),
+        Gpu(
+            "rtx4070-ti-super-16gb",
+            _mib(15974),
+            "rtx4070-ti-super",
+            "NVIDIA GeForce RTX 4070 Ti SUPER 16GB",
+            ("rtx4070-ti-super", "rtx4070tisuper", "4070-ti-super"),
+            (8, 9),
+            "ada",
+            "a public performance write-up (repository not identified by the code index): torch "
+            "2.13.0+cu126, driver 560.35.03, prints _CudaDeviceProperties(name='NVIDIA GeForce "
+            "RTX 4070 Ti SUPER', major=8, minor=9, total_memory=15974MB, "
+            "multi_processor_count=66); nvidia-smi shows 16376 MiB for the card. Another log "
+            "shows 15934MB",
+        ),
+        Gpu(
+            "t4-16gb",
+            _mib(15109),
+            "t4",
+            "NVIDIA Tesla T4 16GB",
+            ("t4", "tesla-t4"),
+            (7, 5),
+            "turing",
+            "torch prints _CudaDeviceProperties(name='Tesla T4', major=7, minor=5, "
+            "total_memory=15109MB, multi_processor_count=40) in several public logs (Google Colab "
+            "and HPC tutorials); other drivers give 15079-15102MB",
+        ),
+        Gpu(
             "v100-16gb",
             _mib(16160),
             "v100",
@@ -349,6 +444,21 @@ def custom_gpu(capacity: int | str, profile: str = DEFAULT_CUSTOM_PROFILE) -> Gp
     _check_profile(profile)
     return Gpu(
         f"custom-{capacity}", capacity_bytes, profile, f"a {format_bytes(capacity_bytes)} GPU"
+    )
+
+
+def with_capacity(gpu: Gpu | str, capacity: int | str) -> Gpu:
+    """`gpu` (a catalogue name or a `Gpu`) with `capacity` bytes ("22GiB", an int) instead of its
+    own: its architecture, compute capability and cost profile kept, e.g. a MIG slice or a card
+    whose driver reports another size. Raises as `custom_gpu` does for an unreadable size."""
+    base = get_gpu(gpu)
+    sized = custom_gpu(capacity, base.profile)
+    return replace(
+        base,
+        name=f"{base.name}@{capacity}",
+        capacity_bytes=sized.capacity_bytes,
+        description=f"{base.description or base.name} with {format_bytes(sized.capacity_bytes)}",
+        source=f"--capacity {capacity} given by the user",
     )
 
 

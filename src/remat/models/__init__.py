@@ -19,8 +19,6 @@ and builds in well under a second: remat plans from shapes, and only needs real 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import fields, replace
 from difflib import get_close_matches
 from typing import Any
@@ -41,9 +39,18 @@ from remat.models import (
     resnet,
     vit,
 )
+from remat.models.overrides import check_override_types, parse_overrides, parse_value
 from remat.models.preset import Preset
 
-__all__ = ["PRESETS", "Preset", "build", "parse_overrides", "preset_names"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "build",
+    "check_override_types",
+    "parse_overrides",
+    "parse_value",
+    "preset_names",
+]
 
 PRESETS: dict[str, Preset] = {
     **gpt.PRESETS,
@@ -68,22 +75,6 @@ _DTYPES = {
 def preset_names() -> list[str]:
     """The registered preset names, sorted. Any "mlp-chain-N" builds too, listed or not."""
     return sorted(PRESETS)
-
-
-def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """`build`'s `**overrides` from "FIELD=VALUE" strings (the command line's `--set`): each value
-    read as JSON where it is JSON (2, 1e-5, true, null, "x"), else kept as the string; RematError
-    for an item without a field name or "="."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise RematError(f"--set {item!r}: write FIELD=VALUE, e.g. --set n_layers=2")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def build(
@@ -183,4 +174,5 @@ def _configure(name: str, preset: Preset, tiny: bool, overrides: dict[str, Any])
             f"{name} has no config field {', '.join(map(repr, unknown))}; "
             f"valid fields: {', '.join(valid)}"
         )
+    check_override_types(name, overrides, {f: getattr(preset.config, f) for f in valid})
     return replace(preset.config, **{**(preset.tiny if tiny else {}), **overrides})

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from remat.errors import UnknownModelError
+from remat.models.overrides import check_override_types
 from remat.models.preset import token_ids
 
 IGNORE_INDEX = -100
@@ -233,6 +234,12 @@ def _build_torchtitan_model(
             f"torchtitan:{spec}: its model config has no {', '.join(map(repr, unknown))}; valid: "
             f"{', '.join(sorted(valid))}"
         )
+    check_override_types(
+        f"torchtitan:{spec}",
+        overrides,
+        {"n_layers": 1, "vocab_size": 1, "dim": 1, "n_heads": 1, "n_kv_heads": 1}
+        | {"multiple_of": 1, "ffn_dim_multiplier": 1.0, "rope_theta": 1.0, "fuse_qkv": True},
+    )
     config = _with_overrides(package, config, overrides)
     _eager_attention(config, seq)
     with torch.device(device), _default_dtype(dtype):
@@ -341,6 +348,7 @@ def _build_torchtitan_0_2(
             f"torchtitan:{spec}: its model args have no {', '.join(map(repr, unknown))}; valid: "
             f"{', '.join(sorted(valid))}"
         )
+    check_override_types(f"torchtitan:{spec}", overrides, {k: getattr(args, k) for k in valid})
     args = replace(args, **overrides, max_seq_len=max(seq, args.max_seq_len))
     with torch.device(device):
         model = package.Transformer(args)

@@ -15,6 +15,9 @@ train it: default config and call, dropout and caching as they are, labels for t
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from difflib import get_close_matches
 from math import prod
 from pathlib import Path
@@ -158,7 +161,8 @@ def build_shipped(
             f"{', '.join(sorted(data))} (and task, attn_implementation)"
         )
     sizes = _shrunk(data, TINY, positions=seq) if tiny else {}
-    config = config_class.from_dict({**data, **sizes, **overrides, "use_cache": False})
+    with config_errors(f"hf:{hub_id}"):
+        config = config_class.from_dict({**data, **sizes, **overrides, "use_cache": False})
     positions = getattr(config, "max_position_embeddings", None)
     if task != "image-classification" and positions is not None and seq > positions:
         raise RematError(
@@ -185,6 +189,32 @@ def build_shipped(
     if task == "sequence-classification":
         return HFLoss(model, "input_ids"), (ids, class_ids((batch,), config.num_labels, device))
     return HFLoss(model, "input_ids"), (ids, token_ids(batch, seq, config.vocab_size, device))
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    try:
+        from huggingface_hub.errors import StrictDataclassFieldValidationError
+    except ImportError:  # huggingface_hub before strict dataclasses: no validation to translate
+        return ()
+    return (StrictDataclassFieldValidationError,)
+
+
+@contextmanager
+def config_errors(source: str) -> Iterator[None]:
+    """transformers' config validation (huggingface_hub's strict dataclasses: 'Field
+    tie_word_embeddings expected bool, got str') as one line naming the `--set` field."""
+    try:
+        yield
+    except Exception as err:
+        if not isinstance(err, _validation_errors()):
+            raise
+        text = " ".join(str(err).split())
+        field = re.search(r"field '([^']+)'", text)
+        name = field.group(1) if field else "a field"
+        raise UnknownModelError(
+            f"{source}: its config refuses {name}: {text.partition(':')[2].strip()} "
+            f"(check --set {name}=...)"
+        ) from None
 
 
 def _shrunk(fields: dict[str, Any], table: dict[str, int], positions: int) -> dict[str, Any]:
@@ -264,7 +294,7 @@ def build(
             AutoConfig.for_model(model_type, attn_implementation=impl, **kwargs)
         )
 
-    with torch.device(device):
+    with torch.device(device), config_errors(f"hf:{model_type}"):
         try:
             model = from_config(attn or "sdpa")
         except ValueError:  # this architecture has no SDPA attention

@@ -22,6 +22,13 @@ from typing import Literal, get_args
 
 from remat.errors import RematError
 from remat.graph import Graph
+from remat.prediction.optimizer_state import (
+    BNB_8BIT,
+    BNB_8BIT_PAGED,
+    TORCHAO_4BIT,
+    TORCHAO_8BIT,
+    BlockQuantized,
+)
 from remat.prediction.schedule import Simulation, simulate
 from remat.units import format_bytes
 
@@ -34,6 +41,10 @@ Optimizer = (
         "adamw-fused",
         "adamw-for-loop",
         "adamw-8bit",
+        "adamw-8bit-paged",
+        "adamw-8bit-torchao",
+        "adamw-4bit",
+        "adamw-cpu-offload",
     ]
     | None
 )
@@ -55,9 +66,34 @@ class OptimizerMemory:
     step_temp_per_param_byte: int = 0
     step_temp_per_element: int = 0
     per_parameter: bool = False
+    #: moments stored block-wise quantized, sized per tensor (`remat.prediction.optimizer_state`)
+    quantized: BlockQuantized | None = None
 
-    def state_bytes(self, param_bytes: int, elements: int) -> int:
+    def state_bytes(
+        self, param_bytes: int, elements: int, tensors: Sequence[tuple[int, int]] | None = None
+    ) -> int:
+        """The state on the device (in the caching allocator). `tensors`: each trainable
+        parameter's (elements, bytes per element), for state sized tensor by tensor (quantized
+        moments: block scales, a minimum size); None: the parameters taken as one tensor."""
+        if self.quantized is not None:
+            return self.quantized.state_bytes(self._tensors(param_bytes, elements, tensors))[0]
         return self.state_per_param_byte * param_bytes + self.state_per_element * elements
+
+    def paged_state_bytes(
+        self, param_bytes: int, elements: int, tensors: Sequence[tuple[int, int]] | None = None
+    ) -> int:
+        """The state in CUDA unified memory (paged optimizers), outside the caching allocator."""
+        if self.quantized is None:
+            return 0
+        return self.quantized.state_bytes(self._tensors(param_bytes, elements, tensors))[1]
+
+    @staticmethod
+    def _tensors(
+        param_bytes: int, elements: int, tensors: Sequence[tuple[int, int]] | None
+    ) -> Sequence[tuple[int, int]]:
+        if tensors is not None:
+            return tensors
+        return [(elements, param_bytes // elements)] if elements else []
 
     def step_temp_bytes(self, param_bytes: int, elements: int, param_sizes: Sequence[int]) -> int:
         """The step's transient; `param_sizes`: each trainable parameter's bytes, in the order
@@ -106,12 +142,22 @@ _ADAMW_STATE = 2  # exp_avg and exp_avg_sq, in the parameter's dtype
 #: - "adamw": the implementation torch picks for the target's device
 #:   (`torch.optim.optimizer._default_to_fused_or_foreach`): foreach on a GPU, for-loop on the CPU.
 #:   `resolve_optimizer` names it.
-#: - "adamw-8bit": bitsandbytes' `AdamW8bit` (blockwise) keeps both moments as uint8 whatever the
-#:   parameter's dtype (2 bytes per element). Not counted, about 1.6% of that: the fp32 absmax of
-#:   each 256-element block of each moment (2 x 4 / 256 = 0.03 bytes per element) and the 2 x 256
-#:   fp32 quantization maps; nor that parameters under bitsandbytes' `min_8bit_size` (4096
-#:   elements: biases, norm weights) get fp32 moments (8 bytes per element) instead. Its fused
-#:   kernel updates each parameter in place: no transient.
+#: - "adamw-8bit": bitsandbytes' `AdamW8bit` (blockwise): both moments uint8 with an fp32 absmax
+#:   per 256-element block (2.03 bytes an element), fp32 moments (8 bytes an element) for
+#:   parameters under its `min_8bit_size` of 4096 elements (biases, norm weights), the two shared
+#:   fp32 quantization maps (`remat.prediction.optimizer_state.BNB_8BIT`). Its fused kernel
+#:   updates each parameter in place: no transient. "adamw-8bit-paged": `PagedAdamW8bit`, the same
+#:   state with moments of 100,000 elements or more in CUDA unified memory: not in the
+#:   allocator, reported apart (`MemoryEstimate.paged_optimizer_state_bytes`).
+#: - "adamw-8bit-torchao", "adamw-4bit": torchao's `AdamW8bit` (256-element blocks) and
+#:   `AdamW4bit` (128-element blocks, two codes a byte), quantized where a rank's tensor has 4096
+#:   elements or more in whole blocks, else in the parameter's dtype (`TORCHAO_8BIT`,
+#:   `TORCHAO_4BIT`). Their compiled step dequantizes one parameter at a time inside fused
+#:   kernels: no transient counted.
+#: - "adamw-cpu-offload": torchao's `CPUOffloadOptimizer(params, torch.optim.AdamW)`: the state
+#:   and the step on the CPU (gradients copied to pinned host memory as each is accumulated, with
+#:   `offload_gradients=False`, its default, kept on the GPU too): no state or transient on the
+#:   GPU.
 OPTIMIZER_MEMORY: dict[Optimizer, OptimizerMemory] = {
     None: OptimizerMemory(),
     "sgd": OptimizerMemory(),
@@ -119,7 +165,11 @@ OPTIMIZER_MEMORY: dict[Optimizer, OptimizerMemory] = {
     "adamw-foreach": OptimizerMemory(state_per_param_byte=_ADAMW_STATE, step_temp_per_param_byte=1),
     "adamw-for-loop": OptimizerMemory(state_per_param_byte=_ADAMW_STATE, per_parameter=True),
     "adamw-fused": OptimizerMemory(state_per_param_byte=_ADAMW_STATE),
-    "adamw-8bit": OptimizerMemory(state_per_element=2),
+    "adamw-8bit": OptimizerMemory(quantized=BNB_8BIT),
+    "adamw-8bit-paged": OptimizerMemory(quantized=BNB_8BIT_PAGED),
+    "adamw-8bit-torchao": OptimizerMemory(quantized=TORCHAO_8BIT),
+    "adamw-4bit": OptimizerMemory(quantized=TORCHAO_4BIT),
+    "adamw-cpu-offload": OptimizerMemory(),
 }
 
 
@@ -174,7 +224,8 @@ class MemoryEstimate:
     (its 1/`shard`, rounded up); `gathered_param_bytes` and `unsharded_grad_bytes` are FSDP's
     transients during forward/backward (0 when `shard` is 1), in the peak but not in
     `fixed_bytes`. `trainable_param_count` is the trainable parameter elements of the whole model
-    (not sharded)."""
+    (not sharded). `paged_optimizer_state_bytes`: a paged optimizer's state in CUDA unified memory
+    (`cudaMallocManaged`), outside the caching allocator and the peak: reported apart."""
 
     activation_bytes: int
     peak_bytes: int
@@ -192,6 +243,7 @@ class MemoryEstimate:
     shard: int = 1
     gathered_param_bytes: int = 0
     unsharded_grad_bytes: int = 0
+    paged_optimizer_state_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
@@ -276,6 +328,21 @@ def param_sizes(graph: Graph) -> list[int]:
     """Each parameter storage's bytes in the order the model holds them (the tracer numbers
     storages in `named_parameters()` order), as a per-parameter optimizer step visits them."""
     return [s.nbytes for s in sorted(graph.storages_of(("param",)), key=lambda s: s.id)]
+
+
+def param_tensors(graph: Graph, shard: int = 1, scale: int = 1) -> list[tuple[int, int]] | None:
+    """Each trainable parameter's (elements, bytes per element) in the model's order, its 1/`shard`
+    per rank (FSDP2 shards dim 0: a rank's local tensor) and its element size times `scale`
+    (FSDP2's fp32 master copies of bf16-traced parameters); None when some parameters are frozen
+    (the graph does not say which)."""
+    if trainable_param_bytes(graph) < graph.param_bytes:
+        return None
+    dtypes = param_dtypes(graph)
+    out = []
+    for s in sorted(graph.storages_of(("param",)), key=lambda s: s.id):
+        size = dtype_bytes(dtypes[s.id])
+        out.append((_ceil_div(s.nbytes // size, shard), size * scale))
+    return out
 
 
 def trainable_param_elements(graph: Graph) -> int:
@@ -386,9 +453,14 @@ def shard_step(
     memory = OPTIMIZER_MEMORY[resolve_optimizer(optimizer, graph)]
     param_total = graph.param_bytes
     t_bytes, t_elems = trainable_param_bytes(graph), trainable_param_elements(graph)
-    state = memory.state_bytes(t_bytes, t_elems)  # as the unsharded simulation holds it
-    master_state = memory.state_bytes(t_bytes * m, t_elems)
-    saving = (param_total - _ceil_div(param_total * m, n)) + (state - _ceil_div(master_state, n))
+    state = memory.state_bytes(t_bytes, t_elems, param_tensors(graph))  # as simulated unsharded
+    if memory.quantized is None:
+        rank_state = _ceil_div(memory.state_bytes(t_bytes * m, t_elems), n)
+    else:  # sized on each rank's local tensors, as the quantized optimizers allocate them
+        rank_state = memory.state_bytes(
+            _ceil_div(t_bytes * m, n), _ceil_div(t_elems, n), param_tensors(graph, n, m)
+        )
+    saving = (param_total - _ceil_div(param_total * m, n)) + (state - rank_state)
 
     blocks = graph.blocks
     by_block: dict[str, int] = defaultdict(int)
@@ -444,7 +516,7 @@ def shard_step(
         shard=n,
         param_bytes=_ceil_div(param_total * m, n),
         grad_bytes=_ceil_div(graph.grad_bytes * m, n),
-        optimizer_state_bytes=_ceil_div(master_state, n),
+        optimizer_state_bytes=rank_state,
         gathered_param_bytes=gathered,
         unsharded_grad_bytes=unsharded_grads,
         timeline=tuple(timeline),
@@ -462,7 +534,7 @@ def optimizer_step_bytes(graph: Graph, step: Simulation, optimizer: Optimizer) -
     held = sum(graph.storages[sid].nbytes for sid, d in step.deaths.items() if d >= len(graph.ops))
     return (
         persistent
-        + memory.state_bytes(trainable, elements)
+        + memory.state_bytes(trainable, elements, param_tensors(graph))
         + held
         + memory.step_temp_bytes(trainable, elements, param_sizes(graph))
     )
@@ -491,13 +563,16 @@ def estimate(
     memory = OPTIMIZER_MEMORY[optimizer]
     trainable = trainable_param_bytes(graph)
     elements = trainable_param_elements(graph)
-    state = memory.state_bytes(trainable, elements)
+    state = memory.state_bytes(trainable, elements, param_tensors(graph))
     persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
     step = simulate(graph, (), base_bytes=persistent + state)
     fields = {
         "param_bytes": graph.param_bytes,
         "grad_bytes": graph.grad_bytes,
         "optimizer_state_bytes": state,
+        "paged_optimizer_state_bytes": memory.paged_state_bytes(
+            trainable * master_scale, elements, param_tensors(graph, shard, master_scale)
+        ),
         "shard": shard,
     }
     if shard == 1:

@@ -93,6 +93,8 @@ def optimizer_events(
     params = sorted(sizes)
     events: list[Event] = []
     if create_state:
+        shared = memory.quantized.shared_bytes if memory.quantized and params else 0
+        events += [Alloc(("state", "shared", 0), shared)] if shared else []  # bnb's two maps
         for sid in params:
             traced = graph.storages[sid]
             elements = (
@@ -101,6 +103,10 @@ def optimizer_events(
             state = [sizes[sid]] * memory.state_per_param_byte + [
                 elements
             ] * memory.state_per_element
+            if memory.quantized is not None:  # paged moments live outside the allocator
+                q = memory.quantized
+                moment = q.moment_bytes(elements, sizes[sid] // max(elements, 1))
+                state = [] if q.paged(elements) else [moment, moment]
             events += [Alloc(("state", sid, k), n) for k, n in enumerate(state) if n]
     if memory.step_temp_per_param_byte:  # foreach: the whole list at once, then freed
         events += [Alloc(("tmp", step, sid), sizes[sid]) for sid in params]
@@ -336,6 +342,13 @@ class GpuMemory:
     alloc_retries: int
 
     @property
+    def active_bytes(self) -> int:
+        """torch's `active_bytes.all.peak` (torchtune's `peak_memory_active`): blocks allocated,
+        plus blocks freed while another stream still uses them (`record_stream`). A simulated
+        step frees no block under another stream's use, so it equals `allocated_bytes`."""
+        return self.allocated_bytes
+
+    @property
     def nvidia_smi_bytes(self) -> int:
         return self.reserved_bytes + self.context_bytes + self.nccl_bytes
 
@@ -351,7 +364,12 @@ class GpuMemory:
         return not self.out_of_memory and self.reserved_bytes <= self.limit_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "nvidia_smi_bytes": self.nvidia_smi_bytes, "fits": self.fits}
+        return {
+            **asdict(self),
+            "active_bytes": self.active_bytes,
+            "nvidia_smi_bytes": self.nvidia_smi_bytes,
+            "fits": self.fits,
+        }
 
 
 #: The allocator settings `gpu_memory` reports by default: torch's, and expandable segments.

@@ -17,6 +17,7 @@ from remat.answers.cli.bench import BENCH_STRATEGIES, cmd_bench
 from remat.answers.cli.common import (
     add_budget_arg,
     add_compile_arg,
+    add_loop_args,
     add_model_args,
     add_offload_args,
     add_optimizer_arg,
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--gpu",
         default="h100",
-        help="h100, h100-pcie, h200, a100-40gb, a100-80gb, l4, rtx4090, mi300x, v100-16gb, "
+        help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, a10g, l4, t4, rtx3090, "
+        "rtx4070-ti-super, rtx4080, rtx4090, mi300x, v100-16gb, "
         "v100-32gb, or the name torch reports (default: %(default)s)",
     )
     ft.add_argument(
@@ -168,13 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="adamw",
         choices=["none", *OPTIMIZERS],
         help="optimizer state and step counted in the peak; adamw is torch's default on a GPU, "
-        "foreach (default: %(default)s)",
+        "foreach; 8-bit / 4-bit, paged and CPU-offload ones as for estimate (default: "
+        "%(default)s)",
     )
+    add_loop_args(ft)
     ft.add_argument(
         "--shard",
         type=positive_int,
         default=1,
-        help="FSDP2 / ZeRO-3 ranks that share parameters, gradients and optimizer state (default: %(default)s)",
+        help="data-parallel ranks; FSDP2 / ZeRO-3 shards parameters, gradients and optimizer "
+        "state over them times --cp, as torchtitan's dp_shard_cp mesh does (default: %(default)s)",
     )
     add_tp_args(ft)
     ft.add_argument(
@@ -200,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp",
         type=positive_int,
         default=1,
-        help="context-parallel ranks, each holding seq / cp tokens (ring attention) "
-        "(default: %(default)s)",
+        help="context-parallel ranks, each holding seq / cp tokens (ring attention); FSDP "
+        "shards over --shard x --cp ranks (default: %(default)s)",
     )
     ft.add_argument("--json", action="store_true", help="print the answer as JSON")
     ft.add_argument(
@@ -261,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--html", metavar="REPORT.html", required=True, help="where to write it")
     rp.add_argument(
         "--gpu",
-        help="add the fit table for this GPU (h100, h200, a100-40gb, a100-80gb, l4, rtx4090, "
-        "mi300x) at --batch, --seq, --dtype and --optimizer; `remat fit --html` for mixed "
+        help="add the fit table for this GPU (h100, h200, b200, a100-80gb, a10g, l4, t4, rtx4090, "
+        "mi300x, ...: remat fit --help) at --batch, --seq, --dtype and --optimizer; `remat fit --html` for mixed "
         "precision and sharding",
     )
     rp.add_argument("--capacity", help="add the fit table for a GPU of this memory, e.g. 24GiB")
@@ -330,10 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.tiny = args.tiny or ":" not in args.model or args.model.startswith("hf:")
         if hasattr(args, "steps"):
             args.steps = min(args.steps, 2)
-    console = Console()
+    console = Console(emoji=False)  # "hf:llama:..." is a name, not rich's :llama: emoji
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=120)  # piped or captured: rich would assume 80 columns
-    err = Console(stderr=True, soft_wrap=True)  # paths and sizes in messages stay whole
+        console = Console(width=120, emoji=False)  # piped or captured: rich would assume 80 columns
+    err = Console(stderr=True, soft_wrap=True, emoji=False)  # paths and sizes stay whole
     try:
         return args.func(args, console)
     except RematError as e:

@@ -28,7 +28,47 @@ def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         help="count optimizer state and step in the peak. adamw: torch's default implementation "
         "for the device (foreach on a GPU, for-loop on the CPU); adamw-foreach/-fused/-for-loop "
-        "name one (AdamW(foreach=True), fused=True, foreach=False); adamw-8bit: bitsandbytes",
+        "name one (AdamW(foreach=True), fused=True, foreach=False); adamw-8bit(-paged): "
+        "bitsandbytes AdamW8bit (PagedAdamW8bit: unified memory, reported apart); "
+        "adamw-8bit-torchao, adamw-4bit: torchao; adamw-cpu-offload: torchao's CPUOffloadOptimizer",
+    )
+    add_loop_args(p)
+
+
+def add_loop_args(p: argparse.ArgumentParser) -> None:
+    """The training loop's treatment of gradients (`remat.prediction.loop.Loop`)."""
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="the loop steps each parameter in backward and frees its gradient (torchtune's "
+        "optimizer_in_bwd): the gradients never all live at once",
+    )
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="zero_grad(set_to_none=False): the gradients live between steps, and each "
+        "backward's gradient is a temporary added into them",
+    )
+    p.add_argument(
+        "--grad-accumulation",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches a step accumulates (--batch is one micro-batch): above 1 the "
+        "gradients live through every micro-step after the first, as with --keep-grads",
+    )
+
+
+def loop_of(args: argparse.Namespace) -> Any:
+    """The `Loop` of --optimizer-in-backward, --keep-grads and --grad-accumulation."""
+    from remat.prediction.loop import Loop
+
+    accumulation = getattr(args, "grad_accumulation", 1)
+    if accumulation < 1:
+        raise RematError(f"--grad-accumulation {accumulation}: give 1 or more micro-batches")
+    return Loop(
+        optimizer_in_backward=getattr(args, "optimizer_in_backward", False),
+        keep_grads=getattr(args, "keep_grads", False) or accumulation > 1,
     )
 
 
@@ -134,7 +174,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FIELD=VALUE",
         help="override a config field of the preset, e.g. --set n_layer=2 for gpt2 or --set "
-        "n_layers=2 for llama (repeatable; an unknown field lists the valid ones)",
+        "n_layers=2 for llama (repeatable; an unknown field lists the valid ones). Values read "
+        "as Python or JSON: True/false, None/null, 2, 1e-5, 'text', [1, 2]; a bare name is text",
     )
     p.add_argument(
         "--trace-device",
@@ -190,6 +231,7 @@ def trace_model(args: argparse.Namespace, console: Console):
             graph.info["layout"] = layout.describe(graph)
         else:
             graph = trace(model, *inputs, device=device, target=target)
+    graph = loop_of(args).apply(graph)
     graph.info.update(
         model=args.model,
         shape=_shape(args, inputs)

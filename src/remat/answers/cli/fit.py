@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from remat.answers.cli.common import layout_of, model_name, writable
+from remat.answers.cli.common import layout_of, loop_of, model_name, writable
 from remat.errors import RematError
 
 
@@ -27,7 +27,7 @@ def _fit_caption(report: Any) -> str:
             "it ran out of memory), expandable: reserved with expandable_segments:True; fits: "
             f"{report.allocator} ({format_bytes(limit)} = total_memory "
             f"{format_bytes(report.capacity_bytes)} - CUDA context - NCCL buffers; nvidia-smi "
-            "shows reserved + context, see --json)"
+            "shows reserved + context; --json's bytes_legend names torch's statistic of each)"
         )
     else:
         judged = (
@@ -65,6 +65,10 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
         parts += ["--schedule", setup.get("schedule", getattr(args, "schedule", "1f1b"))]
     parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
     parts += ["--tiny"] if args.tiny else []
+    parts += ["--optimizer-in-backward"] if getattr(args, "optimizer_in_backward", False) else []
+    parts += ["--keep-grads"] if getattr(args, "keep_grads", False) else []
+    accumulation = getattr(args, "grad_accumulation", 1)
+    parts += ["--grad-accumulation", str(accumulation)] if accumulation > 1 else []
     for item in args.set or []:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)
@@ -83,11 +87,11 @@ def fit_report(
     from remat import models
     from remat.answers.fit import fit
     from remat.answers.fit_steps import PRECISIONS
-    from remat.device.gpus import custom_gpu, get_gpu
+    from remat.device.gpus import get_gpu, with_capacity
 
     if getattr(args, "batch", None) is None:  # one sample a micro-batch
         args.batch = layout_of(args).microbatches if getattr(args, "pp", 1) > 1 else 1
-    gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
+    gpu = with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
     overrides = models.parse_overrides(args.set)
 
     def build_for(precision: str):
@@ -120,6 +124,7 @@ def fit_report(
             progress=lambda text: status.update(text),
             build_for=build_for,
             layout=layout_of(args),
+            loop=loop_of(args),
         )
 
 
