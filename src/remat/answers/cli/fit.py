@@ -74,6 +74,13 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def gpu_of(args: argparse.Namespace) -> Any:
+    """The GPU `--gpu` names, sized by `--capacity` where given (h100's architecture if unnamed)."""
+    from remat.device.gpus import get_gpu, with_capacity
+
+    return with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
+
+
 def fit_report(
     args: argparse.Namespace,
     console: Console,
@@ -87,11 +94,10 @@ def fit_report(
     from remat import models
     from remat.answers.fit import fit
     from remat.answers.fit_steps import PRECISIONS
-    from remat.device.gpus import get_gpu, with_capacity
 
     if getattr(args, "batch", None) is None:  # one sample a micro-batch
         args.batch = layout_of(args).microbatches if getattr(args, "pp", 1) > 1 else 1
-    gpu = with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
+    gpu = gpu_of(args)
     overrides = models.parse_overrides(args.set)
 
     def build_for(precision: str):
@@ -260,9 +266,7 @@ def _offload_answer(args: argparse.Namespace, console: Console, report: Any) -> 
     from remat.answers.cli.common import offload_settings
     from remat.answers.fit_offload import offload_at_full
     from remat.answers.fit_steps import PRECISIONS
-    from remat.device.gpus import custom_gpu, get_gpu
-
-    gpu = custom_gpu(args.capacity, args.gpu or "h100") if args.capacity else get_gpu(args.gpu)
+    gpu = gpu_of(args)
     settings = offload_settings(args, gpu.profile)
     if settings is None:
         return None
