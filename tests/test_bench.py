@@ -278,3 +278,20 @@ def test_no_series_of_the_bench_plot_has_the_budget_lines_colour():
     assert to_rgb("C3") not in [to_rgb(c) for c in _COLORS]  # tab10's red, next to crimson
     styles = {(_COLORS[k % len(_COLORS)], _MARKERS[k % len(_MARKERS)]) for k in range(24)}
     assert len(styles) == 24  # every row of a bench keeps its own marker and colour
+
+
+def test_the_auto_row_is_what_auto_leaves_after_its_first_steps_and_tuned_is_not_repeated():
+    """The auto row runs remat.auto's first-steps tuning (its note names what it timed); the
+    auto:tuned row, the same plan then, is not shown twice."""
+    from remat.applying.tune import _CACHE
+
+    _CACHE.clear()
+    model, inputs = models.build("gpt2", tiny=True, device="cpu", batch=2, seq=64, n_layer=3)
+    planner = Planner(trace(model, *inputs))
+    rows = bench(model, inputs, planner, ["auto", "auto:tuned"], budget="70%", steps=1)
+    assert [r.strategy for r in rows] == ["store_all", "auto"]
+    auto = rows[1]
+    assert auto.ran and "tuned)" in auto.note and "timed on the first steps" in auto.note
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert "_remat_tune_steps" not in vars(model)
+    _CACHE.clear()
