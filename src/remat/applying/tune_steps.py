@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.applying.eager import apply, installed_plan
+from remat.applying.first_step import sharded
 from remat.applying.tune import Tuning, fastest_of, keep
 from remat.errors import log
 from remat.planning.plans import Plan
@@ -82,35 +83,48 @@ class StepTuner:
         self.schedule, self.step, self.times, self.key, self.rounds = [], 0, [], None, 0
         self.clock = None
 
+    def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.begin(model)
+
+    def after(self, model: nn.Module, args: tuple, output: Any) -> None:
+        if self._started is not None and not self.done:
+            _after_backward(output, lambda: self.end(model))
+
     @property
     def current(self) -> Plan:
         return self.plans[self.schedule[self.step][0]]
 
-    def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    def begin(self, model: nn.Module) -> None:
+        """A training step starts (its forward, with gradients on): start its clock. A framework
+        that calls the model's forward itself (Lightning's `training_step`) calls this and `end`
+        from its own step hooks."""
+        self._started = None
         if self.done or not torch.is_grad_enabled() or _get_current_dispatch_mode_stack():
             return
-        if torch.compiler.is_compiling() or installed_plan(model) is not self.current:
-            self._stop()  # compiled, or another plan installed: the model is no longer ours
+        if (
+            torch.compiler.is_compiling()
+            or installed_plan(model) is not self.current
+            or sharded(model)
+        ):
+            # compiled, another plan installed, or sharded (FSDP units fixed on the pick's
+            # regions): the pick, or the plan now installed, stays
+            self._stop()
             return
         self._started = self._mark(model)
 
-    def after(self, model: nn.Module, args: tuple, output: Any) -> None:
+    def end(self, model: nn.Module) -> None:
+        """The backward of the step `begin` started has ended: note its time, and install the
+        next step's plan."""
         started, self._started = self._started, None
-        if started is not None and not self.done:
-            _after_backward(output, lambda: self._stepped(model, started))
-
-    def _stepped(self, model: nn.Module, started: Any) -> None:
-        """The backward of a step ended: note its time, and install the next step's plan."""
-        if self.done or installed_plan(model) is not self.current:
+        if started is None or self.done or installed_plan(model) is not self.current:
             return
         index, timed = self.schedule[self.step]
         if timed:
             self.times[index].append(self._seconds(started, self._mark(model)))
         self.step += 1
         if self.step < len(self.schedule):
-            following = self.plans[self.schedule[self.step][0]]
-            if following is not self.current or installed_plan(model) is not following:
-                apply(model, following)
+            if installed_plan(model) is not self.current:
+                apply(model, self.current)
             return
         self._finish(model)
 
@@ -218,6 +232,21 @@ def result(model: nn.Module) -> Tuning | None:
     or its steps not all run yet."""
     tuner = vars(model).get(_TUNER)
     return None if tuner is None else tuner.result
+
+
+def step_began(model: nn.Module) -> None:
+    """For a framework that calls the planned model's forward itself (Lightning calls
+    `training_step`): a training step of `model` begins."""
+    tuner = vars(model).get(_TUNER)
+    if tuner is not None:
+        tuner.begin(model)
+
+
+def step_ended(model: nn.Module) -> None:
+    """The backward of the step `step_began` marked has ended."""
+    tuner = vars(model).get(_TUNER)
+    if tuner is not None:
+        tuner.end(model)
 
 
 def tuning(model: nn.Module) -> bool:

@@ -350,7 +350,9 @@ def checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tu
         create_selective_checkpoint_contexts,
     )
 
-    x = torch.rand(16, device=dev, requires_grad=True)
+    # no random numbers: this runs inside training scripts (remat.auto), whose random stream
+    # (dropout masks, shuffling) must not move
+    x = torch.linspace(0.1, 1.0, 16, device=dev, requires_grad=True)
     plain_chain = nn.Sequential(*(_Sin() for _ in range(ops)))
     scoped_chain = nn.Sequential(*(_Sin() for _ in range(ops)))
     scope = [""]
