@@ -38,7 +38,7 @@ from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.planning.plans import DEFAULT_BUDGET, Plan
 from remat.tracing.trace import default_loss
-from remat.units import format_bytes
+from remat.units import format_bytes, format_ms
 
 BASELINES = (
     "torch:checkpoint-per-block",
@@ -247,7 +247,7 @@ def auto_as_installed(
         remove(model)
     if result is None:
         return chosen, "its first steps were not all timed"
-    tried = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in result.seconds.items())
+    tried = ", ".join(f"{n} {format_ms(s)}" for n, s in result.seconds.items())
     return result.chosen, f"first {len(trials)} plans timed on the first steps: {tried}"
 
 

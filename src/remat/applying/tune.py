@@ -40,6 +40,7 @@ from remat.measuring.measure import checkpoint_overheads, time_steps
 from remat.planning.planner import Planner
 from remat.planning.plans import Plan
 from remat.planning.strategies import available
+from remat.units import format_ms
 
 #: A step timer: (model with a plan installed, inputs, kwargs) -> seconds of one training step.
 Timer = Callable[[nn.Module, tuple, dict[str, Any]], float]
@@ -58,7 +59,7 @@ class Tuning:
     cache_file: Path | None = None
 
     def __repr__(self) -> str:
-        timed = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.seconds.items())
+        timed = ", ".join(f"{name} {format_ms(s)}" for name, s in self.seconds.items())
         return (
             f"Tuning({self.chosen.strategy} fastest of {len(self.seconds)} in {self.rounds} "
             f"rounds: {timed}{f'; cached in {self.cache_file}' if self.cached else ''})"
@@ -213,7 +214,7 @@ def fastest_of(plans: list[Plan], times: list[list[float]], where: str) -> Tunin
     best = min(beat, key=lambda i: (medians[i], i))
     seconds = {p.strategy: m for p, m in zip(plans, medians, strict=True)}
     others = ", ".join(
-        f"{p.strategy} {m * 1e3:.3g} ms"
+        f"{p.strategy} {format_ms(m)}"
         for i, (p, m) in enumerate(zip(plans, medians, strict=True))
         if i != best
     )
@@ -228,7 +229,7 @@ def fastest_of(plans: list[Plan], times: list[list[float]], where: str) -> Tunin
         strategy=f"auto ({name}, tuned)",
         status="feasible",
         reason=f"fastest measured of {len(plans)} plans that fit, {verdict} "
-        f"({medians[best] * 1e3:.3g} ms a step, median of {rounds} {where}"
+        f"({format_ms(medians[best])} a step, median of {rounds} {where}"
         + (f"; {others}" if others else "")
         + f"): {plans[best].reason}",
     )

@@ -36,6 +36,7 @@ from remat.applying.first_step import sharded
 from remat.applying.tune import Tuning, fastest_of, keep
 from remat.errors import log
 from remat.planning.plans import Plan
+from remat.units import format_ms
 
 #: Timed rounds of the first-steps tuning (with 5, another plan of equal speed wins every round,
 #: and so the cost model's pick is overruled by chance, 1 time in 32).
@@ -135,7 +136,7 @@ class StepTuner:
             result = keep(self.key, result)
         self.result = result
         apply(model, result.chosen)
-        tried = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in result.seconds.items())
+        tried = ", ".join(f"{name} {format_ms(s)}" for name, s in result.seconds.items())
         log.info(
             "remat: tuned %s on its first %d training steps: kept %s (tried %s, median of %d "
             "timed steps each)%s",
