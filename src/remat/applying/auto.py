@@ -62,7 +62,10 @@ def auto(
     them (a meta kernel that rejects its inputs, a shape that depends on data, as in mixture-of-
     experts routing) and the step fits comfortably in memory, it is traced again on the real CPU
     tensors, with a warning. `trace_device="cpu"` traces on real tensors from the start.
-    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200).
+    `profile` names the cost profile recompute time is predicted on (cpu, a100, h100, h200);
+    where it is the profile of the device the model is on, `strategy="auto"` ranks the plans
+    with checkpointing's own host cost measured there too (per region, per op a selective
+    policy sees; once per process, well under a second), within the budget the profile sets.
     On a model that already has a plan, the new plan replaces it, made as for the bare model.
 
     `check=True`: the first training step after this checks itself, once

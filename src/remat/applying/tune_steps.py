@@ -3,10 +3,11 @@ training script runs anyway, each timed with the device's own clock, and the fas
 
 Every plan gives bit-identical gradients (recomputation replays the forward with the RNG state it
 had), so the steps a plan is tried on train the model exactly as the cost model's pick would: the
-tuning costs only the difference in speed of the plans tried. The schedule: the cost model's pick
-runs the first step (which the first-step check counts, `remat.applying.first_step`), then each
-other candidate one untimed warm-up step (its first run: the allocator, lazy buffers), then
-`rounds` rounds of one timed step of every candidate, each round starting one candidate later.
+tuning costs only the difference in speed of the plans tried. The schedule: each candidate, the
+cost model's pick first, runs one untimed warm-up step (its first run: the allocator, lazy
+buffers), then `rounds` rounds of one timed step of every candidate, each round starting one
+candidate later (24 steps for 4 plans). A step the first-step check counts
+(`remat.applying.first_step`, under a dispatch mode that slows it) is not one of them.
 A step is timed from the start of the model's forward to the end of the backward through its
 output: what a plan changes (`time.perf_counter` on the CPU, CUDA events on a GPU, so nothing
 waits for the device). The plan for the next step is installed when the backward ends, never
