@@ -323,3 +323,20 @@ def test_an_interrupted_bench_prints_the_rows_it_measured_and_one_line(
         assert any(line.startswith("full") for line in lines)
         assert "1 of 3 timing rounds" in said.out
         assert "1.00x" in store_all
+
+
+def test_the_auto_row_is_what_auto_leaves_after_its_first_steps_and_tuned_is_not_repeated():
+    """The auto row runs remat.auto's first-steps tuning (its note names what it timed); the
+    auto:tuned row, the same plan then, is not shown twice."""
+    from remat.applying.tune import _CACHE
+
+    _CACHE.clear()
+    model, inputs = models.build("gpt2", tiny=True, device="cpu", batch=2, seq=64, n_layer=3)
+    planner = Planner(trace(model, *inputs))
+    rows = bench(model, inputs, planner, ["auto", "auto:tuned"], budget="70%", steps=1)
+    assert [r.strategy for r in rows] == ["store_all", "auto"]
+    auto = rows[1]
+    assert auto.ran and "tuned)" in auto.note and "timed on the first steps" in auto.note
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert "_remat_tune_steps" not in vars(model)
+    _CACHE.clear()

@@ -45,3 +45,10 @@ def format_bytes(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if whole else f"{sign}{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_ms(seconds: float) -> str:
+    """Seconds as milliseconds, 3 significant digits, without an exponent (`2,420 ms`, not
+    `2.42e+03 ms`)."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms"

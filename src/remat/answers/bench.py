@@ -29,14 +29,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+<<<<<<< HEAD
 from remat.applying.eager import apply, installed_offloader, installed_plan, remove
+=======
+from remat.applying import tune_steps
+from remat.applying.auto import plan_for_training
+from remat.applying.eager import apply, remove
+>>>>>>> i38
 from remat.errors import InfeasibleBudget, RematError
 from remat.measuring.measure import measure, time_steps
 from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.planning.plans import DEFAULT_BUDGET, Plan
 from remat.tracing.trace import default_loss
-from remat.units import format_bytes
+from remat.units import format_bytes, format_ms
 
 BASELINES = (
     "torch:checkpoint-per-block",
@@ -147,7 +153,8 @@ def progress_total(names: list[str], steps: int = ROUNDS, compiled: bool = False
     return total
 
 
-#: The row of `bench` for `remat.auto(..., tune=True)`: the fastest measured plan that fits.
+#: The row of `bench` for `remat.auto(..., tune=True)`: the fastest measured plan that fits, shown
+#: only where it differs from the `auto` row (what `remat.auto` leaves after its first steps).
 TUNED = "auto:tuned"
 
 
@@ -202,6 +209,50 @@ def _hf_checkpointing(inner: nn.Module) -> Iterator[None]:
 
 
 Setup = Callable[[], AbstractContextManager[Any]]
+
+
+def _regions(plan: Plan) -> tuple:
+    return tuple((r.modules, r.keep) for r in plan.regions)
+
+
+def auto_as_installed(
+    model: nn.Module, inputs: tuple, planner: Planner, budget_bytes: int
+) -> tuple[Plan, str]:
+    """The plan `remat.auto(model, *inputs, budget=budget_bytes)` leaves installed once its first
+    training steps are tuned (`remat.applying.tune_steps`; these steps run here, on `inputs`),
+    and what it tried and kept, said in a few words. A result kept from an earlier run (the
+    cache) is used as `auto` would, and said so."""
+    chosen, trials, key = plan_for_training(
+        model,
+        planner.graph,
+        inputs,
+        {},
+        budget_bytes,
+        "auto",
+        planner.profile,
+        planner.optimizer,
+        "steps",
+    )
+    if not trials:
+        kept = (
+            "kept from an earlier run's first steps" if chosen.strategy.endswith(", tuned)") else ""
+        )
+        return chosen, kept
+    apply(model, chosen)
+    try:
+        tuner = tune_steps.install(model, trials, key)
+        for _ in range(len(tuner.schedule) + 2 if tuner is not None else 0):
+            if not tune_steps.tuning(model):
+                break
+            time_steps(model, *inputs, steps=1)
+        result = tune_steps.result(model)
+    finally:
+        tune_steps.install(model, [], None)
+        remove(model)
+    if result is None:
+        return chosen, "its first steps were not all timed"
+    tried = ", ".join(f"{n} {format_ms(s)}" for n, s in result.seconds.items())
+    return result.chosen, f"first {len(trials)} plans timed on the first steps: {tried}"
 
 
 def _baseline_setup(model: nn.Module, name: str, paths: list[str]) -> Setup | str:
@@ -321,6 +372,7 @@ def bench(
     reference = gradients(model, inputs)
     rows: list[BenchRow] = []
     timed: list[tuple[int, Setup]] = []  # (index in rows, setup) of the rows that run
+    auto_regions: tuple | None = None  # the auto row's plan, which auto:tuned does not repeat
 
     try:
         _memory_pass(model, inputs, planner, names, budget_bytes, paths, reference, rows, timed,
@@ -375,13 +427,19 @@ def _memory_pass(
                 rows.append(BenchRow(name, note=setup))
                 continue
         else:
+            tried = ""
             try:
-                if (
+                if name == "auto":  # as users get it: tuned on its first training steps
+                    p, tried = auto_as_installed(model, inputs, planner, budget_bytes)
+                    auto_regions = _regions(p)
+                elif (
                     name == TUNED
                 ):  # the machine's pick among the plans that fit (remat.applying.tune)
                     from remat.applying.tune import tune
 
                     p = tune(model, *inputs, planner=planner, budget_bytes=budget_bytes).chosen
+                    if _regions(p) == auto_regions:
+                        continue  # the auto row's plan: shown once
                 else:  # a fixed strategy is measured even over the budget: a point of reference
                     strategy = strategies.get(name, "eager")
                     p = planner.solve(strategy, budget_bytes)
@@ -400,6 +458,8 @@ def _memory_pass(
             setup = functools.partial(plan_applied, model, p)
             predicted = p.predicted_peak_bytes
             notes = [p.strategy] if p.strategy != name else []  # what auto chose
+            if tried:
+                notes.append(tried)
             if p.predicted_peak_bytes > budget_bytes:
                 notes.append(f"over the budget of {format_bytes(budget_bytes)}")
             note = "; ".join(notes)

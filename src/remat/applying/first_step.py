@@ -369,9 +369,15 @@ def _skipped(model: nn.Module) -> bool:
     step does not hold) and torch.compile's tracing of the model."""
     if torch.compiler.is_compiling():
         return True
-    sharded = any(is_traceable_wrapper_subclass(p) for p in model.parameters()) or any(
+    if sharded(model):
+        log.debug("remat: first-step check skipped: FSDP or tensor-parallel parameters")
+        return True
+    return False
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are sharded: DTensors (FSDP2, tensor parallelism) or FSDP1's
+    flat parameters."""
+    return any(is_traceable_wrapper_subclass(p) for p in model.parameters()) or any(
         type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()
     )
-    if sharded:
-        log.debug("remat: first-step check skipped: FSDP or tensor-parallel parameters")
-    return sharded

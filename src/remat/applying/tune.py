@@ -35,10 +35,12 @@ from torch.utils import _pytree as pytree
 
 from remat.applying.eager import apply, remove
 from remat.device.cost import DeviceProfile
-from remat.errors import PlanFormatError, warn
-from remat.measuring.measure import calibrate_profile, time_steps
+from remat.errors import PlanFormatError, RematError, warn
+from remat.measuring.measure import checkpoint_overheads, time_steps
 from remat.planning.planner import Planner
 from remat.planning.plans import Plan
+from remat.planning.strategies import available
+from remat.units import format_ms
 
 #: A step timer: (model with a plan installed, inputs, kwargs) -> seconds of one training step.
 Timer = Callable[[nn.Module, tuple, dict[str, Any]], float]
@@ -57,7 +59,7 @@ class Tuning:
     cache_file: Path | None = None
 
     def __repr__(self) -> str:
-        timed = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in self.seconds.items())
+        timed = ", ".join(f"{name} {format_ms(s)}" for name, s in self.seconds.items())
         return (
             f"Tuning({self.chosen.strategy} fastest of {len(self.seconds)} in {self.rounds} "
             f"rounds: {timed}{f'; cached in {self.cache_file}' if self.cached else ''})"
@@ -71,26 +73,38 @@ _OVERHEADS: dict[str, tuple[float, float]] = {}
 def with_measured_overheads(profile: DeviceProfile, device: torch.device) -> DeviceProfile:
     """`profile` with checkpointing's own host cost (`region_seconds`, `policy_op_seconds`)
     measured on `device` where the profile has none (the shipped ones: their rooflines have no
-    launch cost), so that the candidates are ranked with it; measured once per device and
-    process (`remat.measuring.measure.calibrate_profile`, under 3 s on a 2-core CPU)."""
+    launch cost), so that plans are ranked with it; measured once per device and process
+    (`remat.measuring.measure.checkpoint_overheads`, well under a second on a 2-core CPU)."""
     if profile.region_seconds or profile.policy_op_seconds:
         return profile
     key = str(device)
     if key not in _OVERHEADS:
-        measured = calibrate_profile(key)
-        _OVERHEADS[key] = (measured.region_seconds, measured.policy_op_seconds)
+        _OVERHEADS[key] = checkpoint_overheads(torch.device(device))
     region, per_op = _OVERHEADS[key]
     return replace(profile, region_seconds=region, policy_op_seconds=per_op)
+
+
+def describes(profile: DeviceProfile, device: torch.device) -> bool:
+    """Whether `profile` is one of the device the model runs on (the `cpu` profile for a model on
+    the CPU, a GPU's for one on CUDA), so that overheads measured there belong to it; planning
+    for an H100 on a laptop measures nothing."""
+    on_cpu = profile.name.split(" ")[0] == "cpu"
+    return on_cpu == (device.type == "cpu")
 
 
 def candidate_plans(planner: Planner, budget_bytes: int, candidates: int = 4) -> list[Plan]:
     """Every appliable plan of every strategy that fits `budget_bytes`, least predicted recompute
     first, one per distinct set of regions, at most `candidates`."""
-    fitting = [
-        c.plan
-        for c in planner.compare(budget_bytes)
-        if c.plan is not None and c.plan.appliable and c.plan.predicted_peak_bytes <= budget_bytes
-    ]
+    fitting = []
+    for strategy in available("eager"):
+        if strategy.name == "auto" or not strategy.appliable:
+            continue
+        try:
+            p = planner.solve(strategy, budget_bytes)  # solved once: auto's own answers
+        except RematError:  # refused or infeasible here: the others still answer
+            continue
+        if p.appliable and p.predicted_peak_bytes <= budget_bytes:
+            fitting.append(p)
     fitting.sort(key=lambda p: (p.recompute_seconds, p.predicted_peak_bytes))
     out: list[Plan] = []
     seen: set[tuple] = set()
@@ -119,24 +133,10 @@ def tune(
     a noisy machine does not overrule the model by chance (with 5 rounds, one other candidate of
     equal speed wins every round 1 time in 32). Raises `InfeasibleBudget` (through the planner)
     when no plan fits."""
-    key = (
-        type(model).__qualname__,
-        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()),
-        _shapes((inputs, kwargs)),
-        budget_bytes,
-        planner.profile.name,
-        candidates,
-        _device_name(model),
-        torch.__version__,
-    )
-    if key in _CACHE:
-        return replace(_CACHE[key], cached=True)
-    cache_file = _cache_file(key)
-    if cache_file is not None and cache_file.exists():
-        kept = _read(cache_file)  # cached=True already
-        if kept is not None:
-            _CACHE[key] = kept
-            return kept
+    key = tuning_key(model, inputs, kwargs, budget_bytes, planner.profile.name, candidates)
+    kept = cached(key)
+    if kept is not None:
+        return kept
     plans = candidate_plans(planner, budget_bytes, candidates)
     if not plans:
         planner.plan(budget_bytes, "auto")  # raises InfeasibleBudget, naming the least that fits
@@ -152,6 +152,61 @@ def tune(
                 times[i].append(timer(model, inputs, kwargs))
             finally:
                 remove(model)
+    return keep(key, fastest_of(plans, times, "rounds"))
+
+
+def tuning_key(
+    model: nn.Module,
+    inputs: tuple,
+    kwargs: dict[str, Any],
+    budget_bytes: int,
+    profile_name: str,
+    candidates: int,
+) -> tuple:
+    """What a tuning result is kept under: the model (its class and parameter shapes), input
+    shapes, budget, profile, number of candidates, device and torch version."""
+    return (
+        type(model).__qualname__,
+        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()),
+        _shapes((inputs, kwargs)),
+        budget_bytes,
+        profile_name,
+        candidates,
+        _device_name(model),
+        torch.__version__,
+    )
+
+
+def cached(key: tuple) -> Tuning | None:
+    """The result kept under `key`, from this process or from disk (`cached` is True), or None."""
+    if key in _CACHE:
+        return replace(_CACHE[key], cached=True)
+    cache_file = _cache_file(key)
+    if cache_file is not None and cache_file.exists():
+        kept = _read(cache_file)  # cached=True already
+        if kept is not None:
+            _CACHE[key] = kept
+            return kept
+    return None
+
+
+def keep(key: tuple, result: Tuning) -> Tuning:
+    """Keep `result` under `key`, for this process and on disk (where `cache_dir` allows);
+    returns it with its `cache_file`."""
+    cache_file = _cache_file(key)
+    result = replace(result, cache_file=cache_file)
+    _CACHE[key] = result
+    if cache_file is not None:
+        _write(cache_file, key, result)
+    return result
+
+
+def fastest_of(plans: list[Plan], times: list[list[float]], where: str) -> Tuning:
+    """The noise rule: `plans[0]` (the cost model's pick) unless another was faster than it in
+    every round (`times[i][r]`: plan i's step seconds in round r), then the one of least median
+    of those; a tie goes to the earlier. With 5 rounds, another plan of equal speed wins every
+    round 1 time in 32. `where` says what the rounds were, for the reason."""
+    rounds = min(len(t) for t in times)
     medians = [statistics.median(t) for t in times]
     # Noise must not overrule the cost model: another plan replaces its pick (the first) only
     # when it was faster in every round, each round's steps run back to back.
@@ -159,24 +214,26 @@ def tune(
     best = min(beat, key=lambda i: (medians[i], i))
     seconds = {p.strategy: m for p, m in zip(plans, medians, strict=True)}
     others = ", ".join(
-        f"{p.strategy} {m * 1e3:.3g} ms"
+        f"{p.strategy} {format_ms(m)}"
         for i, (p, m) in enumerate(zip(plans, medians, strict=True))
         if i != best
     )
+    name = plans[best].strategy.removeprefix("auto (").removesuffix(")")
+    verdict = (
+        "the cost model's pick, which no other beat in every round"
+        if best == 0
+        else "faster than the cost model's pick in every round"
+    )
     chosen = replace(
         plans[best],
-        strategy=f"auto ({plans[best].strategy.removeprefix('auto (').removesuffix(')')}, tuned)",
+        strategy=f"auto ({name}, tuned)",
         status="feasible",
-        reason=f"fastest measured of {len(plans)} plans that fit, faster than the cost model's "
-        f"pick in every round ({medians[best] * 1e3:.3g} ms a step, median of {rounds} rounds"
+        reason=f"fastest measured of {len(plans)} plans that fit, {verdict} "
+        f"({format_ms(medians[best])} a step, median of {rounds} {where}"
         + (f"; {others}" if others else "")
         + f"): {plans[best].reason}",
     )
-    result = Tuning(chosen=chosen, seconds=seconds, rounds=rounds, cache_file=cache_file)
-    _CACHE[key] = result
-    if cache_file is not None:
-        _write(cache_file, key, result)
-    return result
+    return Tuning(chosen=chosen, seconds=seconds, rounds=rounds)
 
 
 def cache_dir() -> Path | None:
@@ -244,8 +301,14 @@ def _device_name(model: nn.Module) -> str:
 
 
 def _shapes(tree: Any) -> tuple:
+    """Tensors by shape and dtype, functions (a `loss_fn`) by name, not by their address, which
+    differs in every process; anything else by its repr."""
     return tuple(
-        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+        (tuple(t.shape), t.dtype)
+        if isinstance(t, torch.Tensor)
+        else f"{t.__module__}.{t.__qualname__}"
+        if callable(t) and hasattr(t, "__qualname__")
+        else repr(t)
         for t in pytree.tree_leaves(tree)
     )
 

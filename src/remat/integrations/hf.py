@@ -218,7 +218,9 @@ class RematCallback(_callback_base()):  # type: ignore[misc]
     plan. The batch is drawn without moving the random stream the Trainer shuffles with. Under
     FSDP2 the Trainer has sharded the model already: it is planned as the bare model (`enable`);
     FSDP's own activation checkpointing is refused by name. The Trainer's first step checks
-    itself against the plan, once (`check=False` among `auto_kwargs` turns that off)."""
+    itself against the plan, once (`check=False` among `auto_kwargs` turns that off), and its
+    first steps try the best few plans that fit, keeping the fastest (`remat.applying.tune_steps`;
+    `tune=False` turns that off)."""
 
     def __init__(self, budget: int | str = DEFAULT_BUDGET, **auto_kwargs: Any):
         self.budget = budget

@@ -26,6 +26,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from remat.applying import tune_steps
 from remat.applying.eager import installed_plan
 from remat.applying.first_step import FirstStepCheck
 from remat.errors import RematError
@@ -217,6 +218,12 @@ class RematCallback(_base()):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, i: int) -> None:
         if self.check is not None and self.step is not None:
             self.check.before(self.step, (), {})
+        if self.step is not None:  # auto's first-steps tuning, on Lightning's step boundaries
+            tune_steps.step_began(self.step)
+
+    def on_after_backward(self, trainer: Any, pl_module: nn.Module) -> None:
+        if self.step is not None:
+            tune_steps.step_ended(self.step)
 
     def on_before_backward(self, trainer: Any, pl_module: nn.Module, loss: torch.Tensor) -> None:
         if self.check is not None and self.step is not None:

@@ -277,7 +277,7 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     (2 FLOPs an element) for the vector rate, of `sin`, `exp` and `tanh` on the same data for
     what a transcendental element costs in vector operations, of a 64 MiB copy (bytes read +
     written) for the bandwidth, and of a checkpointed chain of tiny ops for what checkpointing
-    itself costs on the host (`_checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
+    itself costs on the host (`checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
     # Imported here, not at the top: the measurement of a training step shares no code with the
     # graph side of remat, and only this function needs the profile type.
     from remat.device.cost import PROFILES, DeviceProfile
@@ -311,7 +311,7 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     dst = torch.empty_like(src)
     moved = 2 * src.numel() * src.element_size()
     bandwidth = moved / _median_seconds(lambda: dst.copy_(src), dev, reps=5)
-    region, per_op = _checkpoint_overheads(dev)
+    region, per_op = checkpoint_overheads(dev)
     return DeviceProfile(
         f"{device} (calibrated)",
         peak_flops=peak,
@@ -326,46 +326,74 @@ def calibrate_profile(device: str = "cpu") -> DeviceProfile:
     )
 
 
-def _checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tuple[float, float]:
+class _Sin(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.sin(t)
+
+
+def checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tuple[float, float]:
     """Host seconds that non-reentrant `checkpoint` adds per region, and that a selective policy
-    adds per op, beyond the ops' own work: a chain of `ops` `sin`s on 16 elements (each saves its
-    input, as a transformer block's ops do; their arithmetic is negligible) is timed forward and
-    backward plain, forward alone, under `checkpoint`, and under `checkpoint` with a selective
-    policy that recomputes everything. The region costs what checkpointing adds beyond one more
+    as `remat.applying.eager` runs it adds per op, beyond the ops' own work: a chain of `ops`
+    modules each running one `sin` on 16 elements (each saves its input, as a transformer block's
+    ops do; their arithmetic is negligible) is timed forward and backward plain, forward alone,
+    under `checkpoint`, and under `checkpoint` with what a selective region adds: a policy that
+    finds each op by (module, op, occurrence) in a set and recomputes it, and the module-scope
+    hooks that tell it the module (a forward pre-hook and hook on every module, run in the
+    forward and again in the replay). The region costs what checkpointing adds beyond one more
     forward; the policy, per op it sees (every op in the forward and again in the replay), what it
-    adds beyond plain checkpointing. Rounds are interleaved; each figure is a median, at least 0."""
+    adds beyond plain checkpointing: measured so, not with a bare policy, because the hooks and
+    the lookup cost as much again as torch's policy mode (39 us an op against 22 on this project's
+    2-core VM). Rounds are interleaved; each figure is a median, at least 0."""
     from torch.utils.checkpoint import (
         CheckpointPolicy,
         checkpoint,
         create_selective_checkpoint_contexts,
     )
 
-    x = torch.rand(16, device=dev, requires_grad=True)
-    seen: dict[Any, int] = {}
+    # no random numbers: this runs inside training scripts (remat.auto), whose random stream
+    # (dropout masks, shuffling) must not move
+    x = torch.linspace(0.1, 1.0, 16, device=dev, requires_grad=True)
+    plain_chain = nn.Sequential(*(_Sin() for _ in range(ops)))
+    scoped_chain = nn.Sequential(*(_Sin() for _ in range(ops)))
+    scope = [""]
 
-    def chain_of_ops(t: torch.Tensor) -> torch.Tensor:
-        for _ in range(ops):
-            t = torch.sin(t)
-        return t
+    def enter(module: nn.Module, args: Any) -> None:
+        scope.append(paths[module])
 
-    def policy(ctx, func, *args, **kwargs):  # as light as remat.applying.eager's: a lookup, a count
-        seen[func] = seen.get(func, 0) + 1
-        return CheckpointPolicy.PREFER_RECOMPUTE
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        scope.pop()
+
+    paths = {module: path for path, module in scoped_chain.named_modules()}
+    for module in paths:
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+    keep = frozenset({("no such module", "aten.sin.default", 0)})
 
     def contexts():
+        counts: tuple[dict, dict] = ({}, {})
+
+        def policy(ctx, func, *args, **kwargs):  # remat.applying.eager's: a key, a count, a set
+            at = (scope[-1], str(func))
+            seen = counts[ctx.is_recompute]
+            n = seen.get(at, 0)
+            seen[at] = n + 1
+            if (*at, n) in keep:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
         return create_selective_checkpoint_contexts(policy)
 
     runs: dict[str, Callable[[], object]] = {
-        "plain": lambda: chain_of_ops(x).sum().backward(),
-        "forward": lambda: chain_of_ops(x),
+        "plain": lambda: plain_chain(x).sum().backward(),
+        "forward": lambda: plain_chain(x),
         "checkpoint": lambda: (
-            checkpoint(chain_of_ops, x, use_reentrant=False, preserve_rng_state=False)
+            checkpoint(plain_chain, x, use_reentrant=False, preserve_rng_state=False)
             .sum()
             .backward()
         ),
         "policy": lambda: (
             checkpoint(
-                chain_of_ops, x, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
+                scoped_chain, x, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
             )
             .sum()
             .backward()

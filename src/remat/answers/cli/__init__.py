@@ -281,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         default=None,
         help="comma-separated strategies and baselines (torch:checkpoint-per-block, "
-        "torch:checkpoint_sequential, hf:gradient_checkpointing; auto:tuned, the fastest of the "
-        "plans that fit timed on the model, as remat.auto(..., tune=True)) (default: "
+        "torch:checkpoint_sequential, hf:gradient_checkpointing; auto: what remat.auto leaves "
+        "installed once its first training steps are tuned, timed here; auto:tuned, the fastest "
+        "of the plans that fit timed on the model, as remat.auto(..., tune=True), shown only "
+        "where it differs from auto) (default: "
         f"{BENCH_STRATEGIES}, plus hf:gradient_checkpointing for hf: models)",
     )
     be.add_argument(
