@@ -29,13 +29,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-<<<<<<< HEAD
-from remat.applying.eager import apply, installed_offloader, installed_plan, remove
-=======
 from remat.applying import tune_steps
 from remat.applying.auto import plan_for_training
-from remat.applying.eager import apply, remove
->>>>>>> i38
+from remat.applying.eager import apply, installed_offloader, installed_plan, remove
 from remat.errors import InfeasibleBudget, RematError
 from remat.measuring.measure import measure, time_steps
 from remat.planning import strategies
@@ -221,7 +217,10 @@ def auto_as_installed(
     """The plan `remat.auto(model, *inputs, budget=budget_bytes)` leaves installed once its first
     training steps are tuned (`remat.applying.tune_steps`; these steps run here, on `inputs`),
     and what it tried and kept, said in a few words. A result kept from an earlier run (the
-    cache) is used as `auto` would, and said so."""
+    cache) is used as `auto` would, and said so. With offload (`planner.offload`), the cost
+    model's plan, untimed, as `remat.auto(offload=...)` installs it."""
+    if planner.offload:
+        return planner.plan(budget_bytes, "auto"), ""
     chosen, trials, key = plan_for_training(
         model,
         planner.graph,
@@ -372,7 +371,6 @@ def bench(
     reference = gradients(model, inputs)
     rows: list[BenchRow] = []
     timed: list[tuple[int, Setup]] = []  # (index in rows, setup) of the rows that run
-    auto_regions: tuple | None = None  # the auto row's plan, which auto:tuned does not repeat
 
     try:
         _memory_pass(model, inputs, planner, names, budget_bytes, paths, reference, rows, timed,
@@ -416,6 +414,7 @@ def _memory_pass(
 ) -> None:
     """Each row's plan, memory and gradients, appended to `rows` as it is measured (the rows
     that run also to `timed`, with their setup)."""
+    auto_regions: tuple | None = None  # the auto row's plan, which auto:tuned does not repeat
     for name in _row_names(names):
         if progress:
             progress(name)
