@@ -16,6 +16,7 @@ depth and says why in `graph.info["depth"]`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,15 @@ def _plain(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(_plain(v) for v in value)
     return isinstance(value, _PLAIN)
+
+
+def _callable(value: Any) -> Any:
+    """A callable attribute as what it runs: `functools.partial`s made alike are alike."""
+    if isinstance(value, functools.partial):
+        args = tuple(a if _plain(a) else _callable(a) for a in value.args)
+        keywords = tuple(sorted((k, v) for k, v in value.keywords.items() if _plain(v)))
+        return ("partial", _callable(value.func), args, keywords)
+    return getattr(value, "__func__", value)
 
 
 def _describe(block: nn.Module) -> list[tuple[str, Any]]:
@@ -53,7 +63,7 @@ def _describe(block: nn.Module) -> list[tuple[str, Any]]:
             if _plain(value):
                 out.append((f"{path}:{key}", value))
             elif callable(value):
-                out.append((f"{path}:{key}", getattr(value, "__func__", value)))
+                out.append((f"{path}:{key}", _callable(value)))
             else:
                 out.append((f"{path}:{key}", type(value)))
     return out
@@ -62,17 +72,16 @@ def _describe(block: nn.Module) -> list[tuple[str, Any]]:
 def block_kinds(blocks: list[nn.Module]) -> list[int]:
     """A number per block, equal for blocks that would trace the same step. An integer attribute
     that is the block's index plus a constant in every block (`layer_idx`) is left out."""
-    described = [_describe(b) for b in blocks]
+    described = [dict(_describe(b)) for b in blocks]
     index_like = set()
-    if len({tuple(k for k, _ in d) for d in described}) == 1:
-        for j in range(len(described[0])):
-            values = [d[j][1] for d in described]
-            if all(type(v) is int for v in values) and len(set(values)) > 1:
-                if len({v - i for i, v in enumerate(values)}) == 1:
-                    index_like.add(j)
+    for key in set().union(*described):
+        values = [(i, d[key]) for i, d in enumerate(described) if key in d]
+        if all(type(v) is int for _, v in values) and len({v for _, v in values}) > 1:
+            if len({v - i for i, v in values}) == 1:
+                index_like.add(key)
     kinds: dict[tuple, int] = {}
     return [
-        kinds.setdefault(tuple(kv for j, kv in enumerate(d) if j not in index_like), len(kinds))
+        kinds.setdefault(tuple(kv for kv in d.items() if kv[0] not in index_like), len(kinds))
         for d in described
     ]
 

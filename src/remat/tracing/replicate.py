@@ -3,27 +3,27 @@
 A transformer's step is periodic in depth: each block (or each period of alternating blocks) runs
 the same ops, saves the same tensors and frees them at the same points; only ids, op indices and
 module paths move. `replicate` takes the graph traced with `Stack.traced_layers` layers of each
-stack (a prefix of `start` layers, then `UNITS` units of `period` layers) and lays out the graph
-the full depth would have traced, as the tracer would have numbered it:
+stack (`start` layers, then `UNITS` units of `period` layers) and lays out the graph the full
+depth would have traced, numbered as the tracer would have numbered it:
 
 - every record (op, tensor, storage, node, save, module call; the state registration included)
   belongs to a *segment*: a unit of a stack in a phase (its parameters, its buffers, its forward,
-  its backward) or a fixed stretch outside any unit. Records made between ops belong to the
-  segment of the next op recorded: the tracer's ids increase with time, so each segment is one
-  run of ids and one run of op indices;
-- the full graph emits the segments in the traced order, the second unit once for every interior
-  unit of the full depth (the third is checked equal to it and dropped), the first and last as
-  the first and last; ids and op indices are renumbered in that order, saves' handles included
-  (the ids the graph does not name);
+  its backward) or a fixed stretch outside the units. A record belongs to the op it names (a
+  tensor's producer, a node's forward op, a save's saving op), else to the next op recorded: the
+  tracer's ids increase with time, so each segment is one run of ids and one run of op indices;
+- the full graph emits the segments in the traced order: units 0, 1 and the last two as the full
+  depth's first two and last two, unit 2 once for every unit between, unit 3 dropped; ids and op
+  indices are renumbered in that order, saves' handles included (the ids the graph leaves out);
 - a reference from a unit to a unit of its stack keeps their distance (the previous block's
-  output, the next block's gradient); a reference from elsewhere reaches the first or last unit;
-  module paths (`layers.7.attn`) and op names (`layers.7.attn.mm_0`, the call counts of scopes
-  outside the blocks recounted) follow the same rule.
+  output, the next block's gradient: more than one unit away is `NotPeriodic`); from elsewhere it
+  reaches the first two or the last two units. Module paths (`layers.7.attn`) and op names
+  (`layers.7.attn.mm_0`; call counts of scopes outside the blocks recounted) follow the same rule.
 
-`replicate(graph, stacks, units=UNITS)` rebuilds the traced graph itself, with the third unit a
-copy of the second: `periodic` compares that with the trace, which says whether the traced units
-repeat (a block that differs, a reference across more than one unit: `NotPeriodic`). Nothing here
-imports torch.
+The units at the ends may differ from those between (the last block's backward does not add its
+gradient of a tensor all blocks read to another's); those between must repeat. `replicate(...,
+units=[UNITS] * len(stacks))` lays out the traced depth itself, unit 3 a copy of unit 2 beside
+unit 2 and unit 4: every pair of neighbours the full depth has, so that where it equals the trace
+(`remat.tracing.depth` checks), the full depth's layout holds too. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 
 from remat.graph import Graph, ModuleCall, Node, Op, Saved, Storage, Tensor
 
-#: traced units of each stack: the first and last stand for themselves, the second for every
-#: interior unit of the full depth, the third is traced to check the second repeats
-UNITS = 4
+#: traced units of each stack: the first two and the last two stand for themselves, the third
+#: for every unit of the full depth between, the fourth is traced to check that the third repeats
+UNITS = 6
 
 
 class NotPeriodic(Exception):
@@ -141,7 +141,6 @@ class _Layout:
         self.ops = self._op_axis()
         self.ids, self.events = self._id_axis()
         for axis, end in ((self.ops, len(graph.ops)), (self.ids, len(self.events))):
-            self._check_sizes(axis, end)
             self._emit(axis, end)
 
     # -- segments ---------------------------------------------------------------------------------
@@ -234,21 +233,10 @@ class _Layout:
             axis.add(i, _fixed(axis.keys, key))
         return axis, [events[i] for i in order]
 
-    def _check_sizes(self, axis: _Axis, end: int) -> None:
-        sizes: dict[tuple[int, str], set[int]] = {}
-        for i, key in enumerate(axis.keys):
-            if key[0] != "fixed":
-                sizes.setdefault((key[0], key[2]), set()).add(axis.size(i, end))
-        for (si, phase), found in sizes.items():
-            if len(found) != 1:
-                raise NotPeriodic(
-                    f"the units of '{self.stacks[si].path}' differ in size ({phase}: "
-                    f"{sorted(found)})"
-                )
-
     def _emit(self, axis: _Axis, end: int) -> None:
-        """Where each segment lands: the second unit once per interior unit of the full depth
-        (forward, state: ascending; backward: descending), the third dropped."""
+        """Where each segment lands: the third unit once for each unit of the full depth but the
+        first two and the last (forward, state: ascending; backward: descending), the fourth
+        dropped."""
         at = 0
         for i, key in enumerate(axis.keys):
             size = axis.size(i, end)
@@ -257,12 +245,12 @@ class _Layout:
             else:
                 last = self.units[key[0]] - 1
                 unit = key[1]
-                if unit == 0:
-                    targets = [0]
-                elif unit == UNITS - 1:
-                    targets = [last]
-                elif unit == 1:
-                    targets = list(range(1, last))
+                if unit in (0, 1):
+                    targets = [unit]
+                elif unit >= UNITS - 2:
+                    targets = [last - (UNITS - 1 - unit)]
+                elif unit == 2:
+                    targets = list(range(2, last - 1))
                     if key[2] == "backward":
                         targets.reverse()
                 else:
@@ -287,10 +275,10 @@ class _Layout:
                     f"a block of '{self.stacks[si].path}' refers {abs(distance)} units away"
                 )
             return context[2] + distance
-        if unit == 0:
-            return 0
-        if unit == UNITS - 1:
-            return self.units[si] - 1
+        if unit in (0, 1):
+            return unit
+        if unit >= UNITS - 2:
+            return self.units[si] - (UNITS - unit)
         raise NotPeriodic(
             f"something outside the blocks of '{self.stacks[si].path}' refers to an inner one"
         )
