@@ -148,6 +148,7 @@ def fit(
     progress: Callable[[str], None] | None = None,
     build_for: Callable[[str], Build] | None = None,
     layout: Layout = ONE_RANK,
+    full_trace: bool = False,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -169,7 +170,10 @@ def fit(
 
     `layout`: tensor and context parallelism (`remat.layouts.parallel.Layout`): every figure is then one
     rank's, its step traced as that rank runs it (its shards, its collectives); `shard` is the
-    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks."""
+    data-parallel degree that FSDP2 shards over, and the GPU's NCCL buffers count all ranks.
+
+    Each step is traced on a few of the model's repeated blocks and laid out at its full depth
+    (`remat.tracing.depth`: the same graph, byte for byte); `full_trace=True` traces every block."""
     import time
 
     if precision not in PRECISIONS:
@@ -203,6 +207,7 @@ def fit(
         )  # fmt: skip
     steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
+    steps.replicate_depth = not full_trace
     rows = [
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
@@ -217,6 +222,7 @@ def fit(
         found = setup_that_fits(
             build_for, batch=batch, seq=seq, gpu=gpu, asked=asked, reserve=reserve,
             progress=progress, traced={precision: steps.traced}, layout=layout,
+            full_trace=full_trace,
         )  # fmt: skip
         if found is not None:
             extra["setup_that_fits"] = asdict(found)
@@ -413,6 +419,7 @@ def setup_that_fits(
     progress: Callable[[str], None] | None = None,
     traced: dict[str, dict[tuple[int, int], Graph]] | None = None,
     layout: Layout = ONE_RANK,
+    full_trace: bool = False,
 ) -> Setup | None:
     """The setup under which remat's plan of the step at (batch, seq) fits `gpu`, at the least
     cost: the fewest ranks first (GPUs cost more than time), then the least predicted step time,
@@ -433,6 +440,7 @@ def setup_that_fits(
             )
             steps.traced = traced.setdefault(precision, {})
             steps.simulate_allocator = reserve is None
+            steps.replicate_depth = not full_trace
             combos[(precision, optimizer)] = steps
     for ranks in levels:
         usable = _usable(gpu, ranks * layout.ranks, reserve)

@@ -70,6 +70,8 @@ class FitSteps:
         self.layout = layout
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.simulate_allocator = True
+        #: trace a few repeated blocks and lay out the full depth (`remat.tracing.depth`)
+        self.replicate_depth = True
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
@@ -80,7 +82,12 @@ class FitSteps:
             if self.progress:
                 self.progress(f"tracing batch {batch}, seq {seq}")
             self.traced[key] = self.layout.trace(
-                self.build, batch, seq, autocast=self.setup.autocast, target=self.gpu.target
+                self.build,
+                batch,
+                seq,
+                autocast=self.setup.autocast,
+                target=self.gpu.target,
+                replicate_depth=self.replicate_depth,
             )
         return self.traced[key]
 

@@ -76,9 +76,9 @@ def block_kinds(blocks: list[nn.Module]) -> list[int]:
     index_like = set()
     for key in set().union(*described):
         values = [(i, d[key]) for i, d in enumerate(described) if key in d]
-        if all(type(v) is int for _, v in values) and len({v for _, v in values}) > 1:
-            if len({v - i for i, v in values}) == 1:
-                index_like.add(key)
+        ints = all(type(v) is int for _, v in values)
+        if ints and len({v for _, v in values}) > 1 and len({v - i for i, v in values}) == 1:
+            index_like.add(key)
     kinds: dict[tuple, int] = {}
     return [
         kinds.setdefault(tuple(kv for kv in d.items() if kv[0] not in index_like), len(kinds))
@@ -189,8 +189,7 @@ def trace_by_depth(module: nn.Module, run: Callable[[], Graph]) -> Graph:
     graph.info["depth"] = {
         "traced": "replicated",
         "stacks": {
-            s.path: {"layers": s.layers, "traced": s.traced_layers, "start": s.start,
-                     "period": s.period}  # fmt: skip
+            s.path: dict(layers=s.layers, traced=s.traced_layers, start=s.start, period=s.period)
             for s in stacks
         },
         "full": reason,

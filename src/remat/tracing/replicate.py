@@ -417,8 +417,13 @@ def _modules(graph: Graph, lay: _Layout, mid, mop) -> list[ModuleCall]:  # noqa:
     emitted: list[tuple[tuple[int, int], ModuleCall]] = []
     for i, call in enumerate(graph.modules):
         key, _ = lay.ops.locate(min(call.first_op, len(graph.ops) - 1))
-        for target, start in lay.ops.copies.get(key, []):
-            c = None if key[0] == "fixed" else (key[0], key[1], target)
+        copies = lay.ops.copies.get(key, [])
+        # a call over more than its unit (the model's own, a stack's) is the model's, once
+        spans = call.last_op >= call.first_op and lay.ops.locate(call.last_op)[0] != key
+        if spans and len(copies) > 1:
+            raise NotPeriodic(f"module call '{call.path}' spans repeated units")
+        for target, start in copies:
+            c = None if key[0] == "fixed" or spans else (key[0], key[1], target)
             emitted.append(
                 (
                     (start, i),

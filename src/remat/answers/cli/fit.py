@@ -118,6 +118,7 @@ def fit_report(
             progress=lambda text: status.update(text),
             build_for=build_for,
             layout=layout_of(args),
+            full_trace=getattr(args, "full_trace", False),
         )
 
 
