@@ -40,7 +40,7 @@ from remat.device.gpus import (
     fixed_memory,
     get_gpu,
 )
-from remat.device.targets import scratch_bytes
+from remat.device.targets import ops_scratch_bytes
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.prediction.estimate import (
@@ -240,6 +240,7 @@ def step_events(
     schedule = build_schedule(graph, analysis)
     _, lives, owners = storage_lives(graph, analysis, schedule)
     total = len(schedule.order)
+    op_scratch = ops_scratch_bytes(graph)
     before = sorted(
         (s for s in graph.storages.values() if s.allocated_at is None), key=lambda s: s.id
     )
@@ -294,7 +295,7 @@ def step_events(
                 events += [Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces)]
                 workspaces_made = True
             events += at.before[position]
-            scratch = scratch_bytes(graph, op)
+            scratch = op_scratch[i]
             if scratch:
                 events += [
                     Alloc(("scratch", step, position), scratch),

@@ -40,7 +40,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from remat.device.targets import get_target, scratch_bytes
+from remat.device.targets import get_target, ops_scratch_bytes
 from remat.errors import StatefulModuleError
 from remat.graph import Graph, ModuleCall, Op, Saved, Storage
 
@@ -433,9 +433,10 @@ def live_bytes(
         delta[first] += nbytes
         delta[min(last, total) + 1] -= nbytes
     timeline, current = [], base_bytes
+    scratch = ops_scratch_bytes(graph)
     for position, (_, i) in enumerate(order):
         current += delta[position]
-        timeline.append(current + scratch_bytes(graph, graph.ops[i]))
+        timeline.append(current + scratch[i])
     return timeline
 
 
