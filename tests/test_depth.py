@@ -207,3 +207,20 @@ def test_fit_rows_equal_on_replicated_and_full_traces():
         d.pop("seconds")
     assert replicated == full
     assert any(row["max_batch"] for row in full["rows"])  # the searches ran
+
+
+def test_pipeline_stages_replicated_equal_their_full_traces():
+    """A stage's blocks are an nn.ModuleDict named by their indices in the model (`layers.8`..):
+    each stage's graph, and so every rank's walk, is the full trace's."""
+    from remat.layouts.pipeline_traced import TracedPipeline
+
+    def build_llama(batch: int, seq: int):
+        return build("llama-3.1-8b", tiny=True, n_layers=16, batch=batch, seq=seq)
+
+    replicated, full = (
+        TracedPipeline.of(build_llama, 2, 32, stages=2, microbatches=2, replicate_depth=r)
+        for r in (True, False)
+    )
+    for a, b in zip(replicated.traced, full.traced, strict=True):
+        assert a.graph.info.pop("depth")["traced"] == "replicated"
+        assert a.graph.to_json() == b.graph.to_json()

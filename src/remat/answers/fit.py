@@ -204,6 +204,7 @@ def fit(
         return _pipeline_fit(
             build, model, batch, seq, gpu, precision, optimizer, shard, usable,
             strategies_to_fit, layout, progress, start, simulate_allocator=reserve is None,
+            replicate_depth=not full_trace,
         )  # fmt: skip
     steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
@@ -262,6 +263,7 @@ def _pipeline_fit(
     progress: Callable[[str], None] | None,
     start: float,
     simulate_allocator: bool = True,
+    replicate_depth: bool = True,
 ) -> FitReport:
     """`fit` of a pipeline-parallel step (`remat.layouts.fit_pipeline`): every figure the tightest
     rank's, each stage's in `extra["stages"]` (by strategy), `max_batch` the largest micro-batch
@@ -276,7 +278,7 @@ def _pipeline_fit(
         build, layout=layout, gpu=gpu, autocast=setup.autocast, master_scale=setup.master_scale,
         optimizer=optimizer, shard=shard, batch=batch, seq=seq, usable=usable,
         strategies_to_fit=strategies_to_fit, progress=progress,
-        simulate_allocator=simulate_allocator,
+        simulate_allocator=simulate_allocator, replicate_depth=replicate_depth,
     )  # fmt: skip
     found, found_layout = answer.rows, answer.layout_that_fits
     rows = tuple(

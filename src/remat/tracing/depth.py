@@ -1,7 +1,8 @@
 """Depth as a size axis: trace a few of a model's repeated blocks and know the whole step exactly.
 
 `trace_by_depth` finds the model's stacks of blocks (each outermost `nn.ModuleList` of two or more
-blocks with parameters: a transformer's layers, T5's encoder and decoder blocks), and in each the
+blocks with parameters, or `nn.ModuleDict` keyed by consecutive indices: a transformer's layers,
+T5's encoder and decoder blocks, a pipeline stage's blocks), and in each the
 period of its blocks (`start` blocks that differ, then blocks that repeat every `period`: 1, or 2
 where local and global attention alternate) by comparing the blocks as built: their submodules'
 types, parameters, buffers, hooks and plain attributes (an integer that grows with the block's
@@ -111,24 +112,38 @@ def find_stacks(module: nn.Module) -> tuple[list[tuple[nn.Module, str, Stack]], 
     lists: list[str] = []
     modules = dict(module.named_modules())
     for path, m in modules.items():
-        if not isinstance(m, nn.ModuleList) or len(m) < 2:
+        first = _numbered_from(m)
+        if first is None or len(m) < 2:
             continue
         if any(path.startswith(p + ".") for p in lists):
             continue  # nested in a stack (a block's experts)
-        if not all(any(True for _ in b.parameters()) for b in m):
+        blocks = list(m.values()) if isinstance(m, nn.ModuleDict) else list(m)
+        if not all(any(True for _ in b.parameters()) for b in blocks):
             continue
         lists.append(path)
         parent_path, _, attr = path.rpartition(".")
-        period = find_period(block_kinds(list(m)))
+        period = find_period(block_kinds(blocks))
         if period is None:
             reasons.append(
                 f"the {len(m)} blocks of '{path}' do not repeat over enough blocks to trace fewer"
             )
             continue
-        found.append((modules[parent_path], attr, Stack(path, len(m), *period)))
+        found.append((modules[parent_path], attr, Stack(path, len(m), *period, first=first)))
     if not lists:
-        reasons.append("the model has no list of blocks (nn.ModuleList) to replicate")
+        reasons.append("the model has no list of blocks (nn.ModuleList, or nn.ModuleDict by index)")
     return found, "; ".join(reasons)
+
+
+def _numbered_from(m: nn.Module) -> int | None:
+    """The index of the first block of a stack: an `nn.ModuleList`, or an `nn.ModuleDict` keyed
+    by consecutive block indices (a pipeline stage's blocks); None for any other module."""
+    if isinstance(m, nn.ModuleList):
+        return 0
+    if isinstance(m, nn.ModuleDict) and len(m) and all(k.isdigit() for k in m):
+        keys = [int(k) for k in m]
+        if keys == list(range(keys[0], keys[0] + len(keys))):
+            return keys[0]
+    return None
 
 
 @contextlib.contextmanager
@@ -137,7 +152,11 @@ def _cut(found: list[tuple[nn.Module, str, Stack]]) -> Iterator[None]:
     full = [getattr(parent, attr) for parent, attr, _ in found]
     try:
         for (parent, attr, stack), blocks in zip(found, full, strict=True):
-            setattr(parent, attr, nn.ModuleList(list(blocks)[: stack.traced_layers]))
+            if isinstance(blocks, nn.ModuleDict):
+                kept = list(blocks.items())[: stack.traced_layers]
+                setattr(parent, attr, nn.ModuleDict(kept))
+            else:
+                setattr(parent, attr, nn.ModuleList(list(blocks)[: stack.traced_layers]))
         yield
     finally:
         for (parent, attr, _), blocks in zip(found, full, strict=True):

@@ -47,12 +47,14 @@ class NotPeriodic(Exception):
 @dataclass(frozen=True)
 class Stack:
     """A list of blocks (`path`, e.g. "model.layers") traced at `traced_layers` and wanted at
-    `layers`: `start` layers before the periodic part, then units of `period` layers."""
+    `layers`: `start` layers before the periodic part, then units of `period` layers. Blocks are
+    named by index from `first` (a pipeline stage's `layers.20`, `layers.21`, ...)."""
 
     path: str
     layers: int
     start: int
     period: int
+    first: int = 0
 
     @property
     def traced_layers(self) -> int:
@@ -63,10 +65,13 @@ class Stack:
         return (self.layers - self.start) // self.period
 
     def unit_of(self, layer: int) -> int | None:
-        return None if layer < self.start else (layer - self.start) // self.period
+        """The unit of the block named `layer`; None for the blocks before the period."""
+        position = layer - self.first
+        return None if position < self.start else (position - self.start) // self.period
 
     def layer(self, unit: int, offset: int) -> int:
-        return self.start + unit * self.period + offset
+        """The name (index) of the block `offset` into `unit`."""
+        return self.first + self.start + unit * self.period + offset
 
 
 Key = tuple  # ("fixed", run) or (stack index, unit, phase)
@@ -170,12 +175,11 @@ class _Layout:
                 m = self.patterns[si].fullmatch(call.path)
                 if m:
                     calls.setdefault(int(m.group(1)), []).append(call)
-            if sorted(calls) != list(range(stack.traced_layers)) or any(
-                len(c) != 1 for c in calls.values()
-            ):
+            named = range(stack.first, stack.first + stack.traced_layers)
+            if sorted(calls) != list(named) or any(len(c) != 1 for c in calls.values()):
                 raise NotPeriodic(f"the blocks of '{stack.path}' are not each called once")
             firsts = [calls[stack.layer(u, 0)][0].first_op for u in range(UNITS)]
-            firsts.append(calls[stack.traced_layers - 1][0].last_op + 1)
+            firsts.append(calls[named[-1]][0].last_op + 1)
             backward: dict[int, list[int]] = {}
             for op in graph.backward_ops:
                 key = self.unit_key(op.name, "backward")
@@ -300,7 +304,7 @@ class _Layout:
             return path
         full = self.target((si, unit, ""), context)
         assert full is not None
-        new = stack.layer(full, (layer - stack.start) % stack.period)
+        new = stack.layer(full, (layer - stack.first - stack.start) % stack.period)
         return self.patterns[si].sub(f"{stack.path}.{new}", path, count=1)
 
 
