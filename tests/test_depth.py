@@ -205,10 +205,13 @@ def test_fit_rows_equal_on_replicated_and_full_traces():
     replicated, full = (r.to_dict() for r in reports)
     for d in (replicated, full):
         d.pop("seconds")
+    assert replicated["extra"].pop("depth")["traced"] == "replicated"
+    assert "depth" not in full["extra"]
     assert replicated == full
     assert any(row["max_batch"] for row in full["rows"])  # the searches ran
 
 
+@pytest.mark.slow
 def test_pipeline_stages_replicated_equal_their_full_traces():
     """A stage's blocks are an nn.ModuleDict named by their indices in the model (`layers.8`..):
     each stage's graph, and so every rank's walk, is the full trace's."""

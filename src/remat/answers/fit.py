@@ -215,6 +215,9 @@ def fit(
     if compile is not None:
         rows.append(compiled_row(steps, compile, ac, batch, seq, usable))
     extra: dict[str, Any] = {}
+    depth = next((g.info["depth"] for g in steps.traced.values() if "depth" in g.info), None)
+    if depth is not None:  # how the steps were traced (`remat.tracing.depth`)
+        extra["depth"] = depth
     peaks = [r.peak_bytes for r in rows if r.peak_bytes is not None]
     if peaks and min(peaks) > usable:
         extra["ranks_to_fit"] = _ranks_to_fit(steps, batch, seq, usable)

@@ -44,6 +44,18 @@ def _fit_caption(report: Any) -> str:
             f"max seq in steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} "
             f"traced in {report.seconds:.0f} s"
         )
+    depth = report.extra.get("depth")
+    if depth is not None and depth["traced"] == "replicated":
+        searched += (
+            " ("
+            + ", ".join(
+                f"{s['traced']} of {s['layers']} blocks traced, the rest laid out"
+                for s in depth["stacks"].values()
+            )
+            + "; --full-trace traces every block)"
+        )
+    elif depth is not None and depth["reason"]:
+        searched += f" (every block traced: {depth['reason']})"
     return f"{judged}; step time: predicted recompute on the {report.profile} profile; {searched}"
 
 
