@@ -227,3 +227,19 @@ def test_pipeline_stages_replicated_equal_their_full_traces():
     for a, b in zip(replicated.traced, full.traced, strict=True):
         assert a.graph.info.pop("depth")["traced"] == "replicated"
         assert a.graph.to_json() == b.graph.to_json()
+
+
+class _ByConfiguredDepth(_Stack):
+    """Loops over the depth it was built with, not over its list: a cut list cannot run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(9):
+            x = self.layers[i](x)
+        return x
+
+
+def test_a_model_that_cannot_run_cut_is_traced_in_full():
+    model = _ByConfiguredDepth([_Block(8, extra=False) for _ in range(9)])
+    replicated, full, depth = _both(model, torch.randn(2, 8))
+    assert depth["traced"] == "full" and "does not run" in depth["reason"]
+    assert replicated.to_json() == full.to_json()

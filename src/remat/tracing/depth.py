@@ -188,9 +188,13 @@ def trace_by_depth(module: nn.Module, run: Callable[[], Graph]) -> Graph:
         return _full(run, reason)
     stacks = [stack for _, _, stack in found]
     full_state, _ = _state(module)
-    with _cut(found):
-        state, params = _state(module)
-        small = run()
+    try:
+        with _cut(found):
+            state, params = _state(module)
+            small = run()
+    except Exception as err:  # the model reads its full depth (range(config.num_layers)): in full
+        first = (str(err).strip().splitlines() or [""])[0]
+        return _full(run, f"the model cut to fewer blocks does not run ({first})")
     if small.info.get("random_reads") or small.info.get("rerun_in_backward"):
         return _full(run, "random draws decide the step's ops, or a block runs again in backward")
     try:
