@@ -86,6 +86,8 @@ class _Axis:
     new_start: dict[tuple[Key, int | None], int] = field(default_factory=dict)
     #: segment -> (full unit, new start) of each copy
     copies: dict[Key, list[tuple[int | None, int]]] = field(default_factory=dict)
+    #: (segment, context) -> how far a reference into the segment moves (`_Layout.move`)
+    shifts: dict[tuple[int, tuple | None], int] = field(default_factory=dict)
 
     def add(self, position: int, key: Key) -> None:
         if self.keys and self.keys[-1] == key:
@@ -96,8 +98,11 @@ class _Axis:
         self.keys.append(key)
 
     def locate(self, position: int) -> tuple[Key, int]:
-        i = bisect.bisect_right(self.starts, position) - 1
+        i = self.segment(position)
         return self.keys[i], position - self.starts[i]
+
+    def segment(self, position: int) -> int:
+        return bisect.bisect_right(self.starts, position) - 1
 
     def size(self, i: int, end: int) -> int:
         return (self.starts[i + 1] if i + 1 < len(self.starts) else end) - self.starts[i]
@@ -142,6 +147,7 @@ class _Layout:
     ) -> None:
         self.graph, self.stacks, self.units = graph, stacks, units
         self.state_names, self.params = state, params
+        self.paths: dict[tuple[str, tuple | None], str] = {}
         self.patterns = [re.compile(re.escape(s.path) + r"\.(\d+)(?=[.:]|$)") for s in stacks]
         self.ops = self._op_axis()
         self.ids, self.events = self._id_axis()
@@ -288,12 +294,26 @@ class _Layout:
         )
 
     def move(self, axis: _Axis, position: int | None, context: tuple | None) -> int | None:
+        """Where traced `position` lands, seen from a record emitted in `context`: by how far
+        its segment moves, worked out once per segment and context."""
         if position is None or position < 0:
             return position
-        key, offset = axis.locate(position)
-        return axis.new_start[_slot(key, self.target(key, context))] + offset
+        segment = axis.segment(position)
+        shift = axis.shifts.get((segment, context))
+        if shift is None:
+            key = axis.keys[segment]
+            landing = axis.new_start[_slot(key, self.target(key, context))]
+            shift = axis.shifts[(segment, context)] = landing - axis.starts[segment]
+        return position + shift
 
     def path(self, path: str, context: tuple | None) -> str:
+        """`path` (or a name that begins with one) as seen from a record emitted in `context`."""
+        found = self.paths.get((path, context))
+        if found is None:
+            found = self.paths[(path, context)] = self._path(path, context)
+        return found
+
+    def _path(self, path: str, context: tuple | None) -> str:
         where = self.layer_of(path)
         if where is None:
             return path
