@@ -243,3 +243,23 @@ def test_a_model_that_cannot_run_cut_is_traced_in_full():
     replicated, full, depth = _both(model, torch.randn(2, 8))
     assert depth["traced"] == "full" and "does not run" in depth["reason"]
     assert replicated.to_json() == full.to_json()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [{"tp": 2}, {"cp": 2}])
+def test_tensor_and_context_parallel_ranks_replicated_equal_full_trace(ranks):
+    """One rank's step under tensor parallelism (DTensor shards, collectives) or context
+    parallelism (torch's ring attention on a CUDA target)."""
+    from remat.device.gpus import get_gpu
+    from remat.layouts.parallel import Layout
+
+    def build_llama(batch: int, seq: int):
+        return build("llama-3.1-8b", tiny=True, n_layers=8, batch=batch, seq=seq)
+
+    layout, target = Layout(**ranks), get_gpu("h100").target
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        replicated = layout.trace(build_llama, 2, 32, target=target, replicate_depth=True)
+        full = layout.trace(build_llama, 2, 32, target=target)
+    assert replicated.info.pop("depth")["traced"] == "replicated"
+    assert replicated.to_json() == full.to_json()
