@@ -36,9 +36,9 @@ that `remat.estimate` reports: one judge of a step's memory, not two.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from remat.device.targets import get_target, ops_scratch_bytes
 from remat.errors import StatefulModuleError
@@ -449,6 +449,35 @@ def simulate(
     step; pass it to add optimizer state."""
     if base_bytes is None:
         base_bytes = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    # The timeline is `base_bytes` plus what the regions make of the step: one simulation per
+    # graph and regions serves every base (planners of other optimizers on the same graph).
+    kept: OrderedDict[tuple[Region, ...], Simulation] = graph.memo.setdefault(
+        "simulations", OrderedDict()
+    )
+    key = tuple(regions)
+    found = kept.get(key)
+    if found is None:
+        found = kept[key] = _simulate(graph, key)
+        if len(kept) > SIMULATIONS_KEPT:
+            kept.popitem(last=False)
+    else:
+        kept.move_to_end(key)
+    if not base_bytes:
+        return found
+    return replace(
+        found,
+        peak_bytes=found.peak_bytes + base_bytes,
+        timeline=tuple(t + base_bytes for t in found.timeline),
+    )
+
+
+#: simulations kept per graph for `simulate` (a 70B step's timeline is 10^5 positions)
+SIMULATIONS_KEPT = 64
+
+
+def _simulate(graph: Graph, regions: tuple[Region, ...]) -> Simulation:
+    """`simulate` from no bytes before the step."""
+    base_bytes = 0
     analysis = analyse_regions(graph, regions)
     schedule = build_schedule(graph, analysis)
     deaths, lives, _ = storage_lives(graph, analysis, schedule)
