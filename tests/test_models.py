@@ -27,6 +27,7 @@ PUBLISHED_PARAMS = {
     "llama-3.2-1b": 1.236e9,
     "llama-3.1-8b": 8.030e9,
     "llama-3.1-70b": 70.55e9,
+    "llama-3.1-405b": 405.85e9,  # 126 layers, d 16384, 128 heads, 8 K/V heads, FFN 53248
     "resnet50": 25.557e6,
     "resnet18": 11.690e6,  # torchvision's resnet18
     "convnext-t": 28.589e6,  # torchvision's convnext_tiny

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 Phase = Literal["forward", "backward"]
 StorageKind = Literal["param", "buffer", "input", "constant", "activation", "grad"]
@@ -82,13 +82,13 @@ class Op:
     flops: int = 0
     node: int | None = None
 
-    @property
+    @cached_property
     def short(self) -> str:
         """The op's packet name, `mm` for `aten.mm.default`."""
         parts = self.target.split(".")
         return parts[1] if len(parts) > 1 else parts[0]
 
-    @property
+    @cached_property
     def random(self) -> bool:
         """Whether the op draws random numbers (dropout, rand, bernoulli_, ...)."""
         return any(m in self.short for m in RANDOM_MARKERS)
@@ -171,6 +171,9 @@ class Graph:
     nodes: dict[int, Node]
     modules: list[ModuleCall]
     info: dict[str, object] = field(default_factory=dict)
+    #: what later stages derive from the graph and keep with it (each op's kernel scratch, which
+    #: every simulation adds): not part of the graph's identity, equality or JSON, nor copied
+    memo: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     # -- views -----------------------------------------------------------------------------------
     @cached_property

@@ -181,6 +181,7 @@ def fit(
     build_for: Callable[[str], Build] | None = None,
     layout: Layout = ONE_RANK,
     loop: Loop | None = None,
+    full_trace: bool = False,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -210,7 +211,10 @@ def fit(
 
     `loop`: how the training loop treats gradients (`remat.prediction.loop.Loop`: the optimizer
     stepped in backward, or gradients kept between steps as under gradient accumulation); on one
-    rank."""
+    rank.
+
+    Each step is traced on a few of the model's repeated blocks and laid out at its full depth
+    (`remat.tracing.depth`: the same graph, byte for byte); `full_trace=True` traces every block."""
     import time
 
     if precision not in PRECISIONS:
@@ -253,16 +257,21 @@ def fit(
         return _pipeline_fit(
             build, model, batch, seq, gpu, precision, optimizer, shard, usable,
             strategies_to_fit, layout, progress, start, simulate_allocator=reserve is None,
+            replicate_depth=not full_trace,
         )  # fmt: skip
     steps = FitSteps(build, gpu, precision, optimizer, shard, progress, layout)
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     steps.loop = loop
+    steps.replicate_depth = not full_trace
     rows = [
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
     if compile is not None:
         rows.append(compiled_row(steps, compile, ac, batch, seq, usable))
     extra: dict[str, Any] = {}
+    depth = next((g.info["depth"] for g in steps.traced.values() if "depth" in g.info), None)
+    if depth is not None:  # how the steps were traced (`remat.tracing.depth`)
+        extra["depth"] = depth
     peaks = [r.peak_bytes for r in rows if r.peak_bytes is not None]
     if peaks and min(peaks) > usable:
         extra["ranks_to_fit"] = _ranks_to_fit(steps, batch, seq, usable)
@@ -271,6 +280,7 @@ def fit(
         found = setup_that_fits(
             build_for, batch=batch, seq=seq, gpu=gpu, asked=asked, reserve=reserve,
             progress=progress, traced={precision: steps.traced}, layout=layout,
+            full_trace=full_trace,
         )  # fmt: skip
         if found is not None:
             extra["setup_that_fits"] = asdict(found)
@@ -311,6 +321,7 @@ def _pipeline_fit(
     progress: Callable[[str], None] | None,
     start: float,
     simulate_allocator: bool = True,
+    replicate_depth: bool = True,
 ) -> FitReport:
     """`fit` of a pipeline-parallel step (`remat.layouts.fit_pipeline`) of `batch` samples in
     `layout.microbatches` micro-batches: every figure the tightest rank's, each stage's in
@@ -327,7 +338,7 @@ def _pipeline_fit(
         build, layout=layout, gpu=gpu, autocast=setup.autocast, master_scale=setup.master_scale,
         optimizer=optimizer, shard=shard, microbatch=microbatch, seq=seq, usable=usable,
         strategies_to_fit=strategies_to_fit, progress=progress,
-        simulate_allocator=simulate_allocator,
+        simulate_allocator=simulate_allocator, replicate_depth=replicate_depth,
     )  # fmt: skip
     found, found_layout = answer.rows, answer.layout_that_fits
     rows = tuple(
@@ -471,6 +482,7 @@ def setup_that_fits(
     progress: Callable[[str], None] | None = None,
     traced: dict[str, dict[tuple[int, int], Graph]] | None = None,
     layout: Layout = ONE_RANK,
+    full_trace: bool = False,
 ) -> Setup | None:
     """The setup under which remat's plan of the step at (batch, seq) fits `gpu`, at the least
     cost: the fewest ranks first (GPUs cost more than time), then the least predicted step time,
@@ -491,6 +503,7 @@ def setup_that_fits(
             )
             steps.traced = traced.setdefault(precision, {})
             steps.simulate_allocator = reserve is None
+            steps.replicate_depth = not full_trace
             combos[(precision, optimizer)] = steps
     for ranks in levels:
         usable = _usable(gpu, ranks * layout.ranks, reserve)

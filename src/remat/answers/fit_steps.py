@@ -73,6 +73,8 @@ class FitSteps:
         self.simulate_allocator = True
         #: how the loop treats gradients (`remat.prediction.loop.Loop`): applied to every trace
         self.loop = Loop()
+        #: trace a few repeated blocks and lay out the full depth (`remat.tracing.depth`)
+        self.replicate_depth = True
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
@@ -90,7 +92,12 @@ class FitSteps:
             if self.progress:
                 self.progress(f"tracing batch {batch}, seq {seq}")
             graph = self.layout.trace(
-                self.build, batch, seq, autocast=self.setup.autocast, target=self.gpu.target
+                self.build,
+                batch,
+                seq,
+                autocast=self.setup.autocast,
+                target=self.gpu.target,
+                replicate_depth=self.replicate_depth,
             )
             self.traced[key] = self.loop.apply(graph)
         return self.traced[key]
@@ -167,14 +174,22 @@ class FitSteps:
         allocator's judgement."""
         if not self.simulate_allocator or plan is None:
             return []
-        from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, gpu_memory
+        from remat.prediction.gpu_memory import (
+            ALLOCATOR_SETTINGS,
+            Fsdp,
+            blas_workspaces,
+            memory_of_events,
+            step_events,
+        )
 
         graph = self.planner(batch, seq).graph
         fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
-        return [
-            gpu_memory(graph, self.gpu, plan.regions, self.optimizer, fsdp=fsdp, settings=s)
-            for s in ALLOCATOR_SETTINGS
-        ]
+        # one step's events (what `gpu_memory` makes), run through each allocator setting
+        events = step_events(
+            graph, plan.regions, self.optimizer, blas_workspaces(self.gpu), fsdp=fsdp
+        )
+        ranks = 1 if fsdp is None else fsdp.shard
+        return [memory_of_events(events, self.gpu, ranks, s) for s in ALLOCATOR_SETTINGS]
 
     def fixed_plans(self, planner: Planner) -> Iterator[Any]:
         """The plan of every appliable fixed strategy the model supports, one at a time."""

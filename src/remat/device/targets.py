@@ -182,6 +182,15 @@ def scratch_bytes(graph: Graph, op: Op) -> int:
     return rule(graph, op) if rule is not None else 0
 
 
+def ops_scratch_bytes(graph: Graph) -> list[int]:
+    """`scratch_bytes` of every op of `graph`, by index: worked out once per graph (`Graph.memo`),
+    since every simulation of a plan adds them at each position."""
+    found = graph.memo.get("scratch_bytes")
+    if found is None or len(found) != len(graph.ops):
+        found = graph.memo["scratch_bytes"] = [scratch_bytes(graph, op) for op in graph.ops]
+    return found
+
+
 def scratch_rules(target_name: str) -> Mapping[str, ScratchRule]:
     return CUDA_SCRATCH if target_name == "cuda" else CPU_SCRATCH
 

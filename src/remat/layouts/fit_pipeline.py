@@ -70,6 +70,7 @@ def pipeline_rows(
     strategies_to_fit: Iterable[str],
     progress: Callable[[str], None] | None,
     simulate_allocator: bool = True,
+    replicate_depth: bool = True,
 ) -> PipelineFit:
     """Per strategy: the tightest rank's peak, whether every rank fits `usable` (by its reserved
     bytes where `simulate_allocator`, `RankMemory`), the predicted overhead of the slowest stage,
@@ -77,8 +78,10 @@ def pipeline_rows(
     (`PipelineReport`), for micro-batches of `microbatch` samples."""
     sharding = Sharding(shard, master_scale)
     words: list[tuple[str, bool] | None] = []
-    asked = _traced(build, layout, gpu, autocast, microbatch, seq, progress, words)
-    doubled = _traced(build, layout, gpu, autocast, 2 * microbatch, seq, progress)
+    asked = _traced(build, layout, gpu, autocast, microbatch, seq, progress, words, replicate_depth)
+    doubled = _traced(
+        build, layout, gpu, autocast, 2 * microbatch, seq, progress, replicate_depth=replicate_depth
+    )
     memory = RankMemory(gpu, optimizer, sharding, shard * layout.ranks, simulate_allocator)
     rows, stage_reports = [], {}
     reserved: dict[str, list[int]] = {}  # per strategy, each rank's (torch's default settings)
@@ -127,7 +130,7 @@ def pipeline_rows(
         found = layout_that_fits(
             build, layout=layout, gpu=gpu, autocast=autocast, master_scale=master_scale,
             optimizer=optimizer, shard=shard, microbatch=microbatch, seq=seq, usable=usable,
-            progress=progress, asked=asked,
+            progress=progress, asked=asked, replicate_depth=replicate_depth,
         )  # fmt: skip
     shown = stage_reports.get("auto") or next(iter(stage_reports.values()), None)
     planner = None
@@ -227,10 +230,12 @@ def _traced(
     seq: int,
     progress: Callable[[str], None] | None,
     words: list[tuple[str, bool] | None] | None = None,
+    replicate_depth: bool = True,
 ) -> TracedPipeline:
     """The pipeline of `layout` traced at micro-batch `size`: the model laid out over its
     tensor-parallel ranks (on a fake process group) and context-parallel sequence, then cut;
-    `words` gets how the tensor-parallel plan laid it out (`laid_out`)."""
+    `words` gets how the tensor-parallel plan laid it out (`laid_out`); each stage's blocks
+    replicated from a few (`remat.tracing.depth`) unless not `replicate_depth`."""
 
     def rank_build(b: int, s: int) -> tuple[Any, tuple[Any, ...]]:
         model, inputs = build(b, layout.local_seq(s))
@@ -254,6 +259,7 @@ def _traced(
             reuse_alike=True,
             target=gpu.target,
             autocast=autocast,
+            replicate_depth=replicate_depth,
         )
 
 
@@ -271,6 +277,7 @@ def layout_that_fits(
     usable: int,
     progress: Callable[[str], None] | None,
     asked: TracedPipeline | None = None,
+    replicate_depth: bool = True,
 ) -> dict[str, Any] | None:
     """When no plan fits the asked pipeline: a layout under which remat's plan (`auto`, per
     stage) fits every rank, at the fewest ranks, then the least predicted recompute. Tried: 1F1B
@@ -292,7 +299,10 @@ def layout_that_fits(
             if asked is not None and (candidate.tp, candidate.pp) == (layout.tp, layout.pp):
                 traced = asked.with_microbatches(candidate.microbatches, candidate.schedule)
             else:
-                traced = _traced(build, candidate, gpu, autocast, microbatch, seq, progress)
+                traced = _traced(
+                    build, candidate, gpu, autocast, microbatch, seq, progress,
+                    replicate_depth=replicate_depth,
+                )  # fmt: skip
             report = traced.plan(usable, optimizer, gpu.profile, sharding)
         except RematError:
             continue  # does not fit, or the model does not split so (heads, blocks)

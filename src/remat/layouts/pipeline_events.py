@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat.device.allocator import Alloc, Free
-from remat.device.targets import scratch_bytes
+from remat.device.targets import ops_scratch_bytes
 from remat.graph import Graph
 from remat.layouts.pipeline_steps import TracedStage
 from remat.layouts.pipeline_walk import Sharding
@@ -79,6 +79,7 @@ class StageLives:
             return "output" if sid in outputs else "step"
 
         ops, order = graph.ops, schedule.order
+        op_scratch = ops_scratch_bytes(graph)
         backward_from = next(
             (p for p, (what, i) in enumerate(order) if what != "op" or ops[i].phase != "forward"),
             len(order),
@@ -112,7 +113,7 @@ class StageLives:
                 if blas_at is None and op.short in BLAS_OPS:
                     blas_at = len(events)
                 events += before[position]
-                scratch = scratch_bytes(graph, op)
+                scratch = op_scratch[order[position][1]]
                 if scratch:
                     events += [("A", ("scratch", position), scratch)]
                     events += [("F", ("scratch", position), scratch)]

@@ -8,7 +8,8 @@ and Meta's reference code do; `expand_kv=False` lets SDPA read them in place ins
 MLP, no biases. Given labels, the model returns the training loss as the trainer takes it:
 cross-entropy on the logits upcast to fp32 (torchtitan's `cross_entropy_loss`), or torchtune's
 `CEWithChunkedOutputLoss` over `loss_chunks` sequence chunks. The presets carry the published
-shapes, so their parameter counts are the models' own: 6.74e9, 1.24e9, 3.21e9, 8.03e9, 70.6e9.
+shapes, so their parameter counts are the models' own: 6.74e9, 1.24e9, 3.21e9, 8.03e9, 70.6e9,
+405.9e9.
 
 Llama 3.1's long-context RoPE frequency scaling is left out: it changes the values of the table,
 not any shape, memory or time. The table is a buffer (not a parameter, not in the state dict)
@@ -267,5 +268,10 @@ PRESETS = {
     "llama-3.1-8b": _preset(LlamaConfig(n_kv_heads=8, ffn_dim=14336, **_LLAMA3)),
     "llama-3.1-70b": _preset(
         LlamaConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, **_LLAMA3)
+    ),
+    "llama-3.1-405b": _preset(
+        LlamaConfig(
+            n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248, **_LLAMA3
+        )
     ),
 }

@@ -268,10 +268,9 @@ class Planner:
             for b in graph.blocks
             if any(m == b.path or m.startswith(b.path + ".") for m in rerun)
         ]
-        self.blocks: list[ModuleCall] = [
-            b for b in graph.blocks if b.path not in self.reversible_blocks
-        ]
+        self.blocks = [b for b in graph.blocks if b.path not in self.reversible_blocks]
         self._frontiers: dict[int, Frontier] = {}
+        self._lowest: Plan | None = None
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
 
     # -- the user's API ------------------------------------------------------------------------
@@ -344,7 +343,9 @@ class Planner:
     def lowest_peak(self) -> Plan:
         """The plan with the lowest simulated peak that remat can apply: the best of the fixed
         strategies and of the budgeted ones' lowest-peak plans. Its peak is the smallest budget
-        `auto` accepts."""
+        `auto` accepts. Found once (each budgeted strategy simulates a plan per block count)."""
+        if self._lowest is not None:
+            return self._lowest
         plans = []
         for s in available("eager"):
             if not s.appliable or (s.needs_blocks and not self.blocks):
@@ -356,7 +357,8 @@ class Planner:
                     plans.append(self.solve(s, 0))
             except RematError:  # a strategy that refuses this step: the others still answer
                 continue
-        return min(plans, key=lambda p: (p.predicted_peak_bytes, p.added_seconds))
+        self._lowest = min(plans, key=lambda p: (p.predicted_peak_bytes, p.added_seconds))
+        return self._lowest
 
     def pareto(self, steps: int = 16) -> Frontier:
         """The frontier of (predicted peak, recompute seconds) over `steps` budgets from the lowest

@@ -40,7 +40,7 @@ from remat.device.gpus import (
     fixed_memory,
     get_gpu,
 )
-from remat.device.targets import scratch_bytes
+from remat.device.targets import ops_scratch_bytes
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.prediction.estimate import (
@@ -130,9 +130,10 @@ def optimizer_events(
 class _Positions:
     """Per schedule position, the events to make before and after the op there."""
 
-    def __init__(self, total: int) -> None:
-        self.before: list[list[Event]] = [[] for _ in range(total + 1)]
-        self.after: list[list[Event]] = [[] for _ in range(total + 1)]
+    def __init__(self) -> None:
+        # by position, made where written: most positions have none (a 70B step has 10^5)
+        self.before: defaultdict[int, list[Event]] = defaultdict(list)
+        self.after: defaultdict[int, list[Event]] = defaultdict(list)
 
 
 def _fsdp_events(
@@ -249,6 +250,7 @@ def step_events(
     schedule = build_schedule(graph, analysis)
     _, lives, owners = storage_lives(graph, analysis, schedule)
     total = len(schedule.order)
+    op_scratch = ops_scratch_bytes(graph)
     before = sorted(
         (s for s in graph.storages.values() if s.allocated_at is None), key=lambda s: s.id
     )
@@ -268,7 +270,7 @@ def step_events(
     }
     workspaces_made = False
     for step in range(steps):
-        at = _Positions(total)
+        at = _Positions()
         ended_early: set[int] = set()
         before_step: list[Event] = []
         after_backward: list[Event] = []
@@ -302,17 +304,17 @@ def step_events(
             if not workspaces_made and op.short in BLAS_OPS:
                 events += [Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces)]
                 workspaces_made = True
-            events += at.before[position]
-            scratch = scratch_bytes(graph, op)
+            events += at.before.get(position, ())
+            scratch = op_scratch[i]
             if scratch:
                 events += [
                     Alloc(("scratch", step, position), scratch),
                     Free(("scratch", step, position)),
                 ]
-            events += at.after[position]
+            events += at.after.get(position, ())
         events += after_backward
         events += optimizer_events(graph, optimizer, step, sizes, create_state=step == 0)
-        events += at.after[total]  # zero_grad(set_to_none), the outputs and loss dropped
+        events += at.after.get(total, ())  # zero_grad(set_to_none), the outputs and loss dropped
         if fsdp is not None:
             events += [Free(("grad_shard", step, u)) for u in {"", *(b.path for b in graph.blocks)}]
         events += [Free(("input", step, s.id)) for s in inputs]

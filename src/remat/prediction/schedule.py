@@ -36,11 +36,11 @@ that `remat.estimate` reports: one judge of a step's memory, not two.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from remat.device.targets import get_target, scratch_bytes
+from remat.device.targets import get_target, ops_scratch_bytes
 from remat.errors import StatefulModuleError
 from remat.graph import Graph, ModuleCall, Op, Saved, Storage
 
@@ -538,9 +538,10 @@ def live_bytes(
         delta[first] += nbytes
         delta[min(last, total) + 1] -= nbytes
     timeline, current = [], base_bytes
+    scratch = ops_scratch_bytes(graph)
     for position, (_, i) in enumerate(order):
         current += delta[position]
-        timeline.append(current + scratch_bytes(graph, graph.ops[i]))
+        timeline.append(current + scratch[i])
     return timeline
 
 
@@ -557,6 +558,38 @@ def simulate(
     the timeline (it is not the device's)."""
     if base_bytes is None:
         base_bytes = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
+    # The timeline is `base_bytes` plus what the regions make of the step: one simulation per
+    # graph and regions serves every base (planners of other optimizers on the same graph).
+    if offload is not None:  # not kept: each offload is asked once
+        found = _simulate(graph, tuple(regions), offload)
+    else:
+        kept: OrderedDict[tuple[Region, ...], Simulation] = graph.memo.setdefault(
+            "simulations", OrderedDict()
+        )
+        key = tuple(regions)
+        found = kept.get(key)
+        if found is None:
+            found = kept[key] = _simulate(graph, key, None)
+            if len(kept) > SIMULATIONS_KEPT:
+                kept.popitem(last=False)
+        else:
+            kept.move_to_end(key)
+    if not base_bytes:
+        return found
+    return replace(
+        found,
+        peak_bytes=found.peak_bytes + base_bytes,
+        timeline=tuple(t + base_bytes for t in found.timeline),
+    )
+
+
+#: simulations kept per graph for `simulate` (a 70B step's timeline is 10^5 positions)
+SIMULATIONS_KEPT = 64
+
+
+def _simulate(graph: Graph, regions: tuple[Region, ...], offload: Offload | None) -> Simulation:
+    """`simulate` from no bytes before the step."""
+    base_bytes = 0
     analysis = analyse_regions(graph, regions, offload)
     schedule = build_schedule(graph, analysis)
     deaths, lives, _ = storage_lives(graph, analysis, schedule)

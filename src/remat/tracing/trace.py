@@ -27,6 +27,7 @@ from remat.errors import TraceError, warn
 from remat.graph import Graph
 from remat.tracing import hfcompat
 from remat.tracing.caches import CachesOff
+from remat.tracing.depth import trace_by_depth
 from remat.tracing.draws import Draws, ForcedDraws
 from remat.tracing.recorder import LOSS_SCOPE, Tracer
 from remat.tracing.tensors import dtype_name, local_tensor, storage_key
@@ -252,6 +253,7 @@ def trace(
     device: str = "meta",
     autocast: torch.dtype | None = None,
     target: Target | str | None = None,
+    replicate_depth: bool = False,
     **kwargs: Any,
 ) -> Graph:
     """Trace one training step of `fn(*args, **kwargs)`: forward, `loss_fn(output)` (default: the sum
@@ -265,7 +267,11 @@ def trace(
     kernels and autocast lists, exact on this machine), "cuda" (an sm90 GPU), "cuda:sm80" or a
     `Target`: a fake trace then runs the CUDA kernels' choices (fused dropout and RMSNorm, fp32
     normalisation statistics, the SDPA backend of that GPU, CUDA autocast's op lists) and its
-    graph's scratch is priced with CUDA's kernels (`graph.info["target"]`)."""
+    graph's scratch is priced with CUDA's kernels (`graph.info["target"]`).
+
+    `replicate_depth=True` (fake traces of a module): trace a few of the model's repeated blocks
+    and lay out the graph of its full depth from them, equal to the full trace's
+    (`remat.tracing.depth`); `graph.info["depth"]` says how it was traced, and why in full."""
     real = device != "meta"
     target = get_target(target)
     if target.is_cuda and real:
@@ -308,7 +314,13 @@ def trace(
         if is_fsdp_sharded(module):  # FSDP's hooks on fake tensors would corrupt its buffers
             bare = fsdp_sharded_as_bare(module)
     with bare:
-        return _trace_draws(fn, module, args, kwargs, loss_fn, device, autocast, target)
+
+        def run() -> Graph:
+            return _trace_draws(fn, module, args, kwargs, loss_fn, device, autocast, target)
+
+        if replicate_depth and module is not None and not real:
+            return trace_by_depth(module, run)
+        return run()
 
 
 def _trace_draws(

@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="context-parallel ranks, each holding seq / cp tokens (ring attention); FSDP "
         "shards over --shard x --cp ranks (default: %(default)s)",
     )
+    ft.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every block, not a few repeated blocks laid out at the model's depth (the "
+        "same answer, byte for byte, slower)",
+    )
     ft.add_argument("--json", action="store_true", help="print the answer as JSON")
     ft.add_argument(
         "--html", metavar="REPORT.html", help="also write the self-contained HTML report"

@@ -182,6 +182,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="meta",
         help="meta (default: fake tensors, nothing allocated) or cpu (real tensors: for models with data-dependent shapes)",
     )
+    p.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every block, not a few repeated blocks laid out at the model's depth (the "
+        "same graph, byte for byte, slower)",
+    )
 
 
 def trace_model(args: argparse.Namespace, console: Console):
@@ -227,10 +233,18 @@ def trace_model(args: argparse.Namespace, console: Console):
                     **models.parse_overrides(args.set),
                 )  # fmt: skip
 
-            graph = layout.trace(build, args.batch, args.seq, target=target)
+            graph = layout.trace(
+                build, args.batch, args.seq, target=target, replicate_depth=not args.full_trace
+            )
             graph.info["layout"] = layout.describe(graph)
         else:
-            graph = trace(model, *inputs, device=device, target=target)
+            graph = trace(
+                model,
+                *inputs,
+                device=device,
+                target=target,
+                replicate_depth=device == "meta" and not args.full_trace,
+            )
     graph = loop_of(args).apply(graph)
     graph.info.update(
         model=args.model,

@@ -44,6 +44,18 @@ def _fit_caption(report: Any) -> str:
             f"max seq in steps of 64; {report.traces} step{'s' if report.traces != 1 else ''} "
             f"traced in {report.seconds:.0f} s"
         )
+    depth = report.extra.get("depth")
+    if depth is not None and depth["traced"] == "replicated":
+        searched += (
+            " ("
+            + ", ".join(
+                f"{s['traced']} of {s['layers']} blocks traced, the rest laid out"
+                for s in depth["stacks"].values()
+            )
+            + "; --full-trace traces every block)"
+        )
+    elif depth is not None and depth["reason"]:
+        searched += f" (every block traced: {depth['reason']})"
     return f"{judged}; step time: predicted recompute on the {report.profile} profile; {searched}"
 
 
@@ -131,6 +143,7 @@ def fit_report(
             build_for=build_for,
             layout=layout_of(args),
             loop=loop_of(args),
+            full_trace=getattr(args, "full_trace", False),
         )
 
 
@@ -266,6 +279,7 @@ def _offload_answer(args: argparse.Namespace, console: Console, report: Any) -> 
     from remat.answers.cli.common import offload_settings
     from remat.answers.fit_offload import offload_at_full
     from remat.answers.fit_steps import PRECISIONS
+
     gpu = gpu_of(args)
     settings = offload_settings(args, gpu.profile)
     if settings is None:
