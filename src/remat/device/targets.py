@@ -184,11 +184,13 @@ def scratch_bytes(graph: Graph, op: Op) -> int:
 
 def ops_scratch_bytes(graph: Graph) -> list[int]:
     """`scratch_bytes` of every op of `graph`, by index: worked out once per graph (`Graph.memo`),
-    since every simulation of a plan adds them at each position."""
+    since every simulation of a plan adds them at each position. Worked out again when what they
+    are read from changes: the ops, the measured scratch, the target."""
+    key = (len(graph.ops), graph.info.get("kernel_scratch"), graph.info.get("target"))
     found = graph.memo.get("scratch_bytes")
-    if found is None or len(found) != len(graph.ops):
-        found = graph.memo["scratch_bytes"] = [scratch_bytes(graph, op) for op in graph.ops]
-    return found
+    if found is None or found[0] != key:
+        found = graph.memo["scratch_bytes"] = (key, [scratch_bytes(graph, op) for op in graph.ops])
+    return found[1]
 
 
 def scratch_rules(target_name: str) -> Mapping[str, ScratchRule]:

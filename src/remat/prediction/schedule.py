@@ -563,9 +563,12 @@ def simulate(
     if offload is not None:  # not kept: each offload is asked once
         found = _simulate(graph, tuple(regions), offload)
     else:
-        kept: OrderedDict[tuple[Region, ...], Simulation] = graph.memo.setdefault(
-            "simulations", OrderedDict()
-        )
+        # kept while the ops' scratch is (`ops_scratch_bytes`: the same list until what it is
+        # read from changes)
+        scratch = ops_scratch_bytes(graph)
+        if graph.memo.get("simulations", (None,))[0] is not scratch:
+            graph.memo["simulations"] = (scratch, OrderedDict())
+        kept: OrderedDict[tuple[Region, ...], Simulation] = graph.memo["simulations"][1]
         key = tuple(regions)
         found = kept.get(key)
         if found is None:

@@ -234,7 +234,11 @@ def trace_model(args: argparse.Namespace, console: Console):
                 )  # fmt: skip
 
             graph = layout.trace(
-                build, args.batch, args.seq, target=target, replicate_depth=not args.full_trace
+                build,
+                args.batch,
+                args.seq,
+                target=target,
+                replicate_depth=not getattr(args, "full_trace", False),
             )
             graph.info["layout"] = layout.describe(graph)
         else:
@@ -243,7 +247,7 @@ def trace_model(args: argparse.Namespace, console: Console):
                 *inputs,
                 device=device,
                 target=target,
-                replicate_depth=device == "meta" and not args.full_trace,
+                replicate_depth=device == "meta" and not getattr(args, "full_trace", False),
             )
     graph = loop_of(args).apply(graph)
     graph.info.update(
