@@ -365,3 +365,17 @@ def test_a_sharded_fit_page_shows_one_ranks_step_everywhere(tmp_path, capsys):
     assert whole > rows["store_all"]["peak_bytes"]
     # every figure's title names the rank
     assert text.count("(per rank: FSDP2 over 4 ranks)") >= 4
+
+
+def test_a_fit_pages_budget_card_follows_the_auto_rows_verdict(tmp_path):
+    """On a fit page the card's colour is the fit table's verdict for auto (the allocator's,
+    reserved bytes within its limit), not live bytes against the budget: a plan whose live peak
+    is within the budget but whose reserved bytes are not was shown green."""
+    planner = remat.Planner(remat.trace(nn.Linear(16, 4), torch.randn(8, 16)))
+    budget = 10 * planner.estimate.peak_bytes  # the live peak fits with room to spare
+    for verdict, colour in (("no", "over"), ("yes", "fits")):
+        path = str(tmp_path / f"{verdict}.html")
+        rows = [{"strategy": "auto", "plan": "auto (store_all)", "fits": verdict}]
+        write_report(path, planner, title="net", budget_bytes=budget, fit_rows=rows)
+        text = (tmp_path / f"{verdict}.html").read_text(encoding="utf-8")
+        assert f'<div class="fact budget {colour}">' in text

@@ -349,10 +349,9 @@ def _header(
         (
             "usable for the step (live)" if advice else "budget",
             format_bytes(budget_bytes),
-            # its colour says whether the chosen plan fits (it was crimson whatever the answer)
-            "budget fits"
-            if chosen is not None and chosen.predicted_peak_bytes <= budget_bytes
-            else "budget over",
+            # its colour says whether the chosen plan fits (it was crimson whatever the answer):
+            # on a fit page by the auto row's verdict, the allocator's where it is simulated
+            "budget fits" if _chosen_fits(chosen, budget_bytes, fit_rows) else "budget over",
         ),
         ("predicted step", _seconds(planner.step_seconds), ""),
         ("blocks", str(len(planner.blocks)) if planner.blocks else "none", ""),
@@ -604,6 +603,15 @@ def _cell(key: str, value: Any) -> str:
     if isinstance(value, list | tuple | dict):
         return json.dumps(value, default=_jsonable)
     return str(value)
+
+
+def _chosen_fits(chosen: Plan | None, budget_bytes: int, fit_rows) -> bool:
+    """The chosen plan fits: the fit table's auto row says so where there is one, else its
+    predicted peak is within the budget."""
+    auto = next((r for r in fit_rows or () if r.get("strategy") == "auto"), None)
+    if auto is not None:
+        return auto.get("fits") == "yes"
+    return chosen is not None and chosen.predicted_peak_bytes <= budget_bytes
 
 
 def _seconds(s: float) -> str:
