@@ -167,15 +167,19 @@ def _plan_for_fsdp(
     and install it (with the first step's check, which skips a step whose parameters are FSDP's
     DTensors: `remat.applying.first_step`)."""
     from remat.applying import first_step
+    from remat.applying.auto import plan_for_training
     from remat.applying.eager import apply, remove
-    from remat.planning.planner import plan
     from remat.tracing.trace import trace
 
     remove(model)
     graph = trace(
         model, **example, loss_fn=_own_loss
     )  # as the bare model (`remat.layouts.parallel`)
-    chosen = plan(graph, budget=budget, strategy=strategy, profile=profile, optimizer=optimizer)
+    # ranked as `remat.auto` ranks the bare model's plans (checkpointing's measured host cost
+    # included), untuned: a sharded step's first steps are not timed
+    chosen, _, _ = plan_for_training(
+        model, graph, (), example, budget, strategy, profile, optimizer, False
+    )
     _refuse_regions_fsdp_cannot_run(chosen, model, units)
     apply(model, chosen)
     if check:

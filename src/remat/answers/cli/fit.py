@@ -219,7 +219,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         write_report(
             args.html,
             report.planner,
-            title=f"{model_name(args)}, batch {args.batch}, seq {args.seq}, {args.precision} on {gpu}"
+            title=f"{model_name(args)}, batch {report.batch}, seq {args.seq}, {args.precision} on {gpu}"
             + (" (its step: the tightest rank's first stage)" if "stages" in report.extra else ""),
             budget_bytes=report.usable_bytes,
             chosen=auto,
@@ -241,8 +241,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(answer, indent=2))
         return 0
     micro = report.extra.get("microbatch")
-    batch = f"batch {args.batch}" + (
-        f" ({args.batch // micro} micro-batches of {micro})" if micro is not None else ""
+    batch = f"batch {report.batch}" + (
+        f" ({report.batch // micro} micro-batches of {micro})" if micro is not None else ""
     )
     title = (
         f"{model_name(args)}, {batch}, seq {args.seq}, {args.precision}, "
@@ -251,7 +251,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         + (f", {report.layout}" if report.layout else "")
         + (" (per-rank figures)" if args.shard > 1 or report.layout else "")
     )
-    headers, rows = fit_cells(report, args.batch, args.seq, pipeline=getattr(args, "pp", 1) > 1)
+    headers, rows = fit_cells(report, report.batch, report.seq, pipeline=getattr(args, "pp", 1) > 1)
     table = fitting_table(console, title, headers, rows, _fit_caption(report))
     console.print(table)
     by_note: dict[str, list[str]] = {}
