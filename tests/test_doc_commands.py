@@ -22,6 +22,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: Lines that take seconds at tiny size: run in CI; the rest trace real sizes or search long.
 QUICK = ("remat estimate --model list",)
+#: Appended to a torchtitan line (given at full size by its --set's): the same flags, a small step.
+TORCHTITAN_SMALL = [
+    *("--set", "dim=256", "--set", "n_layers=2", "--set", "n_heads=4", "--set", "n_kv_heads=4"),
+    *("--set", "vocab_size=512", "--batch", "2", "--seq", "128"),
+]
 
 
 def doc_commands() -> list[tuple[str, str]]:
@@ -59,6 +64,10 @@ def test_doc_command_runs_as_printed(name, line, tmp_path):
         pytest.skip(f"{name}: {package} is not installed")
     # tiny where the command allows it: a tiny model's 4 heads do not split over --tp 8
     quick = not any(flag in argv for flag in ("--tp", "--pp"))
+    if quick and model.startswith("torchtitan:"):
+        # its sizes are given by --set, which REMAT_QUICK does not shrink: every flag as printed,
+        # then a 2-layer model at a short sequence (the later --set and --batch/--seq win)
+        argv += TORCHTITAN_SMALL
     env = {**os.environ, "REMAT_QUICK": "1" if quick else "0", "PYTHONPATH": str(SRC)}
     done = subprocess.run(
         [sys.executable, "-m", "remat.answers.cli", *argv[1:]],
