@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
+from remat.layouts.pipeline_stages import StagePlace
 
 
 def hf_parts(model: nn.Module) -> tuple[nn.Module, str, list[str], list[str], list[str]] | None:
@@ -42,18 +43,17 @@ def hf_parts(model: nn.Module) -> tuple[nn.Module, str, list[str], list[str], li
     return base, stack, names[:at], names[at + 1 :], head
 
 
-class HFStage(nn.Module):
+class HFStage(StagePlace):
     """One pipeline stage of a transformers model (see the module): `model`, its base model's
     copy with this stage's layers; on the last stage its head (`lm_head`). Parameter names read
     as in the whole model but for the layers' indices, which count from the stage's first."""
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range) -> None:
-        super().__init__()
+        super().__init__(index, num_stages, layers)
         parts = hf_parts(model)
         if parts is None:
             raise RematError(f"{type(model).__name__} has no transformers pipeline plan")
         base, stack, before, after, head = parts
-        self.index, self.num_stages, self.layer_indices = index, num_stages, layers
         clone = base.__new__(type(base))
         clone.__dict__ = dict(base.__dict__)
         for field in ("_modules", "_parameters", "_buffers"):
@@ -77,14 +77,6 @@ class HFStage(nn.Module):
         self._loss = getattr(model, "loss_function", None)
         self.vocab_size = getattr(model.config, "vocab_size", None)
 
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         given = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         hidden = self.model(**given, use_cache=False).last_hidden_state
@@ -99,7 +91,3 @@ class HFStage(nn.Module):
                 "model with its task head (AutoModelForCausalLM)"
             )
         return self._loss(logits=logits, labels=labels, vocab_size=self.vocab_size)
-
-    def extra_repr(self) -> str:
-        first, last = self.layer_indices.start, self.layer_indices.stop - 1
-        return f"stage {self.index} of {self.num_stages}, blocks {first}..{last}"

@@ -67,7 +67,28 @@ _LAYOUTS: dict[type[nn.Module], _Layout] = {
 }
 
 
-class Stage(nn.Module):
+class StagePlace(nn.Module):
+    """Where a stage sits: its index among `num_stages` and the model's blocks it runs
+    (`layer_indices`), shared by every way of cutting a model (`Stage`, `pipeline_hf.HFStage`)."""
+
+    def __init__(self, index: int, num_stages: int, layers: range) -> None:
+        super().__init__()
+        self.index, self.num_stages, self.layer_indices = index, num_stages, layers
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def extra_repr(self) -> str:
+        first, last = self.layer_indices.start, self.layer_indices.stop - 1
+        return f"stage {self.index} of {self.num_stages}, blocks {first}..{last}"
+
+
+class Stage(StagePlace):
     """One pipeline stage of a zoo model: its blocks `layers` (a ModuleDict keyed by the blocks'
     indices in the model, so that parameter names and plans read as in the whole model), with the
     embedding on the first stage and the final norm and head on the last.
@@ -78,9 +99,8 @@ class Stage(nn.Module):
     the model it was cut from: drop the model to free the other stages' parameters."""
 
     def __init__(self, model: nn.Module, index: int, num_stages: int, layers: range) -> None:
-        super().__init__()
+        super().__init__(index, num_stages, layers)
         self.layout = _layout(model)
-        self.index, self.num_stages, self.layer_indices = index, num_stages, layers
         if self.is_first:
             for name in self.layout.embed:
                 setattr(self, name, getattr(model, name))
@@ -91,14 +111,6 @@ class Stage(nn.Module):
                 setattr(self, name, getattr(model, name))
         for name in self.layout.buffers:
             self.register_buffer(name, getattr(model, name), persistent=False)
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
@@ -111,10 +123,6 @@ class Stage(nn.Module):
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.layout.loss(logits, labels)
-
-    def extra_repr(self) -> str:
-        first, last = self.layer_indices.start, self.layer_indices.stop - 1
-        return f"stage {self.index} of {self.num_stages}, blocks {first}..{last}"
 
 
 def _layout(model: nn.Module) -> _Layout:
