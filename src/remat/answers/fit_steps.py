@@ -174,22 +174,11 @@ class FitSteps:
         allocator's judgement."""
         if not self.simulate_allocator or plan is None:
             return []
-        from remat.prediction.gpu_memory import (
-            ALLOCATOR_SETTINGS,
-            Fsdp,
-            blas_workspaces,
-            memory_of_events,
-            step_events,
-        )
+        from remat.prediction.gpu_memory import Fsdp, gpu_memories
 
         graph = self.planner(batch, seq).graph
         fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
-        # one step's events (what `gpu_memory` makes), run through each allocator setting
-        events = step_events(
-            graph, plan.regions, self.optimizer, blas_workspaces(self.gpu), fsdp=fsdp
-        )
-        ranks = 1 if fsdp is None else fsdp.shard
-        return [memory_of_events(events, self.gpu, ranks, s) for s in ALLOCATOR_SETTINGS]
+        return gpu_memories(graph, self.gpu, plan.regions, self.optimizer, fsdp)
 
     def fixed_plans(self, planner: Planner) -> Iterator[Any]:
         """The plan of every appliable fixed strategy the model supports, one at a time."""

@@ -392,10 +392,25 @@ def gpu_memory(
     the GPU reports it under the allocator `settings` (a `capacity` in them is replaced by the
     GPU's allocator limit: its total memory less the context and NCCL's buffers; None: torch's
     default settings). `keep_grads`: see `step_events`."""
+    return gpu_memories(graph, gpu, regions, optimizer, fsdp, (settings,), keep_grads)[0]
+
+
+def gpu_memories(
+    graph: Graph,
+    gpu: Gpu | str,
+    regions: Sequence[Region] = (),
+    optimizer: Optimizer = None,
+    fsdp: Fsdp | None = None,
+    settings: Sequence[AllocatorSettings | None] | None = None,
+    keep_grads: bool = False,
+) -> list[GpuMemory]:
+    """`gpu_memory` under each of `settings` (None: `ALLOCATOR_SETTINGS`, torch's default first),
+    from one step's events: the events do not depend on the settings."""
     ranks = 1 if fsdp is None else fsdp.shard
     workspaces = blas_workspaces(gpu)
     events = step_events(graph, regions, optimizer, workspaces, fsdp=fsdp, keep_grads=keep_grads)
-    return memory_of_events(events, gpu, ranks, settings)
+    chosen = ALLOCATOR_SETTINGS if settings is None else settings
+    return [memory_of_events(events, gpu, ranks, s) for s in chosen]
 
 
 def blas_workspaces(gpu: Gpu | str) -> list[int]:

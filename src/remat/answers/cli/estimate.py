@@ -44,12 +44,9 @@ def _gpu_memories(graph: Graph, args: argparse.Namespace) -> list[Any]:
     knows (none without --gpu)."""
     if getattr(args, "gpu", None) is None:
         return []
-    from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, gpu_memory
+    from remat.prediction.gpu_memory import gpu_memories
 
-    return [
-        gpu_memory(graph, args.gpu, optimizer=args.optimizer, settings=s)
-        for s in ALLOCATOR_SETTINGS
-    ]
+    return gpu_memories(graph, args.gpu, optimizer=args.optimizer)
 
 
 def show_estimate(
