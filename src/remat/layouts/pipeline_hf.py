@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
-from remat.layouts.pipeline_stages import StagePlace
+from remat.layouts.stage_place import StagePlace
 
 
 def hf_parts(model: nn.Module) -> tuple[nn.Module, str, list[str], list[str], list[str]] | None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.errors import RematError
+from remat.layouts.stage_place import StagePlace
 from remat.models.gpt import GPT
 from remat.models.llama import Llama
 
@@ -65,27 +66,6 @@ _LAYOUTS: dict[type[nn.Module], _Layout] = {
         ),
     ),
 }
-
-
-class StagePlace(nn.Module):
-    """Where a stage sits: its index among `num_stages` and the model's blocks it runs
-    (`layer_indices`), shared by every way of cutting a model (`Stage`, `pipeline_hf.HFStage`)."""
-
-    def __init__(self, index: int, num_stages: int, layers: range) -> None:
-        super().__init__()
-        self.index, self.num_stages, self.layer_indices = index, num_stages, layers
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
-
-    def extra_repr(self) -> str:
-        first, last = self.layer_indices.start, self.layer_indices.stop - 1
-        return f"stage {self.index} of {self.num_stages}, blocks {first}..{last}"
 
 
 class Stage(StagePlace):
