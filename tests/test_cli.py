@@ -21,7 +21,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "remat.answers.cli", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
 
 
@@ -296,7 +296,7 @@ def test_a_factory_from_the_current_folder_imports_and_titles_what_it_built(tmp_
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr
     assert "inputs (8, 16)" in done.stdout and "batch 4" not in done.stdout
