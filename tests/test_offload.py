@@ -208,12 +208,6 @@ def test_gpu_settings_take_the_link_and_the_gpus_memory_as_host_cap():
     assert remat.OffloadSettings.for_profile("cpu").link is None
 
 
-def test_the_compiled_path_refuses_offload_by_name():
-    model = torch.nn.Linear(4, 4)
-    with pytest.raises(remat.RematError, match="compiled path does not offload"):
-        remat.compile(model, offload=True)
-
-
 def test_fit_offload_plan_is_cheaper_than_full_at_fulls_per_rank_peak():
     """`remat fit --offload`'s answer, on a GPU whose compute is slow enough to hide the copies
     (the cpu profile's roofline behind a PCIe Gen5 link): per rank under FSDP over 2 ranks, at

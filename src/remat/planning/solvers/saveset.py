@@ -66,7 +66,13 @@ class SaveSet:
     peak_bytes: int
 
 
-def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed: list[int]) -> int:
+def joint_peak(
+    graph: Graph,
+    problem: JointProblem,
+    saved: set[int],
+    recomputed: list[int],
+    offloaded: frozenset[int] = frozenset(),
+) -> int:
     """Predicted peak bytes of the step when the values `saved` are saved and `recomputed` (from
     `recomputed_values`) are recomputed. Every op's new output storage is allocated when it runs
     and freed after its last reader in the same program; saved storages live until their last backward reader; the
@@ -75,7 +81,12 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     buffers, inputs) count throughout. Exact when the graphs run op by op (aot_eager); under
     inductor, fusion drops intermediates, buffers are reused in place and kernels run in
     inductor's order (0-18% off on CPU), which is why the compiled path reads inductor's own plan
-    there (`remat.prediction.inductor_plan`) and uses this only when that plan cannot be read."""
+    there (`remat.prediction.inductor_plan`) and uses this only when that plan cannot be read.
+
+    `offloaded` (storage ids of saved values) are what torch's compile offload pass moves to host
+    memory (`remat.applying.compiled_offload`): each leaves the device after its last forward
+    reader (the pass copies it there) and comes back just before its first backward reader,
+    living until its last one; host memory is not counted."""
     values = problem.values
     tensors = graph.tensors
     storages = graph.storages
@@ -91,14 +102,14 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     backward = _lazy_order(graph, replayed)
 
     live = {sid: storages[sid].nbytes for sid in persistent}
-    keep = persistent | saved_storages | forward_outputs
+    keep = persistent | (saved_storages - offloaded) | forward_outputs
     peak = _run(graph, forward, live, keep, 0)
     for sid in {tensors[t].storage for op in graph.backward_ops for t in op.inputs}:
         if storages[sid].kind == "grad" and storages[sid].allocated_at is None:
             live[sid] = storages[sid].nbytes  # the tangents backward starts from
     live[_LOSS] = loss_bytes(graph)
     keep = persistent | forward_outputs | backward_outputs | {_LOSS}
-    return _run(graph, backward, live, keep, peak)
+    return _run(graph, backward, live, keep, peak, reload=offloaded)
 
 
 #: `joint_peak`'s key for the loss outside the graph (storage ids are never negative).
@@ -155,8 +166,16 @@ def _lazy_order(graph: Graph, replayed: set[int]) -> list[Op]:
     return order
 
 
-def _run(graph: Graph, program: list[Op], live: dict[int, int], keep: set[int], peak: int) -> int:
-    """Run `program` over `live` (storage -> bytes, updated in place) and return the peak seen."""
+def _run(
+    graph: Graph,
+    program: list[Op],
+    live: dict[int, int],
+    keep: set[int],
+    peak: int,
+    reload: frozenset[int] = frozenset(),
+) -> int:
+    """Run `program` over `live` (storage -> bytes, updated in place) and return the peak seen;
+    a storage of `reload` not live comes back (from host memory) just before an op reads it."""
     tensors = graph.tensors
     last_use: dict[int, int] = {}
     for pos, op in enumerate(program):
@@ -164,6 +183,11 @@ def _run(graph: Graph, program: list[Op], live: dict[int, int], keep: set[int], 
             last_use[tensors[t].storage] = pos
     total = sum(live.values())
     for pos, op in enumerate(program):
+        for t in op.inputs:
+            sid = tensors[t].storage
+            if sid in reload and sid not in live:
+                live[sid] = graph.storages[sid].nbytes
+                total += live[sid]
         for t in op.outputs:
             sid = tensors[t].storage
             if sid not in live:
