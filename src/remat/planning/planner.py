@@ -461,8 +461,12 @@ class Planner:
     @cached_property
     def offload_costs(self) -> dict[str, list[offloading.OffloadCost]]:
         """Per offload option and block, what its copies cost (`offload.block_costs`)."""
-        full = self.every_block("full")
-        return offloading.block_costs(self.graph, self.blocks, self.op_seconds, self.offload, full)
+        regions_of = {
+            base: self.every_block(base) for base in set(offloading.OPTIONS.values()) - {"store"}
+        }
+        return offloading.block_costs(
+            self.graph, self.blocks, self.op_seconds, self.offload, regions_of
+        )
 
     def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
         """What checkpointing itself costs per region on the profile (beyond the ops it
