@@ -333,6 +333,14 @@ def settings_for(profile: Any, offload: OffloadSettings | bool | None) -> Offloa
     return offload or None
 
 
+def costs_of(planner: Any) -> dict[str, list[OffloadCost]]:
+    """`block_costs` on the planner's blocks, each checkpointed option's regions one per block."""
+    regions_of = {base: planner.every_block(base) for base in set(OPTIONS.values()) - {"store"}}
+    return block_costs(
+        planner.graph, planner.blocks, planner.op_seconds, planner.offload, regions_of
+    )
+
+
 def settings_of(planner: Any) -> OffloadSettings:
     return planner.offload or OffloadSettings()
 

@@ -460,13 +460,8 @@ class Planner:
 
     @cached_property
     def offload_costs(self) -> dict[str, list[offloading.OffloadCost]]:
-        """Per offload option and block, what its copies cost (`offload.block_costs`)."""
-        regions_of = {
-            base: self.every_block(base) for base in set(offloading.OPTIONS.values()) - {"store"}
-        }
-        return offloading.block_costs(
-            self.graph, self.blocks, self.op_seconds, self.offload, regions_of
-        )
+        """Per offload option and block, what its copies cost (`offload.costs_of`)."""
+        return offloading.costs_of(self)
 
     def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
         """What checkpointing itself costs per region on the profile (beyond the ops it
