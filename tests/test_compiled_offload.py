@@ -4,6 +4,7 @@ and the predicted drop of the peak is the measured one where the host copies lea
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import warnings
@@ -12,11 +13,21 @@ import numpy as np
 import pytest
 import torch
 from compiled_support import needs_cxx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_mincut import build, specs
 from torch import nn
 
 import remat
 from remat.answers.bench import gradients
 from remat.applying.compiled import plans_of
+from remat.planning.solvers.mincut import joint_problem, recomputed_values
+from remat.planning.solvers.saveset import (
+    Offloadable,
+    cheapest_choice,
+    describe_save_set,
+    joint_peak,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -106,6 +117,38 @@ def test_compiled_offload_moves_the_tagged_values_and_drops_the_peak_as_predicte
     assert measured_without.peak_bytes - measured.peak_bytes == plan.offload_drop_bytes
 
 
+def test_with_a_budget_the_compiled_plan_offloads_only_what_the_budget_needs():
+    """remat.compile(budget=, offload=): the save set's program keeps, recomputes or offloads each
+    tensor; at 9.0 MB it offloads one value and adds less time than recomputing without offload;
+    at 8.0 MB, which no save set meets on the device alone, two values; measured = predicted
+    (the host copies outside the allocator), within the budget, gradients bit-identical."""
+    _, inputs, plain = _compiled(False)
+    reference = gradients(plain, inputs, seed=1)
+    added = {}
+    for budget, offloaded in ((9_000_000, 1), (8_000_000, 2)):
+        for offload in (False, True):
+            torch._dynamo.reset()
+            model, inputs = _chain()
+            compiled = remat.compile(
+                model, budget, "milp", compiler="aot_eager", offload=offload, check=False
+            )
+            if budget == 8_000_000 and not offload:
+                with pytest.raises(remat.InfeasibleBudget):
+                    compiled(*inputs)
+                continue
+            with _HostOutsideTheAllocator():
+                got = gradients(compiled, inputs, seed=1)
+                measured = remat.measure(compiled, *inputs, warmup=0)
+            assert all(torch.equal(got[k], reference[k]) for k in reference)
+            (plan,) = plans_of(compiled)
+            assert measured.peak_bytes == plan.predicted_peak_bytes <= budget
+            assert len(plan.offload) == (offloaded if offload else 0)
+            assert sorted(plan.details.get("offloaded_in_graph", {})) == sorted(plan.offload)
+            added[budget, offload] = plan.added_seconds
+    assert added[9_000_000, True] < added[9_000_000, False]
+
+
+@pytest.mark.slow
 @needs_cxx
 def test_inductor_offloads_the_tagged_values_with_gradients_unchanged():
     model, inputs, plain = _compiled(False, "inductor")
@@ -158,3 +201,67 @@ def test_compile_refuses_offload_by_name_where_torch_has_no_offload_pass(monkeyp
 def test_inductors_buffer_plan_is_refused_with_offload_by_name():
     with pytest.raises(remat.RematError, match="peak_model='inductor' does not fit offload"):
         remat.compile(nn.Linear(4, 4), offload=True, peak_model="inductor")
+
+
+# -- per tensor: keep, recompute or offload under one cap, against brute force ---------------------
+@settings(max_examples=40, deadline=None)
+@given(specs(max_values=8), st.integers(0, 3))
+def test_the_save_sets_program_with_offload_matches_brute_force(spec, seed):
+    """The budgeted save set's integer program with per-storage offload: its least recompute +
+    traffic + copy seconds within a cap on device-held bytes (and on host bytes) is the least of
+    every save set and every subset of offloadable storages (an offloaded storage's one movable
+    value saved, no other value on it saved)."""
+    graph, _ = build(spec)
+    problem = joint_problem(graph, None)
+    values = problem.values
+    rng = np.random.default_rng(seed)
+    op_seconds = list(rng.uniform(0, 1e-3, size=len(graph.ops)))
+    held = sorted({v.storage for v in values if graph.storages[v.storage].kind == "activation"})
+    movers = {}
+    for v in values:
+        if v.storage in held and v.storage not in movers and rng.random() < 0.8:
+            movers[v.storage] = v.name
+    seconds = {m: float(rng.uniform(0, 1e-3)) for m in movers}
+    total = sum(graph.storages[m].nbytes for m in held)
+    host_cap = [None, total // 3][seed % 2]
+    offload = Offloadable(movers, seconds, host_cap)
+    index_of = {v.name: i for i, v in enumerate(values)}
+    for cap in (None, total // 2, total // 5, 0):
+        best = None
+        for r in range(len(values) + 1):
+            for subset in itertools.combinations(range(len(values)), r):
+                chosen = set(subset)
+                if chosen & problem.unsaveable:
+                    continue
+                recomputed = recomputed_values(problem, chosen)
+                if recomputed is None:
+                    continue
+                storages = {values[v].storage for v in chosen} & set(held)
+                ops = {graph.op_by_name[values[v].op].index for v in recomputed}
+                base = sum(op_seconds[i] for i in ops) + sum(values[v].cost for v in chosen) / 1e9
+                movable = [
+                    m
+                    for m, name in movers.items()
+                    if index_of[name] in chosen
+                    and all(u == index_of[name] or values[u].storage != m for u in chosen)
+                ]
+                for k in range(len(movable) + 1):
+                    for moved in itertools.combinations(movable, k):
+                        out = sum(graph.storages[m].nbytes for m in moved)
+                        kept = sum(graph.storages[m].nbytes for m in storages) - out
+                        if cap is not None and kept > cap:
+                            continue
+                        if host_cap is not None and out > host_cap:
+                            continue
+                        cost = base + sum(seconds[m] for m in moved)
+                        best = cost if best is None else min(best, cost)
+        found = cheapest_choice(graph, problem, op_seconds, 1e9, cap, offload)
+        if best is None:
+            assert found is None
+            continue
+        assert found is not None
+        got = describe_save_set(graph, problem, found[0], op_seconds, joint_peak, found[1], offload)
+        assert got.recompute_seconds + got.traffic_bytes / 1e9 + got.transfer_seconds == (
+            pytest.approx(best, rel=1e-6, abs=1e-12)
+        )
+        assert set(got.offloaded) == {movers[m] for m in found[1]}

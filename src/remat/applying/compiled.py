@@ -48,7 +48,7 @@ from remat.planning import strategies
 from remat.planning.joint import JointContext, indices_of
 from remat.planning.offload import OffloadSettings, settings_for
 from remat.planning.plans import Plan, PlanStatus, SavedTensor, resolve_budget
-from remat.planning.solvers.mincut import JointProblem, recomputed_values
+from remat.planning.solvers.mincut import JointProblem
 from remat.planning.solvers.saveset import (
     PeakModel,
     SaveSet,
@@ -246,10 +246,16 @@ def decide(
     budget: int | str | None,
     profile: DeviceProfile,
     peak_model: PeakModel = joint_peak,
+    offload: OffloadSettings | None = None,
 ) -> tuple[SaveSet, Plan]:
     """remat's save set for one joint graph by the registered `strategy`, and its plan; peaks
-    (and budgets given as a share) by `peak_model`."""
+    (and budgets given as a share) by `peak_model`. With `offload`, the budgeted save set may
+    also move storages to host memory, tensor by tensor (`compiled_offload.candidates`)."""
     joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile, peak_model)
+    if offload is not None:
+        joint.offload = compiled_offload.candidates(
+            jg.node_of_value, jg.graph, joint.problem(), offload
+        )
     budget_bytes = (
         None
         if budget is None
@@ -280,6 +286,7 @@ def _plan(
         saved.append(
             SavedTensor(name, str(node.target) if node.op == "call_function" else "input", nbytes)
         )
+    moved = {"offloaded_values": list(chosen.offloaded)} if chosen.offloaded else {}
     recompute_flops = sum(by_name[o].flops for o in chosen.recomputed)
     reason = (
         f"{strategy}: saves {len(chosen.saved)} values ({format_bytes(chosen.held_bytes)}, "
@@ -308,6 +315,7 @@ def _plan(
             "traffic_bytes": chosen.traffic_bytes,
             "store_all_peak_bytes": store_all.peak_bytes,
             "store_all_held_bytes": store_all.held_bytes,
+            **moved,
         },
     )
 
@@ -398,6 +406,9 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
         backend = self.backend
 
         settings = backend.offload
+        # with a budget the save set's program chooses what to offload, per tensor; without
+        # one, everything the pass can move goes (the lowest peak)
+        budgeted = settings is not None and backend.budget is not None
 
         def choose(joint: fx.Graph, node_info: Any, memory_budget: float = 1) -> list[fx.Node]:
             jg = joint_graph(joint, node_info, num_fwd_outputs)
@@ -408,7 +419,7 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
             )
             op_by_op = (
                 joint_peak
-                if settings is None
+                if settings is None or budgeted
                 else compiled_offload.offloading_peaks(jg.node_of_value, settings)
             )
 
@@ -418,7 +429,12 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
                     _, plan = _priced(jg, nodes, backend.profile, memory_budget, peak_model)
                     return nodes, plan
                 chosen, plan = decide(
-                    jg, backend.strategy, backend.budget, backend.profile, peak_model
+                    jg,
+                    backend.strategy,
+                    backend.budget,
+                    backend.profile,
+                    peak_model,
+                    settings if budgeted else None,
                 )
                 return [jg.node_of_value[n] for n in chosen.saved] + jg.saved_symbols, plan
 
@@ -445,7 +461,9 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
                     nodes, plan = decision(joint_peak)
                     plan.details["peak_model"] = "op-by-op"
             if settings is not None:
-                plan = _with_offload(jg, nodes, plan, backend.profile, settings)
+                plan = compiled_offload.with_offload(
+                    jg, nodes, plan, backend.profile, settings, budgeted
+                )
             backend.graphs.append(jg.graph)
             backend.plans.append(plan)
             return nodes
@@ -463,25 +481,6 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
 
     def uuid(self) -> None:
         return None  # no inductor cache: a cached graph would skip the partitioner and its plan
-
-
-def _with_offload(
-    jg: JointGraph,
-    nodes: list[fx.Node],
-    plan: Plan,
-    profile: DeviceProfile,
-    settings: OffloadSettings,
-) -> Plan:
-    """`plan` with the saved values it offloads (`remat.applying.compiled_offload`), and those
-    nodes tagged for torch's offload pass."""
-    problem = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile).problem()
-    saved = indices_of(problem, [s.name for s in plan.saved])
-    recomputed = recomputed_values(problem, saved) or []
-    fields = compiled_offload.offload_fields(
-        jg.node_of_value, jg.graph, problem, saved, recomputed, settings
-    )
-    compiled_offload.tag(nodes, fields["offload"])
-    return replace(plan, **fields)
 
 
 def _priced(

@@ -18,7 +18,9 @@ for exactly the tagged values and gradients are unchanged, but the bytes stay in
 
 The pass refuses views, `getitem`s (outputs of multi-output ops), non-contiguous tensors and the
 model's outputs; remat offloads only what it accepts, and only storages the step allocates (not
-parameters or inputs) that no other saved value shares, of at least `min_bytes`.
+parameters or inputs) that no other saved value shares, of at least `min_bytes`. With a budget
+the budgeted save set's integer program chooses, per storage, keep, recompute or offload
+(`remat.planning.solvers.saveset.Offloadable`); without one, every such storage goes.
 """
 
 from __future__ import annotations
@@ -27,15 +29,19 @@ import contextlib
 import importlib
 import operator
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import fx
 
+from remat.device.cost import DeviceProfile
 from remat.errors import RematError
+from remat.planning.joint import JointContext, indices_of
 from remat.planning.offload import OffloadSettings, copy_cost
-from remat.planning.solvers.mincut import JointProblem
-from remat.planning.solvers.saveset import PeakModel, joint_peak
+from remat.planning.plans import Plan
+from remat.planning.solvers.mincut import JointProblem, recomputed_values
+from remat.planning.solvers.saveset import Offloadable, PeakModel, joint_peak
 from remat.tracing.tensors import storage_nbytes
 
 #: The names the pass gives the nodes it inserts (its `CPU_OFFLOAD_PREFIX`, `GPU_RELOAD_PREFIX`).
@@ -97,51 +103,68 @@ def _offloadable(node: fx.Node) -> bool:
     )
 
 
-def offloaded_values(
+def candidates(
+    node_of_value: dict[str, fx.Node],
+    graph: Any,
+    problem: JointProblem,
+    settings: OffloadSettings,
+) -> Offloadable:
+    """The storages a save set may offload and their copy seconds (all exposed: the pass copies
+    on the compute stream): an activation's storage of at least `min_bytes`, not a forward
+    output, with exactly one value on it that the pass accepts (the one to tag)."""
+    outputs = {graph.tensors[t].storage for t in graph.info.get("forward_outputs", ())}
+    movable: dict[int, list[str]] = {}
+    for value in problem.values:
+        storage = graph.storages[value.storage]
+        if (
+            storage.kind == "activation"
+            and storage.nbytes >= settings.min_bytes
+            and storage.id not in outputs
+            and _offloadable(node_of_value[value.name])
+        ):
+            movable.setdefault(storage.id, []).append(value.name)
+    values = {m: names[0] for m, names in movable.items() if len(names) == 1}
+    seconds = {
+        m: copy_cost(
+            graph.storages[m].nbytes, settings.link, 0.0, 0.0, settings.ranks_on_link
+        ).exposed_seconds
+        for m in values
+    }
+    return Offloadable(values, seconds, settings.host_budget_bytes)
+
+
+def offloaded_storages(
     node_of_value: dict[str, fx.Node],
     graph: Any,
     problem: JointProblem,
     saved: set[int],
     settings: OffloadSettings,
-) -> list[int]:
-    """The saved values (indices into `problem.values`) remat tags for the pass: an activation's
-    whole storage, not shared with another saved value or a forward output, that the pass
-    accepts, of at least `min_bytes`; the largest first while the host memory cap allows."""
-    values = problem.values
-    sharing: dict[int, int] = {}
+) -> frozenset[int]:
+    """Without a budget, every storage of `candidates` whose value is saved and shares its
+    storage with no other saved value; the largest first while the host memory cap allows."""
+    movable = candidates(node_of_value, graph, problem, settings).values
+    names = {problem.values[v].name for v in saved}
+    saved_on: dict[int, int] = {}
     for v in saved:
-        sharing[values[v].storage] = sharing.get(values[v].storage, 0) + 1
-    outputs = {graph.tensors[t].storage for t in graph.info.get("forward_outputs", ())}
-    candidates = []
-    for v in saved:
-        storage = graph.storages[values[v].storage]
-        node = node_of_value[values[v].name]
-        if (
-            storage.kind == "activation"
-            and storage.nbytes >= settings.min_bytes
-            and sharing[storage.id] == 1
-            and storage.id not in outputs
-            and _offloadable(node)
-        ):
-            candidates.append(v)
-    candidates.sort(key=lambda v: (-graph.storages[values[v].storage].nbytes, v))
-    cap = settings.host_budget_bytes
-    chosen, host = [], 0
-    for v in candidates:
-        nbytes = graph.storages[values[v].storage].nbytes
-        if cap is None or host + nbytes <= cap:
-            chosen.append(v)
-            host += nbytes
-    return sorted(chosen)
+        saved_on[problem.values[v].storage] = saved_on.get(problem.values[v].storage, 0) + 1
+    chosen = sorted(
+        (m for m, name in movable.items() if name in names and saved_on[m] == 1),
+        key=lambda m: (-graph.storages[m].nbytes, m),
+    )
+    cap, host, out = settings.host_budget_bytes, 0, set()
+    for m in chosen:
+        if cap is None or host + graph.storages[m].nbytes <= cap:
+            out.add(m)
+            host += graph.storages[m].nbytes
+    return frozenset(out)
 
 
 def offloading_peaks(node_of_value: dict[str, fx.Node], settings: OffloadSettings) -> PeakModel:
-    """`joint_peak` with the values `offloaded_values` picks for each save set off the device
-    between their last forward reader and their first backward one."""
+    """`joint_peak` with `offloaded_storages` of each save set off the device between their last
+    forward reader and their first backward one (the unbudgeted compile's offload)."""
 
     def peak(graph: Any, problem: JointProblem, saved: set[int], recomputed: list[int]) -> int:
-        chosen = offloaded_values(node_of_value, graph, problem, saved, settings)
-        storages = frozenset(problem.values[v].storage for v in chosen)
+        storages = offloaded_storages(node_of_value, graph, problem, saved, settings)
         return joint_peak(graph, problem, saved, recomputed, storages)
 
     return peak
@@ -153,23 +176,22 @@ def offload_fields(
     problem: JointProblem,
     saved: set[int],
     recomputed: list[int],
+    storages: frozenset[int],
     settings: OffloadSettings,
 ) -> dict[str, Any]:
-    """A compiled plan's offload (`Plan` fields): the tagged values by node name, their host
-    bytes, the copy seconds (all exposed: the pass copies on the compute stream) and how much
-    lower the peak is than the same save set's without offload."""
-    chosen = offloaded_values(node_of_value, graph, problem, saved, settings)
-    storages = frozenset(problem.values[v].storage for v in chosen)
-    host = sum(graph.storages[sid].nbytes for sid in storages)
-    cost = copy_cost(host, settings.link, 0.0, 0.0, settings.ranks_on_link)
+    """A compiled plan's offload of `storages` (`Plan` fields): the tagged values by node name,
+    their host bytes, the copy seconds (all exposed: the pass copies on the compute stream) and
+    how much lower the peak is than the same save set's without offload."""
+    movable = candidates(node_of_value, graph, problem, settings)
+    host = sum(graph.storages[m].nbytes for m in storages)
     drop = joint_peak(graph, problem, saved, recomputed) - joint_peak(
         graph, problem, saved, recomputed, storages
     )
     return {
-        "offload": tuple(node_of_value[problem.values[v].name].name for v in chosen),
+        "offload": tuple(node_of_value[movable.values[m]].name for m in sorted(storages)),
         "offload_min_bytes": settings.min_bytes,
         "host_bytes": host,
-        "transfer_seconds": cost.exposed_seconds,
+        "transfer_seconds": sum(movable.seconds[m] for m in storages),
         "offload_drop_bytes": drop,
     }
 
@@ -198,3 +220,29 @@ def graph_transfers(forward: fx.GraphModule, backward: fx.GraphModule) -> dict[s
         if node.op == "call_function" and node.name.startswith(RELOAD_PREFIX)
     )
     return {"offloaded_in_graph": offloaded, "reloaded_in_graph": reloaded}
+
+
+def with_offload(
+    jg: Any,
+    nodes: list[fx.Node],
+    plan: Plan,
+    profile: DeviceProfile,
+    settings: OffloadSettings,
+    budgeted: bool,
+) -> Plan:
+    """`plan` (of `jg`, a `remat.applying.compiled.JointGraph`) with the saved values it
+    offloads: those its budgeted save set chose, or without a budget all the pass can move;
+    those nodes tagged for torch's offload pass."""
+    problem = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile).problem()
+    saved = indices_of(problem, [s.name for s in plan.saved])
+    recomputed = recomputed_values(problem, saved) or []
+    if budgeted:
+        moved = indices_of(problem, plan.details.get("offloaded_values", []))
+        storages = frozenset(problem.values[v].storage for v in moved)
+    else:
+        storages = offloaded_storages(jg.node_of_value, jg.graph, problem, saved, settings)
+    fields = offload_fields(
+        jg.node_of_value, jg.graph, problem, saved, recomputed, storages, settings
+    )
+    tag(nodes, fields["offload"])
+    return replace(plan, **fields)
