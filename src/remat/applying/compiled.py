@@ -671,9 +671,11 @@ def backend(
     With `torch._dynamo.config.suppress_errors = True`, dynamo raises nothing: it logs the error
     and runs that graph eagerly, without remat's plan (and adds no plan for it).
 
-    `offload` (True: the settings of `profile`'s GPU, or an `OffloadSettings`): the saved values
-    torch's compile offload pass can move go to host memory (`remat.applying.compiled_offload`),
-    their bytes out of the predicted peak, their copies in `Plan.transfer_seconds`."""
+    `offload` (True: the settings of `profile`'s GPU, or an `OffloadSettings`): saved values go to
+    host memory by torch's compile offload pass (`remat.applying.compiled_offload`): with a
+    budget, those the budgeted save set's program picks, tensor by tensor, beside keep and
+    recompute; without one, all the pass can move. Their bytes leave the predicted peak, their
+    copies are in `Plan.transfer_seconds`."""
     return RematBackend(
         budget=budget,
         strategy=strategy,

@@ -111,19 +111,22 @@ def candidates(
 ) -> Offloadable:
     """The storages a save set may offload and their copy seconds (all exposed: the pass copies
     on the compute stream): an activation's storage of at least `min_bytes`, not a forward
-    output, with exactly one value on it that the pass accepts (the one to tag)."""
+    output, moved through the value of the op that allocated it, where the pass accepts that
+    value (the one to tag; a view of it saved as well keeps the storage on the device, which the
+    save set's program and `offloaded_storages` rule out)."""
     outputs = {graph.tensors[t].storage for t in graph.info.get("forward_outputs", ())}
-    movable: dict[int, list[str]] = {}
+    values = {}
     for value in problem.values:
         storage = graph.storages[value.storage]
         if (
-            storage.kind == "activation"
+            value.op is not None
+            and graph.op_by_name[value.op].index == storage.allocated_at
+            and storage.kind == "activation"
             and storage.nbytes >= settings.min_bytes
             and storage.id not in outputs
             and _offloadable(node_of_value[value.name])
         ):
-            movable.setdefault(storage.id, []).append(value.name)
-    values = {m: names[0] for m, names in movable.items() if len(names) == 1}
+            values.setdefault(storage.id, value.name)
     seconds = {
         m: copy_cost(
             graph.storages[m].nbytes, settings.link, 0.0, 0.0, settings.ranks_on_link
