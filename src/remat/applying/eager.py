@@ -370,9 +370,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         state.offloader, handles = install_offload(model, plan.offload, plan.offload_min_bytes)
         state.handles.extend(handles)
         for region in plan.regions:
-            forward = named[region.modules[0]].forward
-            if region.modules[0] in plan.offload and forward.context_fn is not None:
-                forward.context_fn.offloader = state.offloader
+            keep_policy = getattr(named[region.modules[0]].forward, "context_fn", None)
+            if region.modules[0] in plan.offload and keep_policy is not None:
+                keep_policy.offloader = state.offloader  # its kept outputs go to host too
     setattr(model, _APPLIED, state)
     return model
 
