@@ -11,8 +11,10 @@ import torch
 import remat
 from remat import Planner, models
 from remat.answers.bench import gradients
+from remat.applying.eager import installed_offloader
 from remat.applying.offload import install
 from remat.device import gpus, host_link
+from remat.planning import offload
 from remat.planning.offload import block_offload
 from remat.prediction.schedule import simulate
 
@@ -208,12 +210,6 @@ def test_gpu_settings_take_the_link_and_the_gpus_memory_as_host_cap():
     assert remat.OffloadSettings.for_profile("cpu").link is None
 
 
-def test_the_compiled_path_refuses_offload_by_name():
-    model = torch.nn.Linear(4, 4)
-    with pytest.raises(remat.RematError, match="compiled path does not offload"):
-        remat.compile(model, offload=True)
-
-
 def test_fit_offload_plan_is_cheaper_than_full_at_fulls_per_rank_peak():
     """`remat fit --offload`'s answer, on a GPU whose compute is slow enough to hide the copies
     (the cpu profile's roofline behind a PCIe Gen5 link): per rank under FSDP over 2 ranks, at
@@ -371,3 +367,35 @@ def test_remat_plan_offload_writes_a_plan_that_offloads_and_reads_back(capsys, t
     assert plan.offload and plan.host_bytes == answer["host_bytes"]
     assert main([*args, "--host-memory", "1GiB"]) == 2  # the cap without --offload: refused
     assert "add --offload" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "seq", "policy"),
+    [("gpt2", 256, "save-matmuls"), ("gpt2", 256, "torchtitan"), ("hf:llama", 128, "megatron")],
+)
+def test_selective_regions_kept_outputs_go_to_host_as_predicted(name, seq, policy):
+    """selective:<policy>+offload: the policy's cached outputs (beside the region's inputs) are
+    held on the host by remat's cache, so the measured drop of the peak (remat.verify: hooks on
+    and off) and the host bytes are the predicted ones, and gradients are bit-identical."""
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, inputs = models.build(name, device="cpu", tiny=True, batch=2, seq=seq)
+    graph = remat.trace(model, *inputs)
+    reference = gradients(model, inputs)
+    planner = Planner(graph, offload=remat.OffloadSettings(min_bytes=1024))
+    regions = planner.every_block(f"selective:{policy}")
+    indices = tuple(range(len(graph.blocks)))
+    plan = planner.make_plan(regions, "selective", None, "test", offload_blocks=indices)
+    choice = offload.choose(planner, regions, indices)
+    assert choice.offload.kept, "the policy keeps nothing worth offloading here"
+    inputs_only = replace(choice.offload, kept={})
+    assert plan.host_bytes > inputs_only.host_bytes(graph)
+    remat.apply(model, plan)
+    got = gradients(model, inputs)
+    assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+    assert installed_offloader(model).offloaded_bytes == pytest.approx(plan.host_bytes, rel=0.02)
+    checked = remat.verify(model, *inputs)
+    assert checked.offload_drop_predicted > 0
+    assert checked.offload_drop_ratio == pytest.approx(1, abs=0.02)
+    assert checked.peak_bytes_measured == pytest.approx(plan.predicted_peak_bytes, rel=0.02)

@@ -39,12 +39,14 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
+from remat.applying import compiled_offload
 from remat.applying.first_step import check_compiled
 from remat.device.cost import DeviceProfile, get_profile
 from remat.errors import RematError
 from remat.graph import Graph, Node, Op, Saved, Storage, Tensor
 from remat.planning import strategies
 from remat.planning.joint import JointContext, indices_of
+from remat.planning.offload import OffloadSettings, settings_for
 from remat.planning.plans import Plan, PlanStatus, SavedTensor, resolve_budget
 from remat.planning.solvers.mincut import JointProblem
 from remat.planning.solvers.saveset import (
@@ -244,10 +246,16 @@ def decide(
     budget: int | str | None,
     profile: DeviceProfile,
     peak_model: PeakModel = joint_peak,
+    offload: OffloadSettings | None = None,
 ) -> tuple[SaveSet, Plan]:
     """remat's save set for one joint graph by the registered `strategy`, and its plan; peaks
-    (and budgets given as a share) by `peak_model`."""
+    (and budgets given as a share) by `peak_model`. With `offload`, the budgeted save set may
+    also move storages to host memory, tensor by tensor (`compiled_offload.candidates`)."""
     joint = JointContext(jg.graph, jg.must_save, jg.must_recompute, profile, peak_model)
+    if offload is not None:
+        joint.offload = compiled_offload.candidates(
+            jg.node_of_value, jg.graph, joint.problem(), offload
+        )
     budget_bytes = (
         None
         if budget is None
@@ -278,6 +286,7 @@ def _plan(
         saved.append(
             SavedTensor(name, str(node.target) if node.op == "call_function" else "input", nbytes)
         )
+    moved = {"offloaded_values": list(chosen.offloaded)} if chosen.offloaded else {}
     recompute_flops = sum(by_name[o].flops for o in chosen.recomputed)
     reason = (
         f"{strategy}: saves {len(chosen.saved)} values ({format_bytes(chosen.held_bytes)}, "
@@ -306,6 +315,7 @@ def _plan(
             "traffic_bytes": chosen.traffic_bytes,
             "store_all_peak_bytes": store_all.peak_bytes,
             "store_all_held_bytes": store_all.held_bytes,
+            **moved,
         },
     )
 
@@ -395,12 +405,22 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
         torch_choice = partitioners.choose_saved_values_set
         backend = self.backend
 
+        settings = backend.offload
+        # with a budget the save set's program chooses what to offload, per tensor; without
+        # one, everything the pass can move goes (the lowest peak)
+        budgeted = settings is not None and backend.budget is not None
+
         def choose(joint: fx.Graph, node_info: Any, memory_budget: float = 1) -> list[fx.Node]:
             jg = joint_graph(joint, node_info, num_fwd_outputs)
             peaks = (
                 _InductorPeaks(gm, joint, joint_inputs, kwargs, jg)
                 if backend.peak_model == "inductor"
                 else None
+            )
+            op_by_op = (
+                joint_peak
+                if settings is None or budgeted
+                else compiled_offload.offloading_peaks(jg.node_of_value, settings)
             )
 
             def decision(peak_model: PeakModel) -> tuple[list[fx.Node], Plan]:
@@ -409,12 +429,17 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
                     _, plan = _priced(jg, nodes, backend.profile, memory_budget, peak_model)
                     return nodes, plan
                 chosen, plan = decide(
-                    jg, backend.strategy, backend.budget, backend.profile, peak_model
+                    jg,
+                    backend.strategy,
+                    backend.budget,
+                    backend.profile,
+                    peak_model,
+                    settings if budgeted else None,
                 )
                 return [jg.node_of_value[n] for n in chosen.saved] + jg.saved_symbols, plan
 
             if peaks is None:
-                nodes, plan = decision(joint_peak)
+                nodes, plan = decision(op_by_op)
                 plan.details["peak_model"] = "op-by-op"
             else:
                 try:
@@ -435,12 +460,24 @@ class _Partitioner(_PartitionerBase):  # type: ignore[misc,valid-type]
                     )
                     nodes, plan = decision(joint_peak)
                     plan.details["peak_model"] = "op-by-op"
+            if settings is not None:
+                plan = compiled_offload.with_offload(
+                    jg, nodes, plan, backend.profile, settings, budgeted
+                )
             backend.graphs.append(jg.graph)
             backend.plans.append(plan)
             return nodes
 
-        with _replaced(partitioners, "choose_saved_values_set", choose):
-            return partitioners.min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_replaced(partitioners, "choose_saved_values_set", choose))
+            if settings is not None:
+                stack.enter_context(compiled_offload.pass_enabled())
+            forward, backward = partitioners.min_cut_rematerialization_partition(
+                gm, joint_inputs, **kwargs
+            )
+        if settings is not None and backend.plans:
+            backend.plans[-1].details.update(compiled_offload.graph_transfers(forward, backward))
+        return forward, backward
 
     def uuid(self) -> None:
         return None  # no inductor cache: a cached graph would skip the partitioner and its plan
@@ -475,6 +512,8 @@ class RematBackend:
     profile: str | DeviceProfile = "cpu"
     compiler: str = "inductor"
     peak_model: str | None = None  # None: "inductor" under inductor, else "op-by-op"
+    #: saved values to host memory by torch's compile offload pass (None: none)
+    offload: OffloadSettings | None = None
     plans: list[Plan] = field(default_factory=list)
     graphs: list[Graph] = field(default_factory=list)
 
@@ -486,6 +525,15 @@ class RematBackend:
                 f"compiler {self.compiler!r} is unknown: choose 'inductor' (fused kernels) or "
                 "'aot_eager' (the same graphs run op by op, for debugging)"
             )
+        if self.offload is not None:
+            compiled_offload.require_pass()
+            if self.peak_model == "inductor":
+                raise RematError(
+                    "peak_model='inductor' does not fit offload: inductor's buffer plan is read "
+                    "without torch's offload pass; choose peak_model='op-by-op' (the default "
+                    "with offload)"
+                )
+            self.peak_model = "op-by-op"
         if self.peak_model is None:
             self.peak_model = "inductor" if self.compiler == "inductor" else "op-by-op"
         if self.peak_model not in PEAK_MODELS or (
@@ -598,6 +646,7 @@ def backend(
     profile: str | DeviceProfile = "cpu",
     compiler: str = "inductor",
     peak_model: str | None = None,
+    offload: OffloadSettings | bool | None = None,
 ) -> RematBackend:
     """A torch.compile backend with remat's partitioner: `torch.compile(model, backend=...)`.
 
@@ -620,9 +669,20 @@ def backend(
     `remat.applying.compiled.remat_error_cause(err)` finds it in the chain, with its `budget_bytes` and
     `min_feasible_bytes`. `remat.compile` does this for you: it re-raises the remat error itself.
     With `torch._dynamo.config.suppress_errors = True`, dynamo raises nothing: it logs the error
-    and runs that graph eagerly, without remat's plan (and adds no plan for it)."""
+    and runs that graph eagerly, without remat's plan (and adds no plan for it).
+
+    `offload` (True: the settings of `profile`'s GPU, or an `OffloadSettings`): saved values go to
+    host memory by torch's compile offload pass (`remat.applying.compiled_offload`): with a
+    budget, those the budgeted save set's program picks, tensor by tensor, beside keep and
+    recompute; without one, all the pass can move. Their bytes leave the predicted peak, their
+    copies are in `Plan.transfer_seconds`."""
     return RematBackend(
-        budget=budget, strategy=strategy, profile=profile, compiler=compiler, peak_model=peak_model
+        budget=budget,
+        strategy=strategy,
+        profile=profile,
+        compiler=compiler,
+        peak_model=peak_model,
+        offload=settings_for(profile, offload),
     )
 
 
@@ -634,7 +694,7 @@ def compile(
     compiler: str = "inductor",
     peak_model: str | None = None,
     check: bool = True,
-    offload: bool = False,
+    offload: OffloadSettings | bool = False,
     **compile_kwargs: Any,
 ) -> nn.Module:
     """`torch.compile(model)` with remat's partitioner (see `backend`). The decisions appear, one
@@ -651,23 +711,16 @@ def compile(
     bytes and, on CUDA, the allocator's peak against the budget, once, warning where they differ
     (`remat.applying.first_step.check_compiled`).
 
-    `offload=True` is refused: torch 2.13's compile offload passes
-    (`torch._functorch._activation_offloading`) move the saved nodes a partitioner tags, and
-    remat's partitioner does not tag any yet."""
-    if offload:
-        raise RematError(
-            "remat.compile(offload=True): the compiled path does not offload. torch's compile "
-            "offload passes (torch._functorch._activation_offloading, behind "
-            "torch._functorch.config.enable_activation_offloading) move nodes a partitioner tags "
-            "for offload, and remat's partitioner tags none yet; offload the eager step instead: "
-            "remat.auto(model, *inputs, offload=True) or remat.apply(model, plan)"
-        )
+    `offload=True` (or an `OffloadSettings`): each plan's saved values that torch's compile offload
+    pass accepts go to host memory (see `backend`; docs/offload.md); where the installed torch has
+    no such pass, a `RematError` says so here, before anything compiles."""
     chosen = backend(
         budget=budget,
         strategy=strategy,
         profile=profile,
         compiler=compiler,
         peak_model=peak_model,
+        offload=offload,
     )
     compile_kwargs.setdefault("dynamic", False)
     compiled = torch.compile(model, backend=chosen, **compile_kwargs)

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.applying.offload import OffloadingCache
 from remat.applying.offload import install as install_offload
 from remat.errors import RematError, warn
 from remat.measuring.measure import measure
@@ -89,6 +90,8 @@ class _KeepPolicy:
         self.check = check
         self.scope = scope
         self.target_of: dict[Any, str] = {}
+        #: the plan's offloading hooks: kept outputs made in an offloaded block go to host
+        self.offloader: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "target_of": {}}  # a cache of op names; ops do not pickle
@@ -96,6 +99,7 @@ class _KeepPolicy:
     def __call__(self) -> Any:
         counts: tuple[dict, dict] = ({}, {})
         keys, check, scope, target_of = self.check.expected, self.check, self.scope, self.target_of
+        cache = OffloadingCache(self.offloader) if self.offloader is not None else None
 
         def policy(ctx, func, *args, **kwargs):
             target = target_of.get(func)
@@ -109,10 +113,15 @@ class _KeepPolicy:
             if key in keys:
                 if not ctx.is_recompute:
                     check.running.add(key)
+                    if cache is not None:  # a view's storage is another op's output
+                        cache.next_to_host = not getattr(func, "is_view", False)
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        if cache is not None:
+            caching.storage = cached.storage = cache
+        return caching, cached
 
 
 class _EnterScope:
@@ -360,6 +369,10 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     if plan.offload:  # the offloaded blocks' saves go to host memory (remat.applying.offload)
         state.offloader, handles = install_offload(model, plan.offload, plan.offload_min_bytes)
         state.handles.extend(handles)
+        for region in plan.regions:
+            keep_policy = getattr(named[region.modules[0]].forward, "context_fn", None)
+            if region.modules[0] in plan.offload and keep_policy is not None:
+                keep_policy.offloader = state.offloader  # its kept outputs go to host too
     setattr(model, _APPLIED, state)
     return model
 

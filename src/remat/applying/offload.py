@@ -8,7 +8,9 @@ saved storage of at least `min_bytes` (parameters, buffers and the model's input
 host buffer once a step, and returns a handle instead of the tensor, so autograd holds no device
 copy: the storage dies when the forward drops it. The unpack hook copies it back to a new device
 storage (one copy shared while alive by every node that saved it) and rebuilds the saved view,
-bit for bit, so gradients are those of the unplanned model.
+bit for bit, so gradients are those of the unplanned model. A selective region's kept outputs are
+held by checkpoint's policy cache, not by hooks: `OffloadingCache` (the cache remat gives such a
+region in an offloaded block) holds host copies made by the same `Offloader` instead.
 
 Host buffers are reused across steps (a pool by size, refilled when autograd lets go of a handle).
 On CUDA they are pinned, the copies run on a side stream ordered by events (the device storage is
@@ -146,6 +148,7 @@ class Offloader:
     group: int = 0
     offloaded_bytes: int = 0  # the storages the latest forward copied, each once
     enabled: bool = True  # off: every save stays on the device (`remat.verify` measures both)
+    active: int = 0  # how many offloaded blocks' forwards are running (the cache offloads there)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (`copy.deepcopy`, `pickle`, `torch.save` of the planned model) starts with no
@@ -218,6 +221,7 @@ class _Enter:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         self.offloader.group = self.group
+        self.offloader.active += 1
         hooks = torch.autograd.graph.saved_tensors_hooks(self.offloader.pack, self.offloader.unpack)
         hooks.__enter__()
         self.active.append(hooks)
@@ -229,6 +233,57 @@ class _Leave:
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         self.enter.active.pop().__exit__(None, None, None)
+        self.enter.offloader.active -= 1
+
+
+class OffloadingCache(dict):
+    """A selective-checkpoint cache (the `storage` torch's `_CachingTorchDispatchMode` fills and
+    `_CachedTorchDispatchMode` reads: op key -> {call index -> entry}) whose entries for kept ops
+    that are not views, made while an offloaded block's forward runs, hold a host copy instead of
+    the output (`Offloader.pack`: parameters, inputs and storages under `min_bytes` stay). The
+    cache then keeps no device copy; the replay gets it back (`Offloader.unpack`) when it reaches
+    the op. The policy says which call comes next (`next_to_host`), just before torch stores it.
+    A host copy is the value at the time of caching, so torch's check that a cached tensor was not
+    modified in place has nothing to check for it."""
+
+    def __init__(self, offloader: Offloader) -> None:
+        super().__init__()
+        self.offloader = offloader
+        self.next_to_host = False
+
+    def __missing__(self, key: Any) -> dict[int, Any]:
+        entries = self[key] = _CacheEntries(self)
+        return entries
+
+
+class _CacheEntries(dict):
+    def __init__(self, cache: OffloadingCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def __setitem__(self, index: int, entry: Any) -> None:
+        cache, offloader = self.cache, self.cache.offloader
+        if cache.next_to_host and offloader.active and offloader.enabled:
+            entry = torch.utils._pytree.tree_map(self._to_host, entry)
+        cache.next_to_host = False
+        super().__setitem__(index, entry)
+
+    def _to_host(self, wrapped: Any) -> Any:
+        value = getattr(wrapped, "val", None)
+        if not isinstance(value, torch.Tensor):
+            return wrapped
+        packed = self.cache.offloader.pack(value)
+        return wrapped if isinstance(packed, torch.Tensor) else _CachedOnHost(self.cache, packed)
+
+
+class _CachedOnHost:
+    """A cache entry's value on the host; `get_val` (what the replay calls) brings it back."""
+
+    def __init__(self, cache: OffloadingCache, packed: Any) -> None:
+        self.cache, self.packed = cache, packed
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        return self.cache.offloader.unpack(self.packed)
 
 
 def install(model: nn.Module, blocks: tuple[str, ...], min_bytes: int) -> tuple[Offloader, list]:

@@ -14,6 +14,7 @@ from remat.errors import RematError
 from remat.graph import Graph, Op
 from remat.planning.solvers.mincut import JointProblem, joint_problem, mincut
 from remat.planning.solvers.saveset import (
+    Offloadable,
     PeakModel,
     SaveSet,
     describe_save_set,
@@ -33,6 +34,8 @@ class JointContext:
     must_recompute: frozenset[str]  # op names tagged MUST_RECOMPUTE or PREFER_RECOMPUTE
     profile: DeviceProfile
     peak_model: PeakModel = joint_peak
+    #: what the budgeted save set may move to host memory per tensor (None: nothing)
+    offload: Offloadable | None = None
 
     @cached_property
     def op_seconds(self) -> list[float]:
@@ -80,7 +83,8 @@ class JointContext:
         )
 
     def cheapest_within(self, budget_bytes: int | None) -> SaveSet:
-        """The cheapest save set (recompute + traffic) whose predicted peak fits the budget."""
+        """The cheapest save set (recompute + traffic, + copies where `offload` lets it move
+        storages to host memory) whose predicted peak fits the budget."""
         return save_set_within(
             self.graph,
             self.problem(),
@@ -88,6 +92,7 @@ class JointContext:
             self.profile.bandwidth,
             budget_bytes,
             self.peak_model,
+            self.offload,
         )
 
     @property

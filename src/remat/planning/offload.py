@@ -18,18 +18,24 @@ forward drops them, back at their node's first backward op.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from remat.device import gpus
 from remat.device.host_link import MIN_OFFLOAD_BYTES, HostLink, host_link, transfer_seconds
 from remat.graph import Graph, ModuleCall
+from remat.planning.solvers.selective import POLICIES
 from remat.prediction.schedule import Offload, Region, analyse_regions
 
 #: The MILP's offload options, each over the checkpoint option it runs with: a stored block whose
-#: saves go to host, and a checkpointed block whose region's inputs do.
-OPTIONS = {"offload": "store", "full+offload": "full"}
+#: saves go to host, a checkpointed block whose region's inputs do, and a selectively
+#: checkpointed one whose region's inputs and kept ops' outputs (the policy's cache) do.
+OPTIONS = {
+    "offload": "store",
+    "full+offload": "full",
+    **{f"selective:{p}+offload": f"selective:{p}" for p in POLICIES},
+}
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,30 @@ def offloaded_frames(
     return out
 
 
+def offloaded_kept(
+    graph: Graph, regions: Sequence[Region], blocks: Sequence[ModuleCall], min_bytes: int
+) -> dict[int, frozenset[int]]:
+    """Region index -> the outputs of its kept ops whose selective-checkpoint cache entry the
+    hooks move to host, for the regions that start at one of `blocks`: storages a kept op made
+    itself (not a view's), allocated in the step, of at least `min_bytes`
+    (`remat.applying.offload.OffloadingCache` applies the same rule at run time)."""
+    paths = {b.path for b in blocks}
+    out = {}
+    for r, region in enumerate(regions):
+        if region.modules[0] not in paths or not region.keep:
+            continue
+        storages = set()
+        for name in region.keep:
+            op = graph.op_by_name[name]
+            for t in op.outputs:
+                storage = graph.storages[graph.tensors[t].storage]
+                if storage.allocated_at == op.index and storage.nbytes >= min_bytes:
+                    storages.add(storage.id)
+        if storages:
+            out[r] = frozenset(storages)
+    return out
+
+
 def block_offload(
     graph: Graph,
     regions: Sequence[Region],
@@ -144,8 +174,9 @@ def block_offload(
     until its own forward ends; both back from the next block's first backward op)."""
     saves = offloaded_saves(graph, regions, blocks, min_bytes)
     frames = offloaded_frames(graph, regions, blocks, min_bytes)
+    kept = offloaded_kept(graph, regions, blocks, min_bytes)
     if not in_flight:
-        return Offload(saves, frames=frames)
+        return Offload(saves, frames=frames, kept=kept)
     following = {a.path: b for a, b in zip(all_blocks, all_blocks[1:], strict=False)}
     first_backward: dict[int, int] = {}
     for op in graph.backward_ops:
@@ -163,7 +194,8 @@ def block_offload(
         span = range(nxt.first_op, nxt.last_op + 1)
         start = min((first_backward[i] for i in span if i in first_backward), default=None)
         if block.path in region_at:
-            storages = frames.get(region_at[block.path], frozenset())
+            r = region_at[block.path]
+            storages = frames.get(r, frozenset()) | kept.get(r, frozenset())
             until = block.last_op
         else:
             storages = {
@@ -176,7 +208,7 @@ def block_offload(
             device_until[sid] = max(device_until.get(sid, -1), until)
             if start is not None:
                 reload_from[sid] = min(reload_from.get(sid, start), start)
-    return Offload(saves, device_until, reload_from, frames)
+    return Offload(saves, device_until, reload_from, frames, kept)
 
 
 def _save_op(graph: Graph, pack: int) -> int | None:
@@ -219,19 +251,10 @@ def copy_cost(
 CPU_COPY_BYTES_PER_S = 10e9
 
 
-def block_costs(
-    graph: Graph,
-    blocks: Sequence[ModuleCall],
-    op_seconds: Sequence[float],
-    settings: OffloadSettings | None,
-    full_regions: Sequence[Region],
-) -> dict[str, list[OffloadCost]]:
-    """Per block and offload option, what its copies cost: `offload`, the block stored with its
-    saves on the host (out behind the next block's forward); `full+offload`, the block
-    checkpointed with its region's inputs on the host (out behind its own forward, `full_regions`
-    one per block); both back behind the next block's backward. Host bytes count each storage
-    once per block."""
-    settings = settings or OffloadSettings()
+def block_windows(
+    graph: Graph, blocks: Sequence[ModuleCall], op_seconds: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Each block's forward and backward compute seconds: the windows its copies hide behind."""
     forward = [sum(op_seconds[b.first_op : b.last_op + 1]) for b in blocks]
     backward = [0.0] * len(blocks)
     block_of_op = {i: k for k, b in enumerate(blocks) for i in range(b.first_op, b.last_op + 1)}
@@ -240,20 +263,65 @@ def block_costs(
         k = block_of_op.get(node.forward_op) if node is not None else None
         if k is not None:
             backward[k] += op_seconds[op.index]
-    frames = offloaded_frames(graph, full_regions, blocks, settings.min_bytes)
-    out: dict[str, list[OffloadCost]] = {"offload": [], "full+offload": []}
-    for k, block in enumerate(blocks):
-        saves = offloaded_saves(graph, (), [block], settings.min_bytes)
-        stored = {graph.saved[i].storage for i in saves}
-        after = (forward[k + 1], backward[k + 1]) if k + 1 < len(blocks) else (0.0, 0.0)
-        for option, storages, window in (
-            ("offload", stored, after[0]),
-            ("full+offload", frames.get(k, frozenset()), forward[k]),
-        ):
-            host = sum(graph.storages[sid].nbytes for sid in storages)
-            out[option].append(
-                copy_cost(host, settings.link, window, after[1], settings.ranks_on_link)
+    return forward, backward
+
+
+def block_cost(
+    host_bytes: int,
+    k: int,
+    checkpointed: bool,
+    windows: tuple[list[float], list[float]],
+    settings: OffloadSettings,
+) -> OffloadCost:
+    """Block k's copies of `host_bytes`: out behind the next block's forward (a stored block's
+    saves) or its own (a checkpointed block's region inputs and kept outputs), back behind the
+    next block's backward."""
+    forward, backward = windows
+    after = (forward[k + 1], backward[k + 1]) if k + 1 < len(forward) else (0.0, 0.0)
+    out_window = forward[k] if checkpointed else after[0]
+    return copy_cost(host_bytes, settings.link, out_window, after[1], settings.ranks_on_link)
+
+
+def block_costs(
+    graph: Graph,
+    blocks: Sequence[ModuleCall],
+    op_seconds: Sequence[float],
+    settings: OffloadSettings | None,
+    regions_of: Mapping[str, Sequence[Region]],
+) -> dict[str, list[OffloadCost]]:
+    """Per block and offload option (`OPTIONS`), what its copies cost: `offload`, the block stored
+    with its saves on the host; `full+offload` and `selective:<policy>+offload`, the block
+    checkpointed (`regions_of[option]`: one region per block) with its region's inputs, and a
+    selective region's kept outputs, on the host. Host bytes count each storage once per block."""
+    settings = settings or OffloadSettings()
+    windows = block_windows(graph, blocks, op_seconds)
+    out: dict[str, list[OffloadCost]] = {}
+    for option, base in OPTIONS.items():
+        if base == "store":
+            per_block = [
+                {
+                    graph.saved[i].storage
+                    for i in offloaded_saves(graph, (), [b], settings.min_bytes)
+                }
+                for b in blocks
+            ]
+        else:
+            regions = regions_of[base]
+            frames = offloaded_frames(graph, regions, blocks, settings.min_bytes)
+            kept = offloaded_kept(graph, regions, blocks, settings.min_bytes)
+            per_block = [
+                frames.get(k, frozenset()) | kept.get(k, frozenset()) for k in range(len(blocks))
+            ]
+        out[option] = [
+            block_cost(
+                sum(graph.storages[sid].nbytes for sid in storages),
+                k,
+                base != "store",
+                windows,
+                settings,
             )
+            for k, storages in enumerate(per_block)
+        ]
     return out
 
 
@@ -263,6 +331,14 @@ def settings_for(profile: Any, offload: OffloadSettings | bool | None) -> Offloa
     if offload is True:
         return OffloadSettings.for_profile(profile)
     return offload or None
+
+
+def costs_of(planner: Any) -> dict[str, list[OffloadCost]]:
+    """`block_costs` on the planner's blocks, each checkpointed option's regions one per block."""
+    regions_of = {base: planner.every_block(base) for base in set(OPTIONS.values()) - {"store"}}
+    return block_costs(
+        planner.graph, planner.blocks, planner.op_seconds, planner.offload, regions_of
+    )
 
 
 def settings_of(planner: Any) -> OffloadSettings:
@@ -285,18 +361,25 @@ def choose(
         in_flight=in_flight and settings.link is not None,
         all_blocks=planner.blocks,
     )
-    starts = {r.modules[0] for r in regions}
-    costs = planner.offload_costs
+    region_at = {r.modules[0]: k for k, r in enumerate(regions)}
+    windows = block_windows(planner.graph, planner.blocks, planner.op_seconds)
+    exposed = 0.0
+    for b in indices:
+        block = planner.blocks[b]
+        r = region_at.get(block.path)
+        if r is None:
+            span = range(block.first_op, block.last_op + 1)
+            storages = {
+                planner.graph.saved[p].storage
+                for p in offload.saves
+                if _save_op(planner.graph, p) in span
+            }
+        else:
+            storages = offload.frames.get(r, frozenset()) | offload.kept.get(r, frozenset())
+        host = sum(planner.graph.storages[sid].nbytes for sid in storages)
+        exposed += block_cost(host, b, r is not None, windows, settings).exposed_seconds
     return OffloadChoice(
-        offload,
-        tuple(planner.blocks[b].path for b in indices),
-        settings.min_bytes,
-        sum(
-            costs["full+offload" if planner.blocks[b].path in starts else "offload"][
-                b
-            ].exposed_seconds
-            for b in indices
-        ),
+        offload, tuple(planner.blocks[b].path for b in indices), settings.min_bytes, exposed
     )
 
 

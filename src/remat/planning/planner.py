@@ -460,9 +460,8 @@ class Planner:
 
     @cached_property
     def offload_costs(self) -> dict[str, list[offloading.OffloadCost]]:
-        """Per offload option and block, what its copies cost (`offload.block_costs`)."""
-        full = self.every_block("full")
-        return offloading.block_costs(self.graph, self.blocks, self.op_seconds, self.offload, full)
+        """Per offload option and block, what its copies cost (`offload.costs_of`)."""
+        return offloading.costs_of(self)
 
     def region_overheads(self, regions: tuple[Region, ...]) -> list[float]:
         """What checkpointing itself costs per region on the profile (beyond the ops it

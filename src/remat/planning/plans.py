@@ -65,7 +65,8 @@ class Plan:
     #: for the first step's check (`remat.applying.first_step`) to name the modules that differ
     held_by_module: dict[str, int] = field(default_factory=dict)
     #: offload (docs/offload.md): the blocks whose saves of at least `offload_min_bytes` go to
-    #: host memory, the host memory they take, and the copy seconds no compute hides (step time)
+    #: host memory (a compiled plan: the saved values' node names), the host memory they take,
+    #: and the copy seconds no compute hides (step time)
     offload: tuple[str, ...] = ()
     offload_min_bytes: int = 0
     host_bytes: int = 0
@@ -94,7 +95,8 @@ class Plan:
             f"(+{self.recompute_seconds * 1e3:.3g} ms on {self.profile}), "
             f"{len(self.regions)} regions, {kept} kept ops"
             + (
-                f", {len(self.offload)} blocks offloaded: {format_bytes(self.host_bytes)} on the "
+                f", {len(self.offload)} {'values' if self.path == 'compile' else 'blocks'} "
+                f"offloaded: {format_bytes(self.host_bytes)} on the "
                 f"host, +{self.transfer_seconds * 1e3:.3g} ms copies not hidden"
                 if self.offload
                 else ""

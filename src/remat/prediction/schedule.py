@@ -199,6 +199,8 @@ class RegionAnalysis:
     #: back at the earliest (`Offload.reload_from`)
     offloaded_frames: Mapping[int, frozenset[int]] = field(default_factory=dict)
     reload_from: Mapping[int, int] = field(default_factory=dict)
+    #: region index -> its kept ops' outputs whose cached copy is on the host (`Offload.kept`)
+    offloaded_kept: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -213,16 +215,22 @@ class Offload:
     `frames`: region index -> storages among its checkpoint frame's inputs that go to host
     (checkpoint saves its inputs through the saved-tensor hooks active around it): the frame
     then holds no device copy; they come back when the region's replay starts, until the frame
-    dies."""
+    dies.
+
+    `kept`: region index -> storages its kept ops made whose selective-checkpoint cache entry
+    goes to host (`remat.applying.offload.OffloadingCache`): the cache holds no device copy, so
+    the storage dies when the program drops it; it comes back when the replay reaches its op
+    (from `reload_from` when prefetched), and lives from there as a cached value would."""
 
     saves: frozenset[int]
     device_until: Mapping[int, int] = field(default_factory=dict)
     reload_from: Mapping[int, int] = field(default_factory=dict)
     frames: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    kept: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
     def storages(self, graph: Graph) -> set[int]:
         out = {graph.saved[i].storage for i in self.saves}
-        for storages in self.frames.values():
+        for storages in (*self.frames.values(), *self.kept.values()):
             out.update(storages)
         return out
 
@@ -325,14 +333,22 @@ def analyse_regions(
             )
         )
     frames = {} if offload is None else dict(offload.frames)
-    for storages in frames.values():
+    kept = {} if offload is None else dict(offload.kept)
+    for storages in (*frames.values(), *kept.values()):
         for sid in storages:
             autograd_holds[sid] = max(
                 autograd_holds.get(sid, -1), offload.device_until.get(sid, -1)
             )
     reload_from = {} if offload is None else dict(offload.reload_from)
     return RegionAnalysis(
-        tuple(region_of_op), kept_ops, tuple(replays), autograd_holds, reloads, frames, reload_from
+        tuple(region_of_op),
+        kept_ops,
+        tuple(replays),
+        autograd_holds,
+        reloads,
+        frames,
+        reload_from,
+        kept,
     )
 
 
@@ -461,7 +477,13 @@ def storage_lives(
             # The policy's cache holds a kept op's outputs until the replay reaches the op and
             # takes them back; from there they live as a replayed op's outputs would.
             reached = rep.trigger is not None and s.allocated_at <= rep.stop_at
-            if not reached:
+            if s.id in analysis.offloaded_kept.get(region, ()):
+                # the cache holds a host copy: the device copy dies with the program's, and the
+                # one brought back when the replay reaches the op lives as the cached one would
+                if reached:
+                    lives.append(_reloaded_kept_life(s, program, rep, schedule, analysis))
+                    owners.append(s.id)
+            elif not reached:
                 death = max(death, rep.frame_until)
             elif s.id in rep.holders:
                 death = max(death, rep.holders[s.id])
@@ -499,6 +521,24 @@ def storage_lives(
             lives.append((replayed[0], replayed[-1], rng_state_bytes(graph)))
             owners.append(None)
     return deaths, lives, owners
+
+
+def _reloaded_kept_life(
+    s: Storage, program: int, rep: RegionReplay, schedule: Schedule, analysis: RegionAnalysis
+) -> Life:
+    """The device life of a kept op's output whose cache entry was on the host: back when the
+    replay reaches the op (before the first op it replays after it, else before its trigger; or
+    from its prefetch), until a region node that saved it has run, or as `_handed_over_until`."""
+    assert rep.trigger is not None
+    later = [i for i in rep.ops if i > s.allocated_at and i in schedule.replay_position]
+    born = schedule.replay_position[later[0]] if later else schedule.position_of_op[rep.trigger]
+    if s.id in analysis.reload_from:
+        born = min(born, schedule.position_of_op[analysis.reload_from[s.id]])
+    if s.id in rep.holders:
+        stop = schedule.after(rep.holders[s.id])
+    else:
+        stop = _handed_over_until(program, rep, schedule)
+    return (born, max(stop, born), s.nbytes)
 
 
 def _handed_over_until(program: int, rep: RegionReplay, schedule: Schedule) -> int:

@@ -14,6 +14,12 @@ capped. As an integer program over the graph (HiGHS through `scipy.optimize.milp
 - `y_m >= s_v` for v on m; the activation bytes held, `sum bytes_m y_m`, are at most the cap.
 - Minimise `sum seconds_o r_o + sum traffic_v s_v / bandwidth`: what recomputation costs plus what
   moving the saved values costs, both in seconds on the device profile.
+- Offload (the compiled path's `offload=`; docs/offload.md): `o_m` = 1 if storage m goes to host
+  memory between its last forward and first backward reader. Only a storage `Offloadable` names,
+  through the one value of it the offload pass can move: `o_m <= s_v` for that value, and
+  `o_m + s_u <= 1` for every other value u on m (a saved view would keep it on the device). Held
+  bytes become `sum bytes_m (y_m - o_m)`, host bytes `sum bytes_m o_m` are capped, and each o_m
+  costs its copy seconds: keep, recompute or offload, per tensor, under one byte cap.
 
 A byte budget bounds the *peak*, not the saved bytes. A `PeakModel` predicts the peak of a save
 set: `joint_peak` here runs the step's two programs (forward, then backward with each recomputed
@@ -33,7 +39,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -51,6 +57,17 @@ _RUNGS = 12
 
 
 @dataclass(frozen=True)
+class Offloadable:
+    """What a save set may move to host memory: storage -> the name of the one value on it the
+    offload pass can move, and storage -> the copy seconds it costs; host memory capped (None:
+    no cap)."""
+
+    values: Mapping[int, str]
+    seconds: Mapping[int, float]
+    host_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class SaveSet:
     """A save set and what it predicts. `saved`: value names (as in `MinCutResult`); `recomputed`:
     forward ops backward re-runs; `held_bytes`: bytes of the saved storages that are not parameters
@@ -64,9 +81,18 @@ class SaveSet:
     traffic_bytes: int
     recompute_seconds: float
     peak_bytes: int
+    #: values whose storage goes to host memory (`Offloadable`), and their copies' seconds
+    offloaded: tuple[str, ...] = ()
+    transfer_seconds: float = 0.0
 
 
-def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed: list[int]) -> int:
+def joint_peak(
+    graph: Graph,
+    problem: JointProblem,
+    saved: set[int],
+    recomputed: list[int],
+    offloaded: frozenset[int] = frozenset(),
+) -> int:
     """Predicted peak bytes of the step when the values `saved` are saved and `recomputed` (from
     `recomputed_values`) are recomputed. Every op's new output storage is allocated when it runs
     and freed after its last reader in the same program; saved storages live until their last backward reader; the
@@ -75,7 +101,12 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     buffers, inputs) count throughout. Exact when the graphs run op by op (aot_eager); under
     inductor, fusion drops intermediates, buffers are reused in place and kernels run in
     inductor's order (0-18% off on CPU), which is why the compiled path reads inductor's own plan
-    there (`remat.prediction.inductor_plan`) and uses this only when that plan cannot be read."""
+    there (`remat.prediction.inductor_plan`) and uses this only when that plan cannot be read.
+
+    `offloaded` (storage ids of saved values) are what torch's compile offload pass moves to host
+    memory (`remat.applying.compiled_offload`): each leaves the device after its last forward
+    reader (the pass copies it there) and comes back just before its first backward reader,
+    living until its last one; host memory is not counted."""
     values = problem.values
     tensors = graph.tensors
     storages = graph.storages
@@ -91,14 +122,14 @@ def joint_peak(graph: Graph, problem: JointProblem, saved: set[int], recomputed:
     backward = _lazy_order(graph, replayed)
 
     live = {sid: storages[sid].nbytes for sid in persistent}
-    keep = persistent | saved_storages | forward_outputs
+    keep = persistent | (saved_storages - offloaded) | forward_outputs
     peak = _run(graph, forward, live, keep, 0)
     for sid in {tensors[t].storage for op in graph.backward_ops for t in op.inputs}:
         if storages[sid].kind == "grad" and storages[sid].allocated_at is None:
             live[sid] = storages[sid].nbytes  # the tangents backward starts from
     live[_LOSS] = loss_bytes(graph)
     keep = persistent | forward_outputs | backward_outputs | {_LOSS}
-    return _run(graph, backward, live, keep, peak)
+    return _run(graph, backward, live, keep, peak, reload=offloaded)
 
 
 #: `joint_peak`'s key for the loss outside the graph (storage ids are never negative).
@@ -155,8 +186,16 @@ def _lazy_order(graph: Graph, replayed: set[int]) -> list[Op]:
     return order
 
 
-def _run(graph: Graph, program: list[Op], live: dict[int, int], keep: set[int], peak: int) -> int:
-    """Run `program` over `live` (storage -> bytes, updated in place) and return the peak seen."""
+def _run(
+    graph: Graph,
+    program: list[Op],
+    live: dict[int, int],
+    keep: set[int],
+    peak: int,
+    reload: frozenset[int] = frozenset(),
+) -> int:
+    """Run `program` over `live` (storage -> bytes, updated in place) and return the peak seen;
+    a storage of `reload` not live comes back (from host memory) just before an op reads it."""
     tensors = graph.tensors
     last_use: dict[int, int] = {}
     for pos, op in enumerate(program):
@@ -164,6 +203,11 @@ def _run(graph: Graph, program: list[Op], live: dict[int, int], keep: set[int], 
             last_use[tensors[t].storage] = pos
     total = sum(live.values())
     for pos, op in enumerate(program):
+        for t in op.inputs:
+            sid = tensors[t].storage
+            if sid in reload and sid not in live:
+                live[sid] = graph.storages[sid].nbytes
+                total += live[sid]
         for t in op.outputs:
             sid = tensors[t].storage
             if sid not in live:
@@ -177,9 +221,10 @@ def _run(graph: Graph, program: list[Op], live: dict[int, int], keep: set[int], 
     return peak
 
 
-#: A save set's predicted peak: (graph, problem, saved, recomputed) -> bytes. `joint_peak` runs
-#: the graphs op by op; the compiled path gives inductor's own plan where it compiles with it.
-PeakModel = Callable[[Graph, JointProblem, set[int], list[int]], int]
+#: A save set's predicted peak: (graph, problem, saved, recomputed[, offloaded storages]) -> bytes.
+#: `joint_peak` runs the graphs op by op; the compiled path gives inductor's own plan where it
+#: compiles with it (without offload).
+PeakModel = Callable[..., int]
 
 
 def describe_save_set(
@@ -188,9 +233,12 @@ def describe_save_set(
     saved: set[int],
     op_seconds: Sequence[float],
     peak_model: PeakModel = joint_peak,
+    offloaded: frozenset[int] = frozenset(),
+    offload: Offloadable | None = None,
 ) -> SaveSet:
     """A valid save set (indices into `problem.values`) with its bytes, time and predicted peak
-    (by `peak_model`); values backward does not reach are dropped from it."""
+    (by `peak_model`, given the `offloaded` storages, priced by `offload`); values backward
+    does not reach are dropped from it."""
     values = problem.values
     recomputed = recomputed_values(problem, saved)
     if recomputed is None:
@@ -201,7 +249,11 @@ def describe_save_set(
     storages = graph.storages
     kept = {values[v].storage for v in saved}
     ops = _recomputed_ops(problem, recomputed)
-    peak = peak_model(graph, problem, saved, recomputed)
+    offloaded = frozenset(offloaded & kept)
+    if offloaded:
+        peak = peak_model(graph, problem, saved, recomputed, offloaded)
+    else:
+        peak = peak_model(graph, problem, saved, recomputed)
     return SaveSet(
         saved=tuple(values[v].name for v in sorted(saved)),
         recomputed=ops,
@@ -212,6 +264,8 @@ def describe_save_set(
         traffic_bytes=sum(values[v].cost for v in saved),
         recompute_seconds=sum(op_seconds[graph.op_by_name[o].index] for o in ops),
         peak_bytes=peak,
+        offloaded=tuple(offload.values[m] for m in sorted(offloaded)) if offload else (),
+        transfer_seconds=sum(offload.seconds[m] for m in offloaded) if offload else 0.0,
     )
 
 
@@ -249,6 +303,32 @@ def cheapest_save_set(
     activations for backward (None: no cap); None if no save set fits the cap. With
     `traffic_weight=0` the least recompute time alone, the measure torch's budgeted partitioner
     is compared on. Solved to proven optimality (no MIP gap)."""
+    found = cheapest_choice(
+        graph,
+        problem,
+        op_seconds,
+        bandwidth,
+        max_held_activation_bytes,
+        traffic_weight=traffic_weight,
+        time_limit_s=time_limit_s,
+    )
+    return None if found is None else found[0]
+
+
+def cheapest_choice(
+    graph: Graph,
+    problem: JointProblem,
+    op_seconds: Sequence[float],
+    bandwidth: float,
+    max_held_activation_bytes: int | None,
+    offload: Offloadable | None = None,
+    *,
+    traffic_weight: float = 1.0,
+    time_limit_s: float = 30.0,
+) -> tuple[set[int], frozenset[int]] | None:
+    """`cheapest_save_set` where storages `offload` names may also go to host memory (their
+    bytes out of the cap, their copy seconds in the cost): the save set and the offloaded
+    storages of least recompute + traffic + copy seconds, or None if nothing fits the cap."""
     values = problem.values
     n = len(values)
     op_names = list(dict.fromkeys(v.op for v in values if v.op is not None))
@@ -257,7 +337,14 @@ def cheapest_save_set(
         {v.storage for v in values if graph.storages[v.storage].kind not in PERSISTENT_KINDS}
     )
     store_col = {m: n + len(op_names) + k for k, m in enumerate(held)}
-    columns = n + len(op_names) + len(held)
+    index_of = {v.name: i for i, v in enumerate(values)}
+    movable = sorted(
+        m
+        for m, name in (offload.values.items() if offload else ())
+        if m in store_col and name in index_of
+    )
+    host_col = {m: n + len(op_names) + len(held) + k for k, m in enumerate(movable)}
+    columns = n + len(op_names) + len(held) + len(movable)
 
     rows: list[int] = []
     cols: list[int] = []
@@ -288,11 +375,24 @@ def cheapest_save_set(
     for v in range(n):
         if values[v].storage in store_col:
             row([(store_col[values[v].storage], 1.0), (v, -1.0)], 0, np.inf)
+    for m, c in host_col.items():  # offload m only through its movable value, saved alone
+        mover = index_of[offload.values[m]]
+        row([(c, 1.0), (mover, -1.0)], -np.inf, 0)
+        for u in range(n):
+            if u != mover and values[u].storage == m:
+                row([(c, 1.0), (u, 1.0)], -np.inf, 1)
     if max_held_activation_bytes is not None:
         row(
-            [(store_col[m], float(graph.storages[m].nbytes)) for m in held],
+            [(store_col[m], float(graph.storages[m].nbytes)) for m in held]
+            + [(c, -float(graph.storages[m].nbytes)) for m, c in host_col.items()],
             -np.inf,
             max_held_activation_bytes,
+        )
+    if host_col and offload.host_budget_bytes is not None:
+        row(
+            [(c, float(graph.storages[m].nbytes)) for m, c in host_col.items()],
+            -np.inf,
+            offload.host_budget_bytes,
         )
 
     cost = np.zeros(columns)
@@ -306,6 +406,8 @@ def cheapest_save_set(
         cost[c] = op_seconds[graph.op_by_name[name].index]
         if name in pinned_ops:
             ub[c] = 0
+    for m, c in host_col.items():
+        cost[c] = offload.seconds[m]
     # Seconds per value are ~1e-9 on small graphs, below HiGHS's absolute optimality gap (1e-6,
     # which scipy does not expose): scaled so the largest cost is 1, the optimum is exact.
     scale = cost.max(initial=0.0)
@@ -322,7 +424,10 @@ def cheapest_save_set(
     )
     if res.x is None:
         return None
-    return {v for v in range(n) if res.x[v] > 0.5}
+    return (
+        {v for v in range(n) if res.x[v] > 0.5},
+        frozenset(m for m, c in host_col.items() if res.x[c] > 0.5),
+    )
 
 
 def candidate_save_sets(
@@ -331,27 +436,30 @@ def candidate_save_sets(
     op_seconds: Sequence[float],
     bandwidth: float,
     rungs: int = _RUNGS,
-) -> list[set[int]]:
+    offload: Offloadable | None = None,
+) -> list[tuple[set[int], frozenset[int]]]:
     """Save sets along a ladder of caps on the activation bytes held for backward, from the
     cheapest uncapped one down to holding none, and saving everything backward reads. Holding
     less does not always lower the peak (recomputing a long chain in backward keeps it all alive
     at once), so a budget is met by checking each rung's predicted peak; the ladder does not
-    depend on the budget, which makes the chosen plan's peak never grow as the budget shrinks."""
-    top = cheapest_save_set(graph, problem, op_seconds, bandwidth, None)
+    depend on the budget, which makes the chosen plan's peak never grow as the budget shrinks.
+    Each candidate comes with the storages it offloads (`offload`; none without it)."""
+    top = cheapest_choice(graph, problem, op_seconds, bandwidth, None, offload)
     if top is None:
         raise RematError(
             "no save set obeys the rules (a needed value can be neither saved nor recomputed)"
         )
-    top_held = _held_activation_bytes(graph, problem, _valid(problem, top))
+    top_held = _held_activation_bytes(graph, problem, _valid(problem, top[0]))
     found = [top]
     if not problem.unsaveable & set(problem.needed):  # saving all backward reads: store-all
-        found.append(set(problem.needed))
+        found.append((set(problem.needed), frozenset()))
     for k in range(rungs - 1, -1, -1):
-        chosen = cheapest_save_set(graph, problem, op_seconds, bandwidth, top_held * k // rungs)
+        cap = top_held * k // rungs
+        chosen = cheapest_choice(graph, problem, op_seconds, bandwidth, cap, offload)
         if chosen is not None:
             found.append(chosen)
-    unique = dict.fromkeys(frozenset(_valid(problem, saved)) for saved in found)
-    return [set(saved) for saved in unique]
+    unique = dict.fromkeys((frozenset(_valid(problem, saved)), moved) for saved, moved in found)
+    return [(set(saved), moved) for saved, moved in unique]
 
 
 def _valid(problem: JointProblem, saved: set[int]) -> set[int]:
@@ -367,27 +475,32 @@ def save_set_within(
     bandwidth: float,
     budget_bytes: int | None,
     peak_model: PeakModel = joint_peak,
+    offload: Offloadable | None = None,
 ) -> SaveSet:
-    """The cheapest candidate save set (recompute + traffic seconds; fewer saved values on a tie)
-    whose predicted peak fits `budget_bytes`; None: the cheapest of all. Candidates are priced by
-    `peak_model` cheapest first and only until one fits (a peak model may be costly: inductor's
-    is a code generation). Raises InfeasibleBudget with the lowest predicted peak of any
-    candidate when none fits."""
+    """The cheapest candidate save set (recompute + traffic + copy seconds; fewer saved values on
+    a tie) whose predicted peak fits `budget_bytes`; None: the cheapest of all. Candidates are
+    priced by `peak_model` cheapest first and only until one fits (a peak model may be costly:
+    inductor's is a code generation). Raises InfeasibleBudget with the lowest predicted peak of
+    any candidate when none fits."""
     if budget_bytes is None:
-        top = cheapest_save_set(graph, problem, op_seconds, bandwidth, None)
+        top = cheapest_choice(graph, problem, op_seconds, bandwidth, None, offload)
         if top is None:
             raise RematError("no save set obeys the rules")
-        return describe_save_set(graph, problem, top, op_seconds, peak_model)
+        return describe_save_set(graph, problem, top[0], op_seconds, peak_model, top[1], offload)
 
-    def seconds(saved: set[int]) -> float:
+    def seconds(choice: tuple[set[int], frozenset[int]]) -> float:
+        saved, moved = choice
         ops = _recomputed_ops(problem, recomputed_values(problem, saved) or [])
         recompute = sum(op_seconds[graph.op_by_name[o].index] for o in ops)
-        return recompute + sum(problem.values[v].cost for v in saved) / bandwidth
+        copies = sum(offload.seconds[m] for m in moved) if offload else 0.0
+        return recompute + sum(problem.values[v].cost for v in saved) / bandwidth + copies
 
-    candidates = candidate_save_sets(graph, problem, op_seconds, bandwidth)
+    candidates = candidate_save_sets(graph, problem, op_seconds, bandwidth, offload=offload)
     described: list[SaveSet] = []
-    for saved in sorted(candidates, key=lambda saved: (seconds(saved), len(saved))):
-        candidate = describe_save_set(graph, problem, saved, op_seconds, peak_model)
+    for saved, moved in sorted(
+        candidates, key=lambda choice: (seconds(choice), len(choice[0]), len(choice[1]))
+    ):
+        candidate = describe_save_set(graph, problem, saved, op_seconds, peak_model, moved, offload)
         if candidate.peak_bytes <= budget_bytes:
             return candidate
         described.append(candidate)
