@@ -39,7 +39,12 @@ from remat.models import (
     resnet,
     vit,
 )
-from remat.models.overrides import check_override_types, parse_overrides, parse_value
+from remat.models.overrides import (
+    check_override_types,
+    loss_chunks_overrides,
+    parse_overrides,
+    parse_value,
+)
 from remat.models.preset import Preset
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "Preset",
     "build",
     "check_override_types",
+    "loss_chunks_overrides",
     "parse_overrides",
     "parse_value",
     "preset_names",

@@ -77,3 +77,19 @@ def check_override_types(source: str, overrides: dict[str, Any], defaults: dict[
                 f"{source}: --set {key}={value!r}: {key} is {type(default).__name__} "
                 f"(default {default!r}); give {want}"
             )
+
+
+def loss_chunks_overrides(model: str, chunks: int) -> dict[str, Any]:
+    """The overrides that make `model`'s loss a cross-entropy over `chunks` sequence chunks, in
+    its own code's words: torchtune's `CEWithChunkedOutputLoss(num_output_chunks)`, the presets'
+    `loss_chunks` (llama); refused for code whose loss remat does not write."""
+    if chunks < 1:
+        raise RematError(f"--loss-chunks {chunks}: give 1 or more chunks")
+    if model.startswith("torchtune:"):
+        return {"loss": "CEWithChunkedOutputLoss", "num_output_chunks": chunks}
+    if ":" not in model:  # a preset: one without a chunked loss says which fields it has
+        return {"loss_chunks": chunks}
+    raise RematError(
+        f"--loss-chunks: {model} computes its own loss; the chunked loss is torchtune's "
+        "CEWithChunkedOutputLoss (torchtune:* models) or the llama presets' loss_chunks"
+    )

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from remat.answers.cli.common import layout_of, loop_of, model_name, writable
+from remat.answers.cli.common import layout_of, loop_of, model_name, model_overrides, writable
 from remat.errors import RematError
 
 
@@ -81,6 +81,9 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     parts += ["--keep-grads"] if getattr(args, "keep_grads", False) else []
     accumulation = getattr(args, "grad_accumulation", 1)
     parts += ["--grad-accumulation", str(accumulation)] if accumulation > 1 else []
+    parts += ["--keep-logits"] if getattr(args, "keep_logits", False) else []
+    chunks = getattr(args, "loss_chunks", None)
+    parts += ["--loss-chunks", str(chunks)] if chunks is not None else []
     for item in args.set or []:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)
@@ -110,7 +113,7 @@ def fit_report(
     if getattr(args, "batch", None) is None:  # one sample a micro-batch
         args.batch = layout_of(args).microbatches if getattr(args, "pp", 1) > 1 else 1
     gpu = gpu_of(args)
-    overrides = models.parse_overrides(args.set)
+    overrides = model_overrides(args)
 
     def build_for(precision: str):
         def build(batch: int, seq: int):
