@@ -160,10 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--precision",
         default="bf16-mixed",
-        choices=["fp32", "bf16", "bf16-mixed", "bf16-fsdp"],
+        choices=[
+            "fp32",
+            "bf16",
+            "bf16-mixed",
+            "bf16-fsdp",
+            "float8",
+            "float8-tensorwise",
+            "float8-rowwise",
+        ],
         help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward; bf16: everything "
         "in bf16; bf16-fsdp (with --shard): FSDP2's MixedPrecisionPolicy, bf16 gathered weights "
-        "and compute over fp32 shards of weights, grads and state (default: %(default)s)",
+        "and compute over fp32 shards of weights, grads and state; float8 (with --shard): "
+        "bf16-fsdp with torchao's Float8Linear (torchtitan's --model.converters float8), "
+        "tensorwise scales and FSDP's float8 all-gather; float8-tensorwise: bf16 all-gather; "
+        "float8-rowwise: rowwise scales (docs/fit.md) (default: %(default)s)",
     )
     ft.add_argument(
         "--optimizer",

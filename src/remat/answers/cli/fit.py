@@ -117,7 +117,7 @@ def fit_report(
 
     def build_for(precision: str):
         def build(batch: int, seq: int):
-            return models.build(
+            model, inputs = models.build(
                 args.model,
                 batch=batch,
                 seq=seq,
@@ -125,6 +125,7 @@ def fit_report(
                 tiny=args.tiny,
                 **overrides,
             )
+            return PRECISIONS[precision].prepare(model), inputs
 
         return build
 
