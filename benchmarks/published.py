@@ -304,7 +304,8 @@ POINTS: tuple[Point, ...] = (
         "kept between steps; and the runs of early 2022 had torch 1.10 (1.11 came out in March "
         "2022; inferred, the page does not say), whose softmax autograd kept its input as well as "
         "its output (pytorch/pytorch#64000, fixed by #65242): the target is "
-        "`remat.device.targets.cuda((7, 0), torch_version=(1, 10))`, one more fp32 (heads, seq, seq) "
+        "`remat.device.targets.cuda((7, 0), torch_version=(1, 10))` (the CLI's --torch-version "
+        "1.10), one more fp32 (heads, seq, seq) "
         "tensor per layer and sample, 16 MiB here. Traced with torch 2.13's autograd instead, H1 "
         "is 0.895, H2 0.941, H3 0.995, H4 0.858, H5 0.984: the gap grows with the batch and "
         "vanishes under checkpointing, as that tensor does",
@@ -324,9 +325,11 @@ POINTS: tuple[Point, ...] = (
         keep_grads=True,
         context_bytes=_HF_CONTEXT,
         torch_version=(1, 10),
-        note="its CLI command as printed (above) gives 7,090 MiB (0.817) on this machine: the "
-        "1,343 MiB context the page measured (the CLI takes a V100's 256 MiB) and torch 1.10's "
-        "softmax saves, which this script adds, come to 1,459 MiB",
+        note="its CLI command as printed (above, with --torch-version 1.10 and --cuda-context "
+        "1343MiB) gives 8,565 MiB (0.987) on this machine (--full-trace the same), H3's "
+        "6,727 MiB (0.993), H4's 13,499 MiB (0.968): within 28 MiB of this script's, which "
+        "walks the allocator with kept gradients where the CLI traces them kept "
+        "(remat.prediction.loop); without the two options, H2 is 7,090 MiB (0.817)",
     ),
     Point(
         "H3",
@@ -664,6 +667,8 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
         precision = "bf16-fsdp"
     elif point.autocast is torch.bfloat16:
         precision = "bf16-mixed"
+    elif point.autocast is torch.float16:
+        precision = "fp16-mixed"
     elif point.autocast is None:
         precision = "bf16" if point.dtype == "bf16" else "fp32"
     else:
@@ -676,6 +681,10 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
     parts += ["--shard", str(point.shard)] if point.shard > 1 else []
     parts += ["--keep-grads"] if point.keep_grads else []  # as a micro-step of accumulation
     parts += ["--keep-logits"] if point.keep_logits else []
+    if point.torch_version is not None:
+        parts += ["--torch-version", ".".join(map(str, point.torch_version))]
+    if point.context_bytes is not None and point.statistic == "nvidia-smi":
+        parts += ["--cuda-context", f"{point.context_bytes // MIB}MiB"]
     if point.compile is not None:
         parts += ["--compile", point.compile] + (
             ["--ac", "full"] if point.strategy == "full" else []
@@ -683,25 +692,7 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
         read = f"row compile:{point.compile}, peak_bytes (live bytes)"
     else:
         read = f"row {_ROW[point.strategy]}, {_FIELD[point.statistic]}"
-    missing = [
-        why
-        for why, lacks in (
-            (
-                f"torch {point.torch_version[0]}.{point.torch_version[1]}'s autograd (no CLI option)"
-                if point.torch_version
-                else "",
-                point.torch_version is not None,
-            ),
-            ("fp16 autocast (no fp16-mixed precision)", point.autocast is torch.float16),
-            (point.unexpressed, bool(point.unexpressed)),
-            (
-                f"the CUDA context the publication measured ({(point.context_bytes or 0) // MIB} "
-                "MiB; the CLI takes --gpu's)",
-                point.context_bytes is not None and point.statistic == "nvidia-smi",
-            ),
-        )
-        if lacks
-    ]
+    missing = [point.unexpressed] if point.unexpressed else []
     parts.append("--json")
     return " ".join(shlex.quote(p) for p in parts), read, "; ".join(missing)
 

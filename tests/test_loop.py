@@ -77,6 +77,8 @@ def test_loss_chunks_is_the_models_chunked_loss(capsys):
     assert _store_all(capsys, "--loss-chunks", "4") == _store_all(capsys, "--set", "loss_chunks=4")
     with pytest.raises(RematError, match="computes its own loss"):
         models.loss_chunks_overrides("hf:gpt2", 4)
+    with pytest.raises(RematError, match="computes its loss whole"):
+        models.loss_chunks_overrides("gpt2", 4)
 
 
 def test_keep_logits_refuses_a_step_without_a_cross_entropy():

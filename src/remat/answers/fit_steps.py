@@ -27,7 +27,14 @@ from remat.prediction.loop import Loop
 from remat.prediction.sizes import SizeModel, same_graph
 
 Precision = Literal[
-    "fp32", "bf16", "bf16-mixed", "bf16-fsdp", "float8", "float8-tensorwise", "float8-rowwise"
+    "fp32",
+    "bf16",
+    "bf16-mixed",
+    "fp16-mixed",
+    "bf16-fsdp",
+    "float8",
+    "float8-tensorwise",
+    "float8-rowwise",
 ]
 
 
@@ -57,6 +64,9 @@ PRECISIONS: dict[str, PrecisionSetup] = {
     "bf16": PrecisionSetup("bf16"),
     # fp32 parameters and gradients, the forward under torch.autocast(bf16)
     "bf16-mixed": PrecisionSetup("fp32", torch.bfloat16),
+    # the same under torch.autocast(fp16) (torch.cuda.amp before bf16; its GradScaler's scale
+    # and growth tracker are a few bytes)
+    "fp16-mixed": PrecisionSetup("fp32", torch.float16),
     # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered parameters
     # and compute (traced in bf16, no autocast), fp32 shards of parameters, gradients and state
     "bf16-fsdp": PrecisionSetup("bf16", None, master_scale=2),

@@ -87,8 +87,16 @@ def loss_chunks_overrides(model: str, chunks: int) -> dict[str, Any]:
         raise RematError(f"--loss-chunks {chunks}: give 1 or more chunks")
     if model.startswith("torchtune:"):
         return {"loss": "CEWithChunkedOutputLoss", "num_output_chunks": chunks}
-    if ":" not in model:  # a preset: one without a chunked loss says which fields it has
-        return {"loss_chunks": chunks}
+    if ":" not in model:
+        from remat.models import PRESETS  # a preset (the package imports this module first)
+
+        preset = PRESETS.get(model)
+        if preset is None or hasattr(preset.config, "loss_chunks"):
+            return {"loss_chunks": chunks}  # an unknown name is refused by its build
+        raise RematError(
+            f"--loss-chunks: the preset {model} computes its loss whole (no loss_chunks field); "
+            "the llama presets and torchtune:* models take a chunked loss"
+        )
     raise RematError(
         f"--loss-chunks: {model} computes its own loss; the chunked loss is torchtune's "
         "CEWithChunkedOutputLoss (torchtune:* models) or the llama presets' loss_chunks"

@@ -76,6 +76,9 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
         parts += ["--microbatches", str(microbatches)] if microbatches else []
         parts += ["--schedule", setup.get("schedule", getattr(args, "schedule", "1f1b"))]
     parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
+    for flag in ("torch_version", "cuda_context"):
+        value = getattr(args, flag, None)
+        parts += [f"--{flag.replace('_', '-')}", value] if value is not None else []
     parts += ["--tiny"] if args.tiny else []
     parts += ["--optimizer-in-backward"] if getattr(args, "optimizer_in_backward", False) else []
     parts += ["--keep-grads"] if getattr(args, "keep_grads", False) else []
@@ -90,10 +93,24 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
 
 
 def gpu_of(args: argparse.Namespace) -> Any:
-    """The GPU `--gpu` names, sized by `--capacity` where given (h100's architecture if unnamed)."""
-    from remat.device.gpus import get_gpu, with_capacity
+    """The GPU `--gpu` names, sized by `--capacity` where given (h100's architecture if unnamed),
+    under the torch of `--torch-version` and with the CUDA context of `--cuda-context`."""
+    from dataclasses import replace
 
-    return with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
+    from remat.device.gpus import get_gpu, with_capacity
+    from remat.units import parse_bytes
+
+    gpu = with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
+    version = getattr(args, "torch_version", None)
+    if version is not None:
+        parts = version.split(".")
+        if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+            raise RematError(f"--torch-version {version!r}: give major.minor, e.g. 1.10")
+        gpu = replace(gpu, torch_version=(int(parts[0]), int(parts[1])))
+    context = getattr(args, "cuda_context", None)
+    if context is not None:
+        gpu = replace(gpu, context_bytes=parse_bytes(context))
+    return gpu
 
 
 def fit_report(
