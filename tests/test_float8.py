@@ -4,6 +4,7 @@ backward, and the bytes FSDP's float8 all-gather gathers."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -112,8 +113,7 @@ def test_torchaos_float8_linear_saves_what_the_stand_in_saves(recipe):
 
     linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)  # no GPU here
     theirs = _saved(TorchaoFloat8Linear.from_float(linear, config=config), x)
     ours = _saved(Float8Linear(linear, RECIPES[recipe]), x)
     assert [(t.shape, t.dtype, t.nbytes) for t in theirs] == [
@@ -140,3 +140,12 @@ def test_float8_all_gather_lowers_the_rank_peak_by_the_gathered_weights_it_halve
         if isinstance(m, nn.Linear) and m is not model.lm_head
     )
     assert allocated["float8-tensorwise"] - allocated["float8"] >= 2 * block // 2
+
+
+def test_fit_refuses_rowwise_scales_over_tensor_parallel_ranks(capsys):
+    """The stand-in's per-row scales do not shard over DTensor: said, not a raw traceback."""
+    from remat.answers.cli import main
+
+    argv = ["fit", "--model", "llama-2-7b", "--tiny", "--seq", "128", "--shard", "2", "--tp", "2"]
+    assert main([*argv, "--precision", "float8-rowwise"]) != 0
+    assert "float8-rowwise with --tp" in capsys.readouterr().err

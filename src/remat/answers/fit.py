@@ -226,6 +226,11 @@ def fit(
             f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
         )
+    if PRECISIONS[precision].float8 == "rowwise" and layout.tp > 1:
+        raise RematError(
+            "precision float8-rowwise with --tp: its per-row scales are not sharded over the "
+            "tensor-parallel ranks here; leave out --tp, or use float8 / float8-tensorwise"
+        )
     if compile is not None and layout.ranks > 1:
         raise RematError(
             f"compile={compile!r} is predicted on one rank: leave out --compile with --tp / --cp"
