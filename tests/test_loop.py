@@ -58,23 +58,27 @@ def test_kept_logits_are_the_graph_of_a_loop_that_holds_its_prediction():
         assert (a.allocated_bytes, a.reserved_bytes) == (b.allocated_bytes, b.reserved_bytes)
 
 
-def _store_all(capsys, *flags: str) -> dict:
-    argv = ["fit", "--model", "llama-2-7b", "--tiny", "--batch", "2", "--seq", "128"]
-    assert main([*argv, "--precision", "bf16", "--json", *flags]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    return next(r for r in rows if r["strategy"] == "store_all")
+def _estimate(capsys, *flags: str) -> dict:
+    """`remat estimate`'s JSON answer, less its timing."""
+    argv = ["estimate", "--model", "llama-2-7b", "--tiny", "--batch", "2", "--seq", "128"]
+    assert main([*argv, "--dtype", "bf16", "--json", *flags]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    answer.pop("trace_seconds")
+    return answer
 
 
 def test_keep_logits_raises_the_peak_by_the_fp32_logits(capsys):
     """The tiny llama's fp32 logits, 2 x 128 x 512 x 4 bytes, live through the backward: the
     peak (at the backward's start, where they were freed before) grows by exactly them."""
-    freed, kept = _store_all(capsys), _store_all(capsys, "--keep-logits")
+    freed, kept = _estimate(capsys), _estimate(capsys, "--keep-logits")
     assert kept["peak_bytes"] - freed["peak_bytes"] == 2 * 128 * 512 * 4
 
 
 def test_loss_chunks_is_the_models_chunked_loss(capsys):
     """--loss-chunks N is the preset's `loss_chunks=N`, the same step as --set gives."""
-    assert _store_all(capsys, "--loss-chunks", "4") == _store_all(capsys, "--set", "loss_chunks=4")
+    chunked = _estimate(capsys, "--loss-chunks", "4")
+    assert chunked["peak_bytes"] < _estimate(capsys)["peak_bytes"]
+    assert chunked == _estimate(capsys, "--set", "loss_chunks=4")
     with pytest.raises(RematError, match="computes its own loss"):
         models.loss_chunks_overrides("hf:gpt2", 4)
     with pytest.raises(RematError, match="computes its loss whole"):
