@@ -1,6 +1,7 @@
 """float8 training as torchao's `Float8Linear` runs it (torchtitan's `--model.converters float8`):
-each `nn.Linear` whose dimensions are multiples of 16 (torchtitan's `module_filter_fn`) swapped
-for a linear whose matmuls run in float8 (`convert_to_float8`).
+each `nn.Linear` whose dimensions are multiples of 16 (torchtitan's `module_filter_fn`), but the
+output head (its train configs' `filter_fqns = ["output"]`), swapped for a linear whose matmuls
+run in float8 (`convert_to_float8`).
 
 Where torchao imports, the swap is torchao's own `convert_to_float8_training`. Where it does not,
 a stand-in (`Float8Linear` here) runs torchao's rules, read from pytorch/ao at commit 36027d82
@@ -172,11 +173,17 @@ def _torchao_config(recipe: Float8Recipe) -> Any:
     return Float8LinearConfig.from_recipe_name(recipe.name)
 
 
-def convert_to_float8(model: nn.Module, recipe: str) -> list[str]:
-    """Swap every `nn.Linear` of `model` whose in and out features are multiples of 16 for a
-    float8 one, in place, and return their paths. torchao's own `Float8Linear` where torchao
-    imports (its float8 all-gather lives in FSDP, which a trace does not run: that recipe takes the
-    stand-in, whose weight arrives in float8 as FSDP hands it over); the stand-in otherwise."""
+#: The linears left in high precision: the output head, as torchtitan's train configs filter it
+#: (`filter_fqns = ["output"]`; remat's presets and Hugging Face name it `lm_head`).
+SKIPPED = ("output", "lm_head")
+
+
+def convert_to_float8(model: nn.Module, recipe: str, skip: tuple[str, ...] = SKIPPED) -> list[str]:
+    """Swap every `nn.Linear` of `model` whose in and out features are multiples of 16 and whose
+    path contains none of `skip` (torchtitan's `module_filter_fn`) for a float8 one, in place,
+    and return their paths. torchao's own `Float8Linear` where torchao imports (its float8
+    all-gather lives in FSDP, which a trace does not run: that recipe takes the stand-in, whose
+    weight arrives in float8 as FSDP hands it over); the stand-in otherwise."""
     rules = RECIPES[recipe]
     config = None if rules.all_gather else _torchao_config(rules)
     swapped = []
@@ -186,6 +193,9 @@ def convert_to_float8(model: nn.Module, recipe: str) -> list[str]:
                 continue  # torchtitan's own Linear is one; a float8 one (ours, torchao's) is done
             if child.in_features % 16 or child.out_features % 16:
                 continue  # torchtitan's module_filter_fn: float8 matmuls need multiples of 16
+            where = f"{path}.{name}" if path else name
+            if any(s in where for s in skip):
+                continue
             if config is not None:
                 from torchao.float8.float8_linear import Float8Linear as TorchaoFloat8Linear
 
@@ -193,5 +203,5 @@ def convert_to_float8(model: nn.Module, recipe: str) -> list[str]:
             else:
                 swap = Float8Linear(child, rules)
             setattr(module, name, swap)
-            swapped.append(f"{path}.{name}" if path else name)
+            swapped.append(where)
     return swapped
