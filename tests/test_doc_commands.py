@@ -96,9 +96,10 @@ def _published():
 
 def test_accuracy_doc_lists_each_rows_command_as_remat_fit_reads_it():
     """docs/accuracy.md gives every row's `remat fit` command; each parses with fit's own
-    arguments into the row's batch, sequence, GPU, ranks, optimizer and loop."""
+    arguments into the row's batch, sequence, GPU, ranks, optimizer, loop and torch version."""
     from remat.answers.cli import build_parser
     from remat.answers.cli.common import loop_of
+    from remat.answers.cli.fit import gpu_of
 
     published, text = _published(), (DOCS / "accuracy.md").read_text()
     parser = build_parser()
@@ -119,3 +120,5 @@ def test_accuracy_doc_lists_each_rows_command_as_remat_fit_reads_it():
                 point.optimizer or "none",
             )
             assert loop_of(args).keep_grads == point.keep_grads
+            assert loop_of(args).keep_logits == point.keep_logits
+            assert gpu_of(args).torch_version == point.torch_version

@@ -210,8 +210,8 @@ def fit(
     largest batch searched is the largest micro-batch (`extra["microbatch"]`: the asked one).
 
     `loop`: how the training loop treats gradients (`remat.prediction.loop.Loop`: the optimizer
-    stepped in backward, or gradients kept between steps as under gradient accumulation); on one
-    rank.
+    stepped in backward, or gradients kept between steps as under gradient accumulation: on one
+    rank; the logits kept through backward: on any ranks, eager and without pipeline stages).
 
     Each step is traced on a few of the model's repeated blocks and laid out at its full depth
     (`remat.tracing.depth`: the same graph, byte for byte); `full_trace=True` traces every block."""
@@ -226,6 +226,11 @@ def fit(
             f"precision {precision!r} is FSDP2's MixedPrecisionPolicy over sharded fp32 "
             "parameters: give the number of ranks (--shard 2 or more), or use bf16-mixed on one GPU"
         )
+    if PRECISIONS[precision].float8 == "rowwise" and layout.tp > 1:
+        raise RematError(
+            "precision float8-rowwise with --tp: its per-row scales are not sharded over the "
+            "tensor-parallel ranks here; leave out --tp, or use float8 / float8-tensorwise"
+        )
     if compile is not None and layout.ranks > 1:
         raise RematError(
             f"compile={compile!r} is predicted on one rank: leave out --compile with --tp / --cp"
@@ -236,10 +241,16 @@ def fit(
             "(FSDP's per-rank arithmetic runs on the eager step)"
         )
     loop = loop or Loop()
-    if loop.describe() and (shard * layout.ranks > 1 or compile is not None):
+    gradients = replace(loop, keep_logits=False)  # the loop's treatment of gradients
+    if gradients.describe() and (shard * layout.ranks > 1 or compile is not None):
         raise RematError(
-            f"{loop.describe()} is predicted for an eager step on one rank: leave out --shard, "
-            "--tp, --cp, --pp and --compile with it"
+            f"{gradients.describe()} is predicted for an eager step on one rank: leave out "
+            "--shard, --tp, --cp, --pp and --compile with it"
+        )
+    if loop.keep_logits and (compile is not None or layout.pp > 1):
+        raise RematError(
+            "logits kept through backward (--keep-logits) is predicted on the eager step of a "
+            "whole model: leave out --compile and --pp with it"
         )
     start = time.perf_counter()
     usable = _usable(gpu, shard * layout.ranks, reserve)

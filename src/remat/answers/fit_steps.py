@@ -26,7 +26,16 @@ from remat.prediction.estimate import Optimizer, shard_step
 from remat.prediction.loop import Loop
 from remat.prediction.sizes import SizeModel, same_graph
 
-Precision = Literal["fp32", "bf16", "bf16-mixed", "bf16-fsdp"]
+Precision = Literal[
+    "fp32",
+    "bf16",
+    "bf16-mixed",
+    "fp16-mixed",
+    "bf16-fsdp",
+    "float8",
+    "float8-tensorwise",
+    "float8-rowwise",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,17 @@ class PrecisionSetup:
     param_dtype: str
     autocast: torch.dtype | None = None
     master_scale: int = 1
+    #: torchao's float8 linears of this recipe (`remat.models.float8.RECIPES`), or none
+    float8: str | None = None
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The built model as this precision trains it: its linears float8 ones where it has
+        a float8 recipe (`remat.models.float8.convert_to_float8`)."""
+        if self.float8 is not None:
+            from remat.models.float8 import convert_to_float8
+
+            convert_to_float8(model, self.float8)
+        return model
 
 
 PRECISIONS: dict[str, PrecisionSetup] = {
@@ -44,9 +64,18 @@ PRECISIONS: dict[str, PrecisionSetup] = {
     "bf16": PrecisionSetup("bf16"),
     # fp32 parameters and gradients, the forward under torch.autocast(bf16)
     "bf16-mixed": PrecisionSetup("fp32", torch.bfloat16),
+    # the same under torch.autocast(fp16) (torch.cuda.amp before bf16; its GradScaler's scale
+    # and growth tracker are a few bytes)
+    "fp16-mixed": PrecisionSetup("fp32", torch.float16),
     # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathered parameters
     # and compute (traced in bf16, no autocast), fp32 shards of parameters, gradients and state
     "bf16-fsdp": PrecisionSetup("bf16", None, master_scale=2),
+    # bf16-fsdp with torchao's Float8Linear (torchtitan's --model.converters float8): tensorwise
+    # scales and FSDP's float8 all-gather (torchao's best settings for tensorwise); tensorwise
+    # with bf16 all-gather; rowwise (bf16 all-gather: torchao gathers float8 for tensorwise only)
+    "float8": PrecisionSetup("bf16", None, master_scale=2, float8="tensorwise-all-gather"),
+    "float8-tensorwise": PrecisionSetup("bf16", None, master_scale=2, float8="tensorwise"),
+    "float8-rowwise": PrecisionSetup("bf16", None, master_scale=2, float8="rowwise"),
 }
 
 Build = Callable[[int, int], tuple[torch.nn.Module, tuple[Any, ...]]]

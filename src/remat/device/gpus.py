@@ -139,6 +139,10 @@ class Gpu:
     compute_capability: tuple[int, int] | None = None
     arch: str = "unknown"
     source: str = ""
+    #: the torch a run had, where older than the installed one (`remat.device.targets.cuda`)
+    torch_version: tuple[int, int] | None = None
+    #: the CUDA context a run measured, instead of its architecture's (`fixed_memory`)
+    context_bytes: int | None = None
 
     @property
     def architecture(self) -> Architecture:
@@ -147,8 +151,9 @@ class Gpu:
     @property
     def target(self) -> Target:
         """What a step on this GPU is traced for: the CUDA kernels of its compute capability (an
-        sm90 GPU's when unknown). ROCm's kernels are taken as CUDA's of the same capability."""
-        return targets.cuda(self.compute_capability or (9, 0))
+        sm90 GPU's when unknown), under the autograd of `torch_version`. ROCm's kernels are taken
+        as CUDA's of the same capability."""
+        return targets.cuda(self.compute_capability or (9, 0), torch_version=self.torch_version)
 
     def usable_bytes(self, reserve: Reserve | int | str | None = None, ranks: int = 1) -> int:
         """`usable_bytes(self, reserve, ranks)`."""
@@ -595,11 +600,12 @@ def fixed_memory(gpu: Gpu | str, ranks: int = 1) -> FixedMemory:
     NCCL's buffers when `ranks` > 1."""
     g = get_gpu(gpu)
     arch = g.architecture
+    measured = g.context_bytes is not None
     return FixedMemory(
-        context_bytes=arch.context_bytes,
+        context_bytes=g.context_bytes if measured else arch.context_bytes,
         cublas_workspace_bytes=BLAS_HANDLES * blas_workspace_bytes(g),
         nccl_bytes=nccl_bytes(ranks),
-        context_source=arch.context_source,
+        context_source="given (--cuda-context)" if measured else arch.context_source,
         cublas_workspace_source=BLAS_WORKSPACE_SOURCE,
         nccl_source=NCCL_SOURCE if ranks > 1 else "one rank: no process group",
     )

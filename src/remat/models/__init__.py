@@ -47,6 +47,7 @@ __all__ = [
     "Preset",
     "build",
     "check_override_types",
+    "loss_chunks_overrides",
     "parse_overrides",
     "parse_value",
     "preset_names",
@@ -123,6 +124,28 @@ def build(
             model = preset.model(config).to(dtype)
         inputs = preset.inputs(config, batch, seq, dtype, device)
     return model.train(), inputs
+
+
+def loss_chunks_overrides(model: str, chunks: int) -> dict[str, Any]:
+    """The overrides that make `model`'s loss a cross-entropy over `chunks` sequence chunks, in
+    its own code's words: torchtune's `CEWithChunkedOutputLoss(num_output_chunks)`, the presets'
+    `loss_chunks` (llama); refused for code whose loss remat does not write."""
+    if chunks < 1:
+        raise RematError(f"--loss-chunks {chunks}: give 1 or more chunks")
+    if model.startswith("torchtune:"):
+        return {"loss": "CEWithChunkedOutputLoss", "num_output_chunks": chunks}
+    if ":" not in model:
+        preset = PRESETS.get(model)
+        if preset is None or hasattr(preset.config, "loss_chunks"):
+            return {"loss_chunks": chunks}  # an unknown name is refused by its build
+        raise RematError(
+            f"--loss-chunks: the preset {model} computes its loss whole (no loss_chunks field); "
+            "the llama presets and torchtune:* models take a chunked loss"
+        )
+    raise RematError(
+        f"--loss-chunks: {model} computes its own loss; the chunked loss is torchtune's "
+        "CEWithChunkedOutputLoss (torchtune:* models) or the llama presets' loss_chunks"
+    )
 
 
 def _device(device: str | torch.device) -> torch.device:

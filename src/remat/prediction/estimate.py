@@ -367,6 +367,22 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def param_gather_bytes(graph: Graph) -> dict[int, int]:
+    """Parameter storage id -> the bytes FSDP2 all-gathers of it: the traced bytes, or one byte an
+    element where the step reads the parameter as float8 without casting it (a float8 view of
+    its storage: torchao's float8 all-gather, `remat.models.float8`)."""
+    float8 = {
+        t.storage
+        for t in graph.tensors.values()
+        if t.dtype.startswith("float8") and graph.storages[t.storage].kind == "param"
+    }
+    dtypes = param_dtypes(graph)
+    return {
+        s.id: s.nbytes // dtype_bytes(dtypes[s.id]) if s.id in float8 else s.nbytes
+        for s in graph.storages_of(("param",))
+    }
+
+
 def param_blocks(graph: Graph) -> dict[int, str]:
     """Parameter storage id -> the path of the block (`graph.blocks`) whose forward first reads it;
     "" for the parameters first read outside every block (embeddings, final norm, head; tied
@@ -435,7 +451,8 @@ def shard_step(
       parameters (those outside every block: FSDP2 does not reshard the root after forward, so
       they stay all-gathered until the end of backward) plus the largest block's parameters
       twice, the block computing and the next one prefetched. The model without blocks is one
-      unit, all-gathered throughout. Gathered in the traced parameter dtype: FSDP2's
+      unit, all-gathered throughout. Gathered in the traced parameter dtype (one byte an
+      element under torchao's float8 all-gather: `param_gather_bytes`): FSDP2's
       `MixedPrecisionPolicy(param_dtype=bf16)` over fp32 parameters gathers half of that;
     - gradients: a block's are reduce-scattered to their shard when its backward ends, with the
       largest block's full gradients (`unsharded_grad_bytes`) live during backward as the
@@ -464,8 +481,9 @@ def shard_step(
 
     blocks = graph.blocks
     by_block: dict[str, int] = defaultdict(int)
+    gathered_bytes = param_gather_bytes(graph)
     for sid, path in param_blocks(graph).items():
-        by_block[path] += graph.storages[sid].nbytes
+        by_block[path] += gathered_bytes[sid]
     root = by_block.pop("", 0)
     gathered = root + 2 * max(by_block.values(), default=0) if n > 1 else 0
     grad_owner = grad_blocks(graph)

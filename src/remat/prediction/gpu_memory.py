@@ -50,6 +50,7 @@ from remat.prediction.estimate import (
     grad_blocks,
     param_blocks,
     param_dtypes,
+    param_gather_bytes,
     resolve_optimizer,
 )
 from remat.prediction.schedule import Region, analyse_regions, build_schedule, storage_lives
@@ -156,7 +157,8 @@ def _fsdp_events(
     for sid in sorted(owner):
         units[owner[sid]].append(sid)
     blocks = [b for b in graph.blocks if b.path in units]
-    unit_bytes = {u: sum(graph.storages[sid].nbytes for sid in sids) for u, sids in units.items()}
+    gathered = param_gather_bytes(graph)  # float8 all-gather: a byte an element
+    unit_bytes = {u: sum(gathered[sid] for sid in sids) for u, sids in units.items()}
     shard_bytes = {sid: _ceil_div(graph.storages[sid].nbytes * m, n) for sid in owner}
     grad_owner = grad_blocks(graph)
 
@@ -164,10 +166,7 @@ def _fsdp_events(
         return [Alloc(("ag", step, phase, unit), unit_bytes[unit], ALL_GATHER_STREAM)]
 
     def unsharded(unit: str, phase: str) -> list[Event]:
-        return [
-            Alloc(("unsharded", step, phase, sid), graph.storages[sid].nbytes)
-            for sid in units[unit]
-        ]
+        return [Alloc(("unsharded", step, phase, sid), gathered[sid]) for sid in units[unit]]
 
     def reshard(unit: str, phase: str) -> list[Event]:
         return [Free(("unsharded", step, phase, sid)) for sid in units[unit]]

@@ -29,6 +29,7 @@ class Loop:
 
     optimizer_in_backward: bool = False
     keep_grads: bool = False
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_in_backward and self.keep_grads:
@@ -39,6 +40,8 @@ class Loop:
             )
 
     def apply(self, graph: Graph) -> Graph:
+        if self.keep_logits:
+            graph = logits_kept(graph)
         if self.optimizer_in_backward:
             return optimizer_in_backward(graph)
         if self.keep_grads:
@@ -46,9 +49,16 @@ class Loop:
         return graph
 
     def describe(self) -> str:
-        if self.optimizer_in_backward:
-            return "optimizer in backward"
-        return "gradients kept between steps" if self.keep_grads else ""
+        said = [
+            what
+            for what, on in (
+                ("optimizer in backward", self.optimizer_in_backward),
+                ("gradients kept between steps", self.keep_grads),
+                ("logits kept through backward", self.keep_logits),
+            )
+            if on
+        ]
+        return ", ".join(said)
 
 
 def _last_writes(graph: Graph) -> dict[int, int]:
@@ -90,3 +100,26 @@ def gradients_kept(graph: Graph) -> Graph:
         storages[next_id] = Storage(next_id, s.nbytes, "grad")
         next_id += 1
     return replace(graph, storages=storages, info={**graph.info, "keep_grads": True})
+
+
+def logits_kept(graph: Graph) -> Graph:
+    """`graph` with the input of every forward log-softmax (the logits cross-entropy reads) held
+    to the end of the step, as a loop that keeps its prediction referenced through `backward()`
+    holds it. Refused where the step has no log-softmax: nothing would be kept."""
+    kept = {
+        graph.tensors[t].storage
+        for op in graph.forward_ops
+        if op.short == "_log_softmax"
+        for t in op.inputs
+    }
+    kept = {sid for sid in kept if graph.storages[sid].kind == "activation"}
+    if not kept:
+        raise RematError(
+            "--keep-logits keeps the logits a cross-entropy loss reads (its log-softmax's input) "
+            "through the backward, but this step computes no log-softmax: leave --keep-logits out"
+        )
+    storages = {
+        sid: replace(s, released_after=None) if sid in kept else s
+        for sid, s in graph.storages.items()
+    }
+    return replace(graph, storages=storages, info={**graph.info, "keep_logits": True})

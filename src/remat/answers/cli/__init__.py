@@ -153,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity", help="any other GPU: its memory, e.g. 70GiB (costs on --gpu's profile)"
     )
     ft.add_argument(
+        "--torch-version",
+        metavar="X.Y",
+        help="the torch the run had, where older than the installed one: its autograd's saves "
+        "(before 1.11, softmax kept its input too; remat.device.targets) (default: installed)",
+    )
+    ft.add_argument(
+        "--cuda-context",
+        metavar="BYTES",
+        help="the CUDA context the run measured (e.g. 1343MiB), outside the allocator and in "
+        "nvidia-smi's figure (default: --gpu's architecture's, remat.device.gpus)",
+    )
+    ft.add_argument(
         "--reserve",
         help="memory kept back for the CUDA context, BLAS workspaces, NCCL and fragmentation, e.g. "
         "3GiB (default: remat.device.gpus.fixed_memory + 5%% of the rest, docs/fit.md)",
@@ -160,10 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--precision",
         default="bf16-mixed",
-        choices=["fp32", "bf16", "bf16-mixed", "bf16-fsdp"],
-        help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward; bf16: everything "
-        "in bf16; bf16-fsdp (with --shard): FSDP2's MixedPrecisionPolicy, bf16 gathered weights "
-        "and compute over fp32 shards of weights, grads and state (default: %(default)s)",
+        choices=[
+            "fp32",
+            "bf16",
+            "bf16-mixed",
+            "fp16-mixed",
+            "bf16-fsdp",
+            "float8",
+            "float8-tensorwise",
+            "float8-rowwise",
+        ],
+        help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward (fp16-mixed: "
+        "autocast fp16); bf16: everything in bf16; bf16-fsdp (with --shard): FSDP2's MixedPrecisionPolicy, bf16 gathered weights "
+        "and compute over fp32 shards of weights, grads and state; float8 (with --shard): "
+        "bf16-fsdp with torchao's Float8Linear (torchtitan's --model.converters float8), "
+        "tensorwise scales and FSDP's float8 all-gather; float8-tensorwise: bf16 all-gather; "
+        "float8-rowwise: rowwise scales (docs/fit.md) (default: %(default)s)",
     )
     ft.add_argument(
         "--optimizer",

@@ -57,6 +57,20 @@ def add_loop_args(p: argparse.ArgumentParser) -> None:
         help="micro-batches a step accumulates (--batch is one micro-batch): above 1 the "
         "gradients live through every micro-step after the first, as with --keep-grads",
     )
+    p.add_argument(
+        "--keep-logits",
+        action="store_true",
+        help="the loop keeps the logits its loss reads until the backward ends (pred = model(x); "
+        "loss_fn(pred, labels).backward() with pred in scope, as torchtitan's loop of 2024); "
+        "default: freed once the loss is computed (del logits, or a model returning its loss)",
+    )
+    p.add_argument(
+        "--loss-chunks",
+        type=int,
+        metavar="N",
+        help="cross-entropy over N sequence chunks, each upcast to fp32 on its own (torchtune's "
+        "CEWithChunkedOutputLoss; the llama presets' loss_chunks) instead of the whole logits",
+    )
 
 
 def loop_of(args: argparse.Namespace) -> Any:
@@ -69,7 +83,20 @@ def loop_of(args: argparse.Namespace) -> Any:
     return Loop(
         optimizer_in_backward=getattr(args, "optimizer_in_backward", False),
         keep_grads=getattr(args, "keep_grads", False) or accumulation > 1,
+        keep_logits=getattr(args, "keep_logits", False),
     )
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's config overrides: --set's, and the chunked loss of --loss-chunks in the
+    words of the model's own code (`remat.models.loss_chunks_overrides`)."""
+    from remat import models
+
+    overrides = models.parse_overrides(args.set)
+    chunks = getattr(args, "loss_chunks", None)
+    if chunks is not None:
+        overrides.update(models.loss_chunks_overrides(args.model, chunks))
+    return overrides
 
 
 def add_budget_arg(p: argparse.ArgumentParser) -> None:
@@ -212,7 +239,7 @@ def trace_model(args: argparse.Namespace, console: Console):
         dtype=DTYPES[args.dtype],
         device=device,
         tiny=args.tiny,
-        **models.parse_overrides(args.set),
+        **model_overrides(args),
     )
     where = "fake tensors" if device == "meta" else f"real {device} tensors"
     start = time.perf_counter()
@@ -230,7 +257,7 @@ def trace_model(args: argparse.Namespace, console: Console):
             def build(batch: int, seq: int):
                 return models.build(
                     args.model, batch=batch, seq=seq, dtype=DTYPES[args.dtype], tiny=args.tiny,
-                    **models.parse_overrides(args.set),
+                    **model_overrides(args),
                 )  # fmt: skip
 
             graph = layout.trace(

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from remat.answers.cli.common import layout_of, loop_of, model_name, writable
+from remat.answers.cli.common import layout_of, loop_of, model_name, model_overrides, writable
 from remat.errors import RematError
 
 
@@ -76,21 +76,41 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
         parts += ["--microbatches", str(microbatches)] if microbatches else []
         parts += ["--schedule", setup.get("schedule", getattr(args, "schedule", "1f1b"))]
     parts += ["--reserve", str(args.reserve)] if getattr(args, "reserve", None) else []
+    for flag in ("torch_version", "cuda_context"):
+        value = getattr(args, flag, None)
+        parts += [f"--{flag.replace('_', '-')}", value] if value is not None else []
     parts += ["--tiny"] if args.tiny else []
     parts += ["--optimizer-in-backward"] if getattr(args, "optimizer_in_backward", False) else []
     parts += ["--keep-grads"] if getattr(args, "keep_grads", False) else []
     accumulation = getattr(args, "grad_accumulation", 1)
     parts += ["--grad-accumulation", str(accumulation)] if accumulation > 1 else []
+    parts += ["--keep-logits"] if getattr(args, "keep_logits", False) else []
+    chunks = getattr(args, "loss_chunks", None)
+    parts += ["--loss-chunks", str(chunks)] if chunks is not None else []
     for item in args.set or []:
         parts += ["--set", item]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def gpu_of(args: argparse.Namespace) -> Any:
-    """The GPU `--gpu` names, sized by `--capacity` where given (h100's architecture if unnamed)."""
-    from remat.device.gpus import get_gpu, with_capacity
+    """The GPU `--gpu` names, sized by `--capacity` where given (h100's architecture if unnamed),
+    under the torch of `--torch-version` and with the CUDA context of `--cuda-context`."""
+    from dataclasses import replace
 
-    return with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
+    from remat.device.gpus import get_gpu, with_capacity
+    from remat.units import parse_bytes
+
+    gpu = with_capacity(args.gpu or "h100", args.capacity) if args.capacity else get_gpu(args.gpu)
+    version = getattr(args, "torch_version", None)
+    if version is not None:
+        parts = version.split(".")
+        if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+            raise RematError(f"--torch-version {version!r}: give major.minor, e.g. 1.10")
+        gpu = replace(gpu, torch_version=(int(parts[0]), int(parts[1])))
+    context = getattr(args, "cuda_context", None)
+    if context is not None:
+        gpu = replace(gpu, context_bytes=parse_bytes(context))
+    return gpu
 
 
 def fit_report(
@@ -110,11 +130,11 @@ def fit_report(
     if getattr(args, "batch", None) is None:  # one sample a micro-batch
         args.batch = layout_of(args).microbatches if getattr(args, "pp", 1) > 1 else 1
     gpu = gpu_of(args)
-    overrides = models.parse_overrides(args.set)
+    overrides = model_overrides(args)
 
     def build_for(precision: str):
         def build(batch: int, seq: int):
-            return models.build(
+            model, inputs = models.build(
                 args.model,
                 batch=batch,
                 seq=seq,
@@ -122,6 +142,7 @@ def fit_report(
                 tiny=args.tiny,
                 **overrides,
             )
+            return PRECISIONS[precision].prepare(model), inputs
 
         return build
 

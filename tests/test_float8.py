@@ -1,0 +1,158 @@
+"""float8 training by torchao's rules (`remat.models.float8`): what its Float8Linear saves for
+backward, and the bytes FSDP's float8 all-gather gathers."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import models
+from remat.models.float8 import RECIPES, Float8Linear, convert_to_float8
+from remat.prediction.estimate import param_gather_bytes, shard_step
+from remat.prediction.gpu_memory import Fsdp
+from remat.prediction.schedule import simulate
+
+
+def _saved(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors autograd saves for one forward of `module`."""
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return saved
+
+
+def _activation_saved_bytes(graph) -> int:
+    return sum(
+        graph.storages[sid].nbytes
+        for sid in graph.saved_storages
+        if graph.storages[sid].kind not in ("param", "buffer")
+    )
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_float8_linear_saves_its_high_precision_input_and_weight(recipe):
+    """torchao's `matmul_with_hp_or_float8_args` saves `input_hp` and `weight_hp_t`, nothing in
+    float8: the stand-in's autograd saves those two, and the trace prices the saves of a float8
+    block at the bytes of the bf16 block's (memory-neutral: nn.Linear saves the same two)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = _saved(Float8Linear(linear, RECIPES[recipe]), x)
+    assert [(t.shape, t.dtype) for t in saved] == [
+        (x.shape, torch.bfloat16),
+        (torch.Size([64, 32]), torch.bfloat16),
+    ]
+    assert saved[0] is x and saved[1].untyped_storage().data_ptr() == linear.weight.data_ptr()
+
+    def block() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(64, 64, bias=False), nn.SiLU(), nn.Linear(64, 64, bias=False)
+        ).to(torch.bfloat16)
+
+    inputs = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    plain, f8 = block(), block()
+    assert len(convert_to_float8(f8, recipe)) == 2
+    traced = [_activation_saved_bytes(remat.trace(m, inputs, target="cuda")) for m in (plain, f8)]
+    assert traced[0] == traced[1] == 2 * inputs.nbytes + 4 * 16 * 64 * 2  # x, silu's in and out
+
+
+def test_float8_gradients_are_the_linears_within_float8_rounding():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    (x @ linear.weight.t()).pow(2).sum().backward()
+    want = x.grad.clone(), linear.weight.grad.clone()
+    x.grad = linear.weight.grad = None
+    for recipe in ("tensorwise", "rowwise"):
+        Float8Linear(linear, RECIPES[recipe])(x).pow(2).sum().backward()
+        for got, ref in zip((x.grad, linear.weight.grad), want, strict=True):
+            assert (got - ref).norm() / ref.norm() < 0.1
+        x.grad = linear.weight.grad = None
+
+
+def test_float8_all_gather_gathers_one_byte_an_element():
+    """Under FSDP's float8 all-gather the converted weights are gathered in float8, the rest
+    (here the embedding) in their dtype: FSDP's per-rank gathered bytes drop by half of the
+    converted weights' bf16 bytes (each child a unit: the largest, a linear, gathered twice,
+    computing and prefetched)."""
+    sizes = {}
+    for recipe in ("tensorwise", "tensorwise-all-gather"):
+        model = nn.Sequential(
+            nn.Embedding(16, 32), nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+        ).to(torch.bfloat16)
+        convert_to_float8(model, recipe)
+        graph = remat.trace(model, torch.zeros(2, 16, dtype=torch.long), target="cuda")
+        gathered = param_gather_bytes(graph)
+        whole = {s.id: s.nbytes for s in graph.storages_of(("param",))}
+        linears = 2 * 32 * 64 * 2
+        assert sum(gathered.values()) == sum(whole.values()) - (
+            linears // 2 if RECIPES[recipe].all_gather else 0
+        )
+        sizes[recipe] = shard_step(graph, simulate(graph), 4, None, 2).gathered_param_bytes
+    assert sizes["tensorwise"] - sizes["tensorwise-all-gather"] == 2 * 32 * 64 * 2 // 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchaos_float8_linear_saves_what_the_stand_in_saves(recipe):
+    """Where torchao imports, `convert_to_float8` swaps in its own Float8Linear: its saves are
+    the stand-in's, tensor for tensor."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear as TorchaoFloat8Linear
+
+    linear = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)  # no GPU here
+    theirs = _saved(TorchaoFloat8Linear.from_float(linear, config=config), x)
+    ours = _saved(Float8Linear(linear, RECIPES[recipe]), x)
+    assert [(t.shape, t.dtype, t.nbytes) for t in theirs] == [
+        (t.shape, t.dtype, t.nbytes) for t in ours
+    ]
+
+
+def test_float8_all_gather_halves_each_blocks_gathered_buffers():
+    """FSDP's float8 all-gather (precision float8) gathers a block's converted weights at one
+    byte an element: in the allocator walk of FSDP2 over 4 ranks, every all-gather buffer and
+    unsharded weight of a block is that of float8-tensorwise (bf16 all-gather) less half the
+    block's linear weights; the root unit's (embedding, norm, the head left in bf16) the same."""
+    from remat.answers.fit_steps import PRECISIONS
+    from remat.device.allocator import Alloc
+    from remat.prediction.gpu_memory import step_events
+
+    gathered = {}
+    for precision in ("float8-tensorwise", "float8"):
+        model, inputs = models.build("llama-2-7b", batch=2, seq=128, dtype="bf16", tiny=True)
+        PRECISIONS[precision].prepare(model)
+        graph = remat.trace(model, *inputs, target="cuda")
+        events = step_events(graph, (), "adamw", steps=1, fsdp=Fsdp(4, 2))
+        gathered[precision] = {
+            e.key: e.nbytes for e in events if isinstance(e, Alloc) and e.key[0] == "ag"
+        }
+    linears = sum(
+        m.weight.nbytes
+        for m in model.layers[0].modules()
+        if isinstance(m, nn.Linear) and not (m.in_features % 16 or m.out_features % 16)
+    )
+    assert gathered["float8"].keys() == gathered["float8-tensorwise"].keys()
+    for key, nbytes in gathered["float8-tensorwise"].items():
+        unit = key[-1]
+        assert gathered["float8"][key] == nbytes - (linears // 2 if unit else 0), key
+
+
+def test_fit_refuses_rowwise_scales_over_tensor_parallel_ranks(capsys):
+    """The stand-in's per-row scales do not shard over DTensor: said, not a raw traceback."""
+    from remat.answers.cli import main
+
+    argv = ["fit", "--model", "llama-2-7b", "--tiny", "--seq", "128", "--shard", "2", "--tp", "2"]
+    assert main([*argv, "--precision", "float8-rowwise"]) != 0
+    assert "float8-rowwise with --tp" in capsys.readouterr().err
