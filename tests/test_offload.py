@@ -151,6 +151,37 @@ def test_milp_with_offload_matches_brute_force():
         assert host is None or milp.block_host_bytes(problem, result.choice) <= host
 
 
+def test_eager_milp_with_offload_matches_brute_force_over_block_options():
+    """On GPT-2 tiny (2 blocks, 4 x 128), at every distinct simulated peak of the 100 ways to
+    give each block one of the 10 options, the planner's MILP finds the least added time any
+    of them has within it. Before the MILP charged kept bytes to the block that decides them
+    (`remat.planning.blocks.deciding_blocks`) it called the lowest of those budgets infeasible:
+    the embeddings' output, offloaded by block 0, stayed in its forward constant."""
+    import itertools
+
+    from remat.planning.offload import OPTIONS
+
+    model, inputs = models.build("gpt2", device="meta", tiny=True, batch=4, seq=128)
+    graph = remat.trace(model, *inputs)
+    planner = Planner(graph, offload=remat.OffloadSettings(min_bytes=1024))
+    plans = []
+    for combo in itertools.product(planner.block_options, repeat=len(planner.blocks)):
+        base = [OPTIONS.get(o, o) for o in combo]
+        regions = tuple(
+            region
+            for b, option in enumerate(base)
+            if option != "store"
+            for region in planner.block_regions([[b]], option)
+        )
+        offloaded = tuple(b for b, o in enumerate(combo) if o in OPTIONS)
+        plans.append(planner.make_plan(regions, "x", None, "x", offload_blocks=offloaded))
+    for budget in sorted({p.predicted_peak_bytes for p in plans}):
+        best = min(p.added_seconds for p in plans if p.predicted_peak_bytes <= budget)
+        got = planner.plan(budget, "milp")
+        assert got.predicted_peak_bytes <= budget
+        assert got.added_seconds == pytest.approx(best, rel=1e-9, abs=1e-15), budget
+
+
 def test_prefetched_bytes_count_in_the_next_blocks_backward():
     from remat.planning.solvers import milp
 
