@@ -183,6 +183,8 @@ class Attempt:
     status: PlanStatus = "optimal"
     details: dict[str, Any] = field(default_factory=dict)
     offload: tuple[int, ...] = ()  # indices of the blocks whose saves go to host memory
+    #: a stored block that offloads only some: its path -> their places in its save order
+    offload_saves: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -481,6 +483,7 @@ class Planner:
         status: PlanStatus = "fixed",
         appliable: bool = True,
         offload_blocks: tuple[int, ...] = (),
+        offload_saves: dict[str, tuple[int, ...]] | None = None,
         **details: Any,
     ) -> Plan:
         """The plan of `regions` (and of `offload_blocks`' saves on the host), judged by the exact
@@ -488,7 +491,7 @@ class Planner:
         (`region_overheads`), its `transfer_seconds` the copies no compute hides."""
         offload = None
         if offload_blocks:
-            offload = offloading.choose(self, regions, offload_blocks)
+            offload = offloading.choose(self, regions, offload_blocks, chosen=offload_saves)
             details = {**details, "host_link": offloading.settings_of(self).link_name}
         p = build_plan(
             self.graph,
@@ -599,6 +602,7 @@ class Planner:
                 break
             status = found.status if tries == 0 else "feasible"
             kw = {"status": status, "offload_blocks": found.offload, **found.details}
+            kw["offload_saves"] = found.offload_saves
             p = self.make_plan(found.regions, strategy, budget_bytes, found.reason, **kw)
             if p.predicted_peak_bytes <= budget_bytes:
                 return p
@@ -685,6 +689,7 @@ class Planner:
         from remat.planning.solvers import milp
 
         m = self.milp_metrics
+        charge = deciding_blocks(self.graph, self.blocks) if self.offload else {}
         options = tuple(
             tuple(
                 milp.BlockOption(
@@ -698,6 +703,7 @@ class Planner:
                 for o in self.block_options
                 if o not in offloading.OPTIONS or self.offload_costs[o][b].host_bytes
             )
+            + (tuple(offloading.partial_options(self, b, m["store"], charge)) if charge else ())
             for b in range(len(self.blocks))
         )
         tail = milp.BlockOption(
