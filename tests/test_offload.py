@@ -125,6 +125,18 @@ def test_offloading_some_of_a_blocks_storages_drops_the_predicted_bytes(name, se
         remat.remove(model)
 
 
+def test_a_block_offers_at_most_eight_prefixes_spread_over_its_bytes():
+    """`prefix_lengths`: every proper prefix of up to 9 storages, else at most 8, increasing,
+    each the shortest to pass its ninth of the bytes (so the MILP's options stay bounded)."""
+    assert offload.prefix_lengths([5, 1, 7]) == [1, 2]
+    sizes = [1] * 30 + [100] * 3
+    got = offload.prefix_lengths(sizes)
+    assert 0 < len(got) <= 8 and got == sorted(set(got)) and got[-1] < len(sizes)
+    total = sum(sizes)
+    for k in got:  # each prefix is the shortest past some ninth of the bytes
+        assert any(sum(sizes[: k - 1]) < total * j / 9 <= sum(sizes[:k]) for j in range(1, 9))
+
+
 def _random_problem(rng, blocks: int, host_budget: int | None):
     from remat.planning.solvers import milp
 
