@@ -133,9 +133,9 @@ def block_storages(graph: Graph, block: ModuleCall, min_bytes: int) -> list[int]
 
 def prefix_lengths(sizes: Sequence[int], most: int = 8) -> list[int]:
     """How many of a block's offloadable storages (in save order) each partial offload option
-    takes: every prefix short of all of them where there are at most `most`, else the shortest
-    prefix to reach each of `most` evenly spaced shares of their bytes, so that a block has a
-    bounded number of options whatever its number of saves."""
+    takes: every prefix short of all of them where those are at most `most`, else the shortest
+    prefix to reach each of `most` evenly spaced shares of their bytes (fewer where one prefix
+    passes several), so that a block has a bounded number of options whatever its saves."""
     if len(sizes) <= most + 1:
         return list(range(1, len(sizes)))
     total, running, out = sum(sizes), 0, []
