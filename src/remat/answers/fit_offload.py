@@ -126,6 +126,7 @@ def offload_at_full(
             None,
             answer.reason,
             offload_blocks=answer.offload,
+            offload_saves=answer.offload_saves,
             **answer.details,
         )
         excess = per_rank(candidate) - full_rank

@@ -367,7 +367,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         for k, block in enumerate(blocks[1:], start=1):
             block.forward = _PassThrough(first, k)
     if plan.offload:  # the offloaded blocks' saves go to host memory (remat.applying.offload)
-        state.offloader, handles = install_offload(model, plan.offload, plan.offload_min_bytes)
+        state.offloader, handles = install_offload(
+            model, plan.offload, plan.offload_min_bytes, plan.offload_saves
+        )
         state.handles.extend(handles)
         for region in plan.regions:
             keep_policy = getattr(named[region.modules[0]].forward, "context_fn", None)

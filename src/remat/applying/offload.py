@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,12 @@ class Offloader:
         default_factory=lambda: defaultdict(list)
     )
     group: int = 0
+    #: a block that offloads only some of its storages (group -> their places in the order its
+    #: forward first saves them, as `remat.planning.offload.block_storages` numbers them)
+    chosen: dict[int, frozenset[int]] = field(default_factory=dict)
+    places: dict[int, dict[_StorageKey, tuple[Any, int]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
     offloaded_bytes: int = 0  # the storages the latest forward copied, each once
     enabled: bool = True  # off: every save stays on the device (`remat.verify` measures both)
     active: int = 0  # how many offloaded blocks' forwards are running (the cache offloads there)
@@ -153,7 +160,8 @@ class Offloader:
     def __getstate__(self) -> dict[str, Any]:
         """A copy (`copy.deepcopy`, `pickle`, `torch.save` of the planned model) starts with no
         step under way, an empty pool and, on CUDA, its own side stream."""
-        state = {k: v for k, v in vars(self).items() if k not in ("copies", "groups", "stream")}
+        skip = ("copies", "groups", "places", "stream")
+        state = {k: v for k, v in vars(self).items() if k not in skip}
         state["pool"] = HostPool(self.pool.pinned)
         state["excluded"] = set()
         state["cuda_stream"] = self.stream is not None
@@ -161,7 +169,7 @@ class Offloader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         cuda = state.pop("cuda_stream")
-        vars(self).update(state, copies={}, groups=defaultdict(list))
+        vars(self).update(state, copies={}, groups=defaultdict(list), places=defaultdict(dict))
         self.stream = torch.cuda.Stream() if cuda else None
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -171,6 +179,8 @@ class Offloader:
         key = (storage.device, storage.data_ptr())
         if key in self.excluded or storage.nbytes() < self.min_bytes or type(t) is not torch.Tensor:
             return t.detach()  # parameters (and other subclasses), inputs, small tensors stay
+        if self.group in self.chosen and not self._chosen(key, storage):
+            return t.detach()
         known = self.copies.get(key)
         if known is not None and known[0]() is storage:
             copy = known[1]
@@ -180,6 +190,15 @@ class Offloader:
             self.groups[self.group].append(weakref.ref(copy))
             self.offloaded_bytes += copy.nbytes
         return _Saved(copy, t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def _chosen(self, key: _StorageKey, storage: torch.UntypedStorage) -> bool:
+        """Whether the plan offloads this storage of the running block: its place in the order
+        the block's forward first saves its storages is among the chosen ones."""
+        places = self.places[self.group]
+        known = places.get(key)
+        if known is None or known[0]() is not storage:
+            known = places[key] = (weakref.ref(storage), len(places))
+        return known[1] in self.chosen[self.group]
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -201,6 +220,7 @@ class Offloader:
         """Root pre-hook: forget the last step's copies; parameters, buffers and inputs stay."""
         self.copies.clear()
         self.groups.clear()
+        self.places.clear()
         self.group = 0
         self.offloaded_bytes = 0
         self.excluded = {
@@ -286,9 +306,16 @@ class _CachedOnHost:
         return self.cache.offloader.unpack(self.packed)
 
 
-def install(model: nn.Module, blocks: tuple[str, ...], min_bytes: int) -> tuple[Offloader, list]:
+def install(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    min_bytes: int,
+    chosen: Mapping[str, Collection[int]] | None = None,
+) -> tuple[Offloader, list]:
     """Push the offloading hooks around each of `blocks`' forward; returns the offloader and the
-    hook handles to remove. Refused for a block the model does not have."""
+    hook handles to remove. A block in `chosen` offloads only the storages at those places in
+    the order its forward first saves them (`Plan.offload_saves`). Refused for a block the model
+    does not have."""
     named = dict(model.named_modules())
     missing = [p for p in blocks if p not in named]
     if missing:
@@ -303,6 +330,8 @@ def install(model: nn.Module, blocks: tuple[str, ...], min_bytes: int) -> tuple[
     )
     handles = [model.register_forward_pre_hook(offloader.start_step, with_kwargs=True)]
     for group, path in enumerate(blocks, start=1):
+        if chosen and path in chosen:
+            offloader.chosen[group] = frozenset(chosen[path])
         enter = _Enter(offloader, group)
         handles.append(named[path].register_forward_pre_hook(enter))
         handles.append(named[path].register_forward_hook(_Leave(enter), always_call=True))

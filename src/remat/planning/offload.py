@@ -18,8 +18,9 @@ forward drops them, back at their node's first backward op.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from remat.device import gpus
@@ -84,17 +85,26 @@ class OffloadChoice:
     blocks: tuple[str, ...]
     min_bytes: int
     exposed_seconds: float
+    #: a stored block that offloads some of its storages: their places in its save order
+    chosen: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def offloaded_saves(
-    graph: Graph, regions: Sequence[Region], blocks: Sequence[ModuleCall], min_bytes: int
+    graph: Graph,
+    regions: Sequence[Region],
+    blocks: Sequence[ModuleCall],
+    min_bytes: int,
+    chosen: Mapping[str, Collection[int]] | None = None,
 ) -> frozenset[int]:
-    """The indices into `graph.saved` that the hooks move to host memory for `blocks`."""
-    spans = [(b.first_op, b.last_op) for b in blocks]
+    """The indices into `graph.saved` that the hooks move to host memory for `blocks`; for a
+    block in `chosen`, only the saves of its storages whose place in the order they are first
+    saved in its forward (`block_storages`) is listed there."""
+    spans = [(b.first_op, b.last_op, b.path) for b in blocks]
     in_region = set()
     for r in regions:
         in_region.update(range(r.first_op, r.last_op + 1))
     out = set()
+    order: dict[str, dict[int, int]] = {}  # block -> storage -> its place in the block
     for pack, sv in enumerate(graph.saved):
         storage = graph.storages[sv.storage]
         if sv.phase != "forward" or storage.allocated_at is None or storage.nbytes < min_bytes:
@@ -102,9 +112,41 @@ def offloaded_saves(
         op = _save_op(graph, pack)
         if op is None or op in in_region:
             continue
-        if any(first <= op <= last for first, last in spans):
+        path = next((p for first, last, p in spans if first <= op <= last), None)
+        if path is None:
+            continue
+        places = order.setdefault(path, {})
+        place = places.setdefault(sv.storage, len(places))
+        if chosen is None or path not in chosen or place in chosen[path]:
             out.add(pack)
     return frozenset(out)
+
+
+def block_storages(graph: Graph, block: ModuleCall, min_bytes: int) -> list[int]:
+    """A stored block's offloadable storages in the order its forward first saves them: the
+    order in which the hooks number them (`remat.applying.offload.Offloader`)."""
+    out: dict[int, None] = {}
+    for pack in sorted(offloaded_saves(graph, (), [block], min_bytes)):
+        out.setdefault(graph.saved[pack].storage)
+    return list(out)
+
+
+def prefix_lengths(sizes: Sequence[int], most: int = 8) -> list[int]:
+    """How many of a block's offloadable storages (in save order) each partial offload option
+    takes: every prefix short of all of them where those are at most `most`, else the shortest
+    prefix to reach each of `most` evenly spaced shares of their bytes (fewer where one prefix
+    passes several), so that a block has a bounded number of options whatever its saves."""
+    if len(sizes) <= most + 1:
+        return list(range(1, len(sizes)))
+    total, running, out = sum(sizes), 0, []
+    shares = iter(total * (j + 1) / (most + 1) for j in range(most))
+    share = next(shares)
+    for k, size in enumerate(sizes[:-1], start=1):
+        running += size
+        if running >= share:
+            out.append(k)
+            share = next((x for x in shares if x > running), math.inf)
+    return out
 
 
 def offloaded_frames(
@@ -167,12 +209,14 @@ def block_offload(
     min_bytes: int,
     in_flight: bool,
     all_blocks: Sequence[ModuleCall] = (),
+    chosen: Mapping[str, Collection[int]] | None = None,
 ) -> Offload:
     """The `Offload` of `blocks`: the saves of those not checkpointed, the frame inputs of the
     regions that start at one; synchronous windows, or with `in_flight` the GPU's (a block's
     saves on the device until the next block of `all_blocks` ends its forward, a region's inputs
-    until its own forward ends; both back from the next block's first backward op)."""
-    saves = offloaded_saves(graph, regions, blocks, min_bytes)
+    until its own forward ends; both back from the next block's first backward op). `chosen`:
+    as `offloaded_saves` takes it."""
+    saves = offloaded_saves(graph, regions, blocks, min_bytes, chosen)
     frames = offloaded_frames(graph, regions, blocks, min_bytes)
     kept = offloaded_kept(graph, regions, blocks, min_bytes)
     if not in_flight:
@@ -346,13 +390,19 @@ def settings_of(planner: Any) -> OffloadSettings:
 
 
 def choose(
-    planner: Any, regions: Sequence[Region], indices: Iterable[int], in_flight: bool = True
+    planner: Any,
+    regions: Sequence[Region],
+    indices: Iterable[int],
+    in_flight: bool = True,
+    chosen: Mapping[str, Collection[int]] | None = None,
 ) -> OffloadChoice:
     """The plan's offload of these block indices, with the link's windows (`in_flight=False`:
     synchronous ones, as the MILP's per-block metrics take them, its `prefetch_bytes` adding
-    the bytes in flight) and exposed seconds."""
+    the bytes in flight) and exposed seconds. `chosen`: a stored block's storages by their place
+    in its save order (`offloaded_saves`), for those that offload only some."""
     settings = settings_of(planner)
     indices = tuple(indices)
+    chosen = {path: tuple(sorted(places)) for path, places in (chosen or {}).items()}
     offload = block_offload(
         planner.graph,
         regions,
@@ -360,6 +410,7 @@ def choose(
         settings.min_bytes,
         in_flight=in_flight and settings.link is not None,
         all_blocks=planner.blocks,
+        chosen=chosen,
     )
     region_at = {r.modules[0]: k for k, r in enumerate(regions)}
     windows = block_windows(planner.graph, planner.blocks, planner.op_seconds)
@@ -379,7 +430,11 @@ def choose(
         host = sum(planner.graph.storages[sid].nbytes for sid in storages)
         exposed += block_cost(host, b, r is not None, windows, settings).exposed_seconds
     return OffloadChoice(
-        offload, tuple(planner.blocks[b].path for b in indices), settings.min_bytes, exposed
+        offload,
+        tuple(planner.blocks[b].path for b in indices),
+        settings.min_bytes,
+        exposed,
+        chosen,
     )
 
 
@@ -401,6 +456,45 @@ def block_option(planner: Any, option: str, b: int, metrics: Any) -> Any:
     )
 
 
+#: A stored block offloading the first k of its storages in save order (`prefix_lengths`)
+PARTIAL = "offload:"
+
+
+def partial_options(planner: Any, b: int, store: Any, charge: Mapping[int, int]) -> list[Any]:
+    """Block b stored with only the first k of its offloadable storages on the host, for each k
+    of `prefix_lengths`: per tensor offload, in the order the block saves them (the earliest
+    have the most of the forward after them to hide their copy behind, and are needed last in
+    backward). Derived from the stored block's metrics `store` (no simulation of their own): it
+    keeps less by the bytes of those storages charged to it (`charge`, storage -> block), and
+    its backward is taken as stored, the most it can be (they come back before it ends)."""
+    from remat.planning.solvers import milp
+
+    settings = settings_of(planner)
+    graph = planner.graph
+    storages = block_storages(graph, planner.blocks[b], settings.min_bytes)
+    sizes = [graph.storages[sid].nbytes for sid in storages]
+    windows = block_windows(graph, planner.blocks, planner.op_seconds)
+    out = []
+    for k in prefix_lengths(sizes):
+        host = sum(sizes[:k])
+        freed = sum(
+            size for sid, size in zip(storages[:k], sizes, strict=False) if charge.get(sid) == b
+        )
+        kept = max(store.kept[b] - freed, 0)
+        cost = block_cost(host, b, False, windows, settings)
+        out.append(
+            milp.BlockOption(
+                name=f"{PARTIAL}{k}",
+                kept_bytes=kept,
+                backward_bytes=max(store.backward[b], kept),
+                recompute_seconds=store.seconds[b] + cost.exposed_seconds,
+                host_bytes=host,
+                prefetch_bytes=host if settings.link is not None else 0,
+            )
+        )
+    return out
+
+
 def plan_offload(planner: Any, plan: Any) -> Offload | None:
     """The `Offload` a plan (`remat.planning.plans.Plan`) made on `planner`'s graph holds, for
     simulating it again (per rank, under FSDP); None when it offloads nothing."""
@@ -408,4 +502,4 @@ def plan_offload(planner: Any, plan: Any) -> Offload | None:
         return None
     named = set(plan.offload)
     indices = [b for b, call in enumerate(planner.blocks) if call.path in named]
-    return choose(planner, plan.regions, indices).offload
+    return choose(planner, plan.regions, indices, chosen=plan.offload_saves).offload

@@ -31,6 +31,13 @@ from remat.errors import (
 )
 from remat.graph import Graph, ModuleCall
 from remat.planning import offload as offloading
+from remat.planning.blocks import (
+    BlockMetrics,
+    block_seconds,
+    deciding_blocks,
+    maker_blocks,
+    measure,
+)
 from remat.planning.plans import (
     DEFAULT_BUDGET,
     Plan,
@@ -176,22 +183,8 @@ class Attempt:
     status: PlanStatus = "optimal"
     details: dict[str, Any] = field(default_factory=dict)
     offload: tuple[int, ...] = ()  # indices of the blocks whose saves go to host memory
-
-
-@dataclass(frozen=True)
-class BlockMetrics:
-    """One block option applied to every block, measured by one exact simulation: the bytes each
-    block keeps through the forward (`kept`), the bytes live during its backward above what
-    earlier blocks keep (`backward`), its recompute seconds, and two plan-wide terms: `pre`, the
-    most live above all kept bytes before the first block's backward (the forward, the head's
-    backward), and `post`, the most live after the blocks' backward (gradient accumulation of
-    embeddings), when no activation is left."""
-
-    kept: tuple[int, ...]
-    backward: tuple[int, ...]
-    seconds: tuple[float, ...]
-    pre: int
-    post: int
+    #: a stored block that offloads only some: its path -> their places in its save order
+    offload_saves: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -490,6 +483,7 @@ class Planner:
         status: PlanStatus = "fixed",
         appliable: bool = True,
         offload_blocks: tuple[int, ...] = (),
+        offload_saves: dict[str, tuple[int, ...]] | None = None,
         **details: Any,
     ) -> Plan:
         """The plan of `regions` (and of `offload_blocks`' saves on the host), judged by the exact
@@ -497,7 +491,7 @@ class Planner:
         (`region_overheads`), its `transfer_seconds` the copies no compute hides."""
         offload = None
         if offload_blocks:
-            offload = offloading.choose(self, regions, offload_blocks)
+            offload = offloading.choose(self, regions, offload_blocks, chosen=offload_saves)
             details = {**details, "host_link": offloading.settings_of(self).link_name}
         p = build_plan(
             self.graph,
@@ -608,6 +602,7 @@ class Planner:
                 break
             status = found.status if tries == 0 else "feasible"
             kw = {"status": status, "offload_blocks": found.offload, **found.details}
+            kw["offload_saves"] = found.offload_saves
             p = self.make_plan(found.regions, strategy, budget_bytes, found.reason, **kw)
             if p.predicted_peak_bytes <= budget_bytes:
                 return p
@@ -622,64 +617,38 @@ class Planner:
 
     # -- per-block models for the chain and MILP solvers ---------------------------------------
     @cached_property
-    def block_metrics(self) -> dict[str, BlockMetrics]:
-        """`BlockMetrics` of each of `BLOCK_OPTIONS`."""
-        n = len(self.blocks)
-        block_of_op = {}
-        for b, call in enumerate(self.blocks):
-            for i in range(call.first_op, call.last_op + 1):
-                block_of_op[i] = b
-        last_forward = len(self.graph.forward_ops) - 1
-        out: dict[str, BlockMetrics] = {}
+    def option_simulations(self) -> dict[str, tuple[tuple[Region, ...], Simulation]]:
+        """Each of `block_options` applied to every block: its regions and exact simulation."""
+        out = {}
         for option in self.block_options:
             base = offloading.OPTIONS.get(option, option)
             regions = () if base == "store" else self.every_block(base)
-            every = offloading.choose(self, regions, range(n), False) if base != option else None
-            sim = self.simulate(regions, every and every.offload)
-            end_of_forward = sim.schedule.index(("op", last_forward))
-            kept = [0] * n
-            for sid, death in sim.deaths.items():
-                at = self.graph.storages[sid].allocated_at
-                if at in block_of_op and death > end_of_forward:
-                    kept[block_of_op[at]] += self.graph.storages[sid].nbytes
-            first_pos: list[int | None] = [None] * n
-            last_pos: list[int | None] = [None] * n
-            for pos, (kind, i) in enumerate(sim.schedule):
-                if kind == "replay":
-                    b = block_of_op[i]
-                elif pos > end_of_forward and self.graph.ops[i].node is not None:
-                    b = block_of_op.get(self.graph.nodes[self.graph.ops[i].node].forward_op)
-                else:
-                    continue
-                if b is not None:
-                    first_pos[b] = pos if first_pos[b] is None else first_pos[b]
-                    last_pos[b] = pos
-            # Backward visits blocks n-1 .. 0: block b owns the positions from its first one to
-            # just before block b-1's first one; block 0 owns up to its last one.
-            starts = [p if p is not None else len(sim.schedule) for p in first_pos]
-            stops = [
-                starts[b - 1] if b else (last_pos[0] if last_pos[0] is not None else starts[0]) + 1
-                for b in range(n)
-            ]
-            live = [t - self.base_bytes for t in self.timeline_of(sim)]
-            prefix = [0] * (n + 1)
-            for b in range(n):
-                prefix[b + 1] = prefix[b] + kept[b]
-            seconds = [0.0] * n
-            for i in sim.recompute_ops:
-                seconds[block_of_op[i]] += self.op_seconds[i]
-            for region, overhead in zip(regions, self.region_overheads(regions), strict=True):
-                seconds[block_of_op[region.first_op]] += overhead
-            out[option] = BlockMetrics(
-                kept=tuple(kept),
-                backward=tuple(
-                    max(live[starts[b] : stops[b]], default=0) - prefix[b] for b in range(n)
-                ),
-                seconds=tuple(seconds),
-                pre=max(live[: min(starts)], default=0) - prefix[n],
-                post=max(live[stops[0] :], default=0),
-            )
+            every = None
+            if base != option:
+                every = offloading.choose(self, regions, range(len(self.blocks)), False)
+            out[option] = (regions, self.simulate(regions, every and every.offload))
         return out
+
+    def _metrics(self, charge: dict[int, int]) -> dict[str, BlockMetrics]:
+        out = {}
+        for option, (regions, sim) in self.option_simulations.items():
+            timeline = [t - self.base_bytes for t in self.timeline_of(sim)]
+            overheads = self.region_overheads(regions)
+            seconds = block_seconds(self.blocks, sim, regions, self.op_seconds, overheads)
+            out[option] = measure(self.graph, self.blocks, sim, timeline, charge, seconds)
+        return out
+
+    @cached_property
+    def block_metrics(self) -> dict[str, BlockMetrics]:
+        """`BlockMetrics` of each of `block_options`, kept bytes charged to the block that made
+        them (the chain model's view: a block's output is its kept bytes under full)."""
+        return self._metrics(maker_blocks(self.graph, self.blocks))
+
+    @cached_property
+    def milp_metrics(self) -> dict[str, BlockMetrics]:
+        """`BlockMetrics` with kept bytes charged to the block whose option decides whether they
+        are kept (`remat.planning.blocks.deciding_blocks`), so that the MILP's mixes add up."""
+        return self._metrics(deciding_blocks(self.graph, self.blocks))
 
     def what_the_peak_holds(self, peak_bytes: int) -> str:
         """What a peak of `peak_bytes` (the lowest a plan reaches) is made of, for an error that
@@ -719,7 +688,8 @@ class Planner:
         when a MILP is solved)."""
         from remat.planning.solvers import milp
 
-        m = self.block_metrics
+        m = self.milp_metrics
+        charge = deciding_blocks(self.graph, self.blocks) if self.offload else {}
         options = tuple(
             tuple(
                 milp.BlockOption(
@@ -733,6 +703,7 @@ class Planner:
                 for o in self.block_options
                 if o not in offloading.OPTIONS or self.offload_costs[o][b].host_bytes
             )
+            + (tuple(offloading.partial_options(self, b, m["store"], charge)) if charge else ())
             for b in range(len(self.blocks))
         )
         tail = milp.BlockOption(

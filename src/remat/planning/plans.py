@@ -72,6 +72,9 @@ class Plan:
     host_bytes: int = 0
     transfer_seconds: float = 0.0
     offload_drop_bytes: int = 0  # how much lower the peak is than the same plan's without offload
+    #: a stored block that offloads only some of its storages (per tensor): block path -> their
+    #: places in the order its forward first saves them (the hooks number them the same way)
+    offload_saves: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def added_seconds(self) -> float:
@@ -190,6 +193,15 @@ class Plan:
             raise PlanFormatError(f"plan field 'saved': {e}", field="saved") from None
         d["recomputed"] = tuple(_field(d, "recomputed", list, []))
         d["offload"] = tuple(_field(d, "offload", list, []))
+        try:
+            d["offload_saves"] = {
+                str(k): tuple(int(i) for i in v)
+                for k, v in _field(d, "offload_saves", dict, {}).items()
+            }
+        except (TypeError, ValueError) as e:
+            raise PlanFormatError(
+                f"plan field 'offload_saves': {e!r}", field="offload_saves"
+            ) from None
         for name, default in (
             ("offload_min_bytes", 0),
             ("host_bytes", 0),
@@ -262,7 +274,9 @@ class Plan:
         from remat.planning.offload import block_offload
 
         calls = [m for m in graph.blocks if m.path in set(self.offload)]
-        offload = block_offload(graph, self.regions, calls, self.offload_min_bytes, False)
+        offload = block_offload(
+            graph, self.regions, calls, self.offload_min_bytes, False, chosen=self.offload_saves
+        )
         return offload.storages(graph)
 
     def _explain_compiled(self, graph: Graph, op_seconds: list[float]) -> list[dict[str, Any]]:
@@ -512,6 +526,7 @@ def build_plan(
         held_by_module=held_by_module,
         offload=offload.blocks if offload else (),
         offload_min_bytes=offload.min_bytes if offload else 0,
+        offload_saves=dict(offload.chosen) if offload else {},
         host_bytes=offload.offload.host_bytes(graph) if offload else 0,
         transfer_seconds=offload.exposed_seconds if offload else 0.0,
         offload_drop_bytes=simulate(graph, regions, base_bytes=base_bytes).peak_bytes

@@ -19,19 +19,25 @@ if TYPE_CHECKING:
 
 def attempt_of(planner: Planner, result: MilpResult) -> Attempt:
     """The regions and offloaded blocks of a MILP answer on `planner`'s blocks."""
-    from remat.planning.offload import OPTIONS
+    from remat.planning.offload import OPTIONS, PARTIAL
     from remat.planning.planner import Attempt
 
+    names = result.option_names[1:]
     regions = tuple(
         region
-        for b, option in enumerate(result.option_names[1:])
-        if OPTIONS.get(option, option) != "store"
+        for b, option in enumerate(names)
+        if OPTIONS.get(option, option) != "store" and not option.startswith(PARTIAL)
         for region in planner.block_regions([[b]], OPTIONS.get(option, option))
     )
-    offload = tuple(b for b, o in enumerate(result.option_names[1:]) if o in OPTIONS)
+    offload = tuple(b for b, o in enumerate(names) if o in OPTIONS or o.startswith(PARTIAL))
+    some = {  # a stored block offloading the first k of its storages in save order
+        planner.blocks[b].path: tuple(range(int(o.removeprefix(PARTIAL))))
+        for b, o in enumerate(names)
+        if o.startswith(PARTIAL)
+    }
     status = "optimal" if result.status == "optimal" else "feasible"
-    details = {"mip_gap": result.mip_gap, "options": list(result.option_names[1:])}
-    return Attempt(regions, result.reason, status, details, offload)
+    details = {"mip_gap": result.mip_gap, "options": list(names)}
+    return Attempt(regions, result.reason, status, details, offload, some)
 
 
 def solve(planner: Planner, budget_bytes: int) -> Plan:
@@ -60,6 +66,7 @@ def lowest_peak(planner: Planner) -> Plan:
         found.reason,
         status=found.status,
         offload_blocks=found.offload,
+        offload_saves=found.offload_saves,
         **found.details,
     )
 
