@@ -1,6 +1,7 @@
 """What `fit` keeps between questions (issue 35): the MILP's answer per program and room, a
-planner's judged plan per regions, a step's allocator walk per plan. Each is a shortcut that must
-not change an answer: the same figures come back with it and without it."""
+planner's judged plan per regions, a step's allocator walk per plan; and where a search spares
+auto's solvers (a fixed plan's reserved bytes fit). Each is a shortcut that must not change an
+answer: the same figures come back with it and without it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import OrderedDict
 import pytest
 
 from remat import models
-from remat.answers import fit_steps
+from remat.answers import fit_rows, fit_steps
 from remat.errors import InfeasibleBudget
 from remat.planning import planner as planner_module
 from remat.planning.solvers import milp as milp_module
@@ -90,16 +91,27 @@ def _fit_json(capacity: int) -> dict:
 
 @pytest.mark.slow
 def test_fit_answers_the_same_with_and_without_what_it_keeps(monkeypatch):
-    """A fit where nothing fits as asked (so the advice tries other precisions, optimizers and
-    ranks): rows, maxima, allocator figures and the setup that fits are equal with the caches
-    and with every one of them forgetting."""
+    """Two fits: one where everything fits (the searches for the largest batch and sequence run
+    on the allocator's judgement), one where nothing fits as asked (so the advice tries other
+    precisions, optimizers and ranks). Rows, maxima, allocator figures and the setup that fits
+    are equal with the caches and shortcuts and with every one of them off."""
+    monkeypatch.setattr(milp_module, "_solved", OrderedDict())
+    spared = []
+    candidate_fits = fit_rows.candidate_fits
+
+    def counted(*args):
+        spared.append(candidate_fits(*args))
+        return spared[-1]
+
+    monkeypatch.setattr(fit_rows, "candidate_fits", counted)
     roomy = _fit_json(80 * 2**30)
     limit = roomy["rows"][0]["gpu_memory"][0]["limit_bytes"]
     lowest = min(r["reserved_bytes"] for r in roomy["rows"])
     capacity = roomy["capacity_bytes"] - (limit - (lowest - 2 * 2**20))  # 2 MiB short
-    monkeypatch.setattr(milp_module, "_solved", OrderedDict())
-    kept = _fit_json(capacity)
-    assert not any(r["fits"] for r in kept["rows"]) and "setup_that_fits" in kept["extra"]
+    tight = _fit_json(capacity)
+    assert all(r["fits"] for r in roomy["rows"])
+    assert not any(r["fits"] for r in tight["rows"]) and "setup_that_fits" in tight["extra"]
+    assert True in spared  # a search took the shortcut past auto's solvers
 
     make_plan = planner_module.Planner.make_plan
     gpu_memories = fit_steps.FitSteps.gpu_memories
@@ -115,7 +127,9 @@ def test_fit_answers_the_same_with_and_without_what_it_keeps(monkeypatch):
     monkeypatch.setattr(milp_module, "_solved", _Forgetful())
     monkeypatch.setattr(planner_module.Planner, "make_plan", plan_afresh)
     monkeypatch.setattr(fit_steps.FitSteps, "gpu_memories", walk_afresh)
-    assert _fit_json(capacity) == kept
+    monkeypatch.setattr(fit_rows, "candidate_fits", lambda *args: False)
+    assert _fit_json(80 * 2**30) == roomy
+    assert _fit_json(capacity) == tight
 
 
 def test_a_planner_judges_regions_once_and_labels_each_plan_as_asked():

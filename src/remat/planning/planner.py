@@ -272,8 +272,7 @@ class Planner:
         self._frontiers: dict[int, Frontier] = {}
         self._lowest: Plan | None = None
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
-        #: `make_plan`'s judged plans by (regions, offloaded blocks): what a plan predicts
-        #: depends on nothing else of the call (strategy, budget, reason, status are its labels)
+        #: `make_plan`'s plans by (regions, offloaded blocks): the rest of a call only labels it
         self._judged: dict[tuple[tuple[Region, ...], tuple[int, ...]], Plan] = {}
 
     # -- the user's API ------------------------------------------------------------------------
@@ -502,35 +501,20 @@ class Planner:
         if offload_blocks:
             details = {**details, "host_link": offloading.settings_of(self).link_name}
         key = (tuple(regions), tuple(offload_blocks))
-        judged = self._judged.get(key)
-        if judged is None:  # the same regions again (first_k per budget, a solver's retries)
+        if key not in self._judged:  # the same regions again (first_k per budget, retries)
             offload = offloading.choose(self, regions, offload_blocks) if offload_blocks else None
-            judged = self._judged[key] = build_plan(
-                self.graph,
-                regions,
-                strategy=strategy,
-                budget_bytes=budget_bytes,
-                op_seconds=self.op_seconds,
-                base_bytes=self.base_bytes,
-                profile=self.profile.name,
-                reason=reason,
-                status=status,
-                appliable=appliable,
-                details=details,
-                overhead_seconds=sum(self.region_overheads(regions)),
-                offload=offload,
-            )
+            self._judged[key] = build_plan(
+                self.graph, regions, strategy=strategy, budget_bytes=budget_bytes,
+                op_seconds=self.op_seconds, base_bytes=self.base_bytes,
+                profile=self.profile.name, reason=reason,
+                overhead_seconds=sum(self.region_overheads(regions)), offload=offload,
+            )  # fmt: skip
+        judged = self._judged[key]
         p = replace(
-            judged,
-            regions=regions,
-            strategy=strategy,
-            budget_bytes=budget_bytes,
-            reason=reason,
-            status=status,
-            appliable=appliable,
-            details=details or {},
+            judged, regions=regions, strategy=strategy, budget_bytes=budget_bytes, reason=reason,
+            status=status, appliable=appliable, details=details or {},
             held_by_module=dict(judged.held_by_module),
-        )
+        )  # fmt: skip
         if self.optimizer_step_peak > p.predicted_peak_bytes:
             p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
         return p
