@@ -148,3 +148,49 @@ def test_a_planner_judges_regions_once_and_labels_each_plan_as_asked():
     )
     assert again == fresh
     assert again.regions is regions and again.details == {"k": 2}
+
+
+def test_a_pipeline_fit_walks_each_ranks_plans_once_and_answers_the_same(monkeypatch):
+    """`RankMemory.of` keeps each pipeline's walk by its stages' regions: on a roomy GPU auto's
+    plan is store-all's on every stage, walked once; the fit is the same with every walk made
+    afresh."""
+    from remat.device.gpus import custom_gpu
+    from remat.layouts import fit_pipeline
+    from remat.layouts.parallel import Layout
+
+    def llama(batch: int, seq: int):
+        return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True, n_layers=4)
+
+    def pipeline_json() -> dict:
+        from remat.answers.fit import fit
+
+        report = fit(
+            llama, model="llama", batch=8, seq=64, gpu=custom_gpu(1 << 40, "h100"),
+            precision="fp32", optimizer="sgd", layout=Layout(pp=2, microbatches=4),
+        )  # fmt: skip
+        out = report.to_dict()
+        del out["seconds"]
+        return json.loads(json.dumps(out, default=str))
+
+    walks = []
+    gpu_memories = fit_pipeline.TracedPipeline.gpu_memories
+
+    def counted(self, *args, **kwargs):
+        walks.append(args[0])
+        return gpu_memories(self, *args, **kwargs)
+
+    monkeypatch.setattr(fit_pipeline.TracedPipeline, "gpu_memories", counted)
+    kept = pipeline_json()
+    rows = kept["rows"]
+    assert [r["plan"] for r in rows if r["strategy"] == "auto"] == [
+        "per stage: 0 store_all, 1 store_all"
+    ]
+    assert len(walks) == 2 * (len(rows) - 1)  # auto's ranks were store-all's, not walked again
+    of = fit_pipeline.RankMemory.of
+
+    def afresh(self, *args):
+        self.walked.clear()
+        return of(self, *args)
+
+    monkeypatch.setattr(fit_pipeline.RankMemory, "of", afresh)
+    assert pipeline_json() == kept
