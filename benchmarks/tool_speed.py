@@ -1,6 +1,6 @@
 """How long remat's own answers take (issue 35): each command of the table below, run `--repeats`
-times as a user runs it (a fresh `remat` process), the median wall time, the number of steps it
-traced, and where one more run, profiled in-process, spends its time.
+times as a user runs it (a fresh `remat` process), the median wall time and CPU time, the number
+of steps it traced, and where one more run, profiled in-process, spends its time.
 
 | command | target |
 |---|---|
@@ -24,6 +24,7 @@ import contextlib
 import cProfile
 import json
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -63,8 +64,10 @@ STAGES = (
 )
 
 
-def timed(args: list[str]) -> tuple[float, int | None]:
-    """Seconds of one `remat` run and the steps it traced (fit's `traces`; estimate traces one)."""
+def timed(args: list[str]) -> tuple[float, int | None, float]:
+    """Seconds of one `remat` run, the steps it traced (fit's `traces`; estimate traces one) and
+    the CPU seconds it took (user + system: on a loaded machine, steadier than the wall's)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "remat.answers.cli", *args, "--json"],
@@ -73,11 +76,13 @@ def timed(args: list[str]) -> tuple[float, int | None]:
         text=True,
     ).stdout
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime
     try:
         traces = json.loads(out).get("traces", 1 if args[0] == "estimate" else None)
     except json.JSONDecodeError:
         traces = None
-    return seconds, traces
+    return seconds, traces, cpu
 
 
 def shares(args: list[str]) -> dict[str, float]:
@@ -111,13 +116,17 @@ def main() -> None:
     parser.add_argument("--full-trace", action="store_true", help="trace every block")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run")
     opts = parser.parse_args()
-    print("| command | median s | runs (s) | traces | target s | where the time goes (profiled) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| command | median s | runs (s) | CPU s (median) | traces | target s "
+        "| where the time goes (profiled) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name in opts.only or COMMANDS:
         line, target = COMMANDS[name]
         args = line.split() + (["--full-trace"] if opts.full_trace else [])
         runs = [timed(args) for _ in range(opts.repeats)]
-        seconds = [s for s, _ in runs]
+        seconds = [s for s, _, _ in runs]
+        cpu = statistics.median(c for _, _, c in runs)
         where = ""
         if not opts.no_profile:
             got = shares(args)
@@ -126,7 +135,8 @@ def main() -> None:
             )
         print(
             f"| {' '.join(args)} | {statistics.median(seconds):.1f} | "
-            f"{', '.join(f'{s:.1f}' for s in seconds)} | {runs[-1][1]} | {target:g} | {where} |",
+            f"{', '.join(f'{s:.1f}' for s in seconds)} | {cpu:.1f} | {runs[-1][1]} | {target:g} "
+            f"| {where} |",
             flush=True,
         )
 

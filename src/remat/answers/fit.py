@@ -291,7 +291,7 @@ def fit(
         found = setup_that_fits(
             build_for, batch=batch, seq=seq, gpu=gpu, asked=asked, reserve=reserve,
             progress=progress, traced={precision: steps.traced}, layout=layout,
-            full_trace=full_trace,
+            full_trace=full_trace, known={(precision, optimizer): steps},
         )  # fmt: skip
         if found is not None:
             extra["setup_that_fits"] = asdict(found)
@@ -494,14 +494,17 @@ def setup_that_fits(
     traced: dict[str, dict[tuple[int, int], Graph]] | None = None,
     layout: Layout = ONE_RANK,
     full_trace: bool = False,
+    known: dict[tuple[str, Optimizer], FitSteps] | None = None,
 ) -> Setup | None:
     """The setup under which remat's plan of the step at (batch, seq) fits `gpu`, at the least
     cost: the fewest ranks first (GPUs cost more than time), then the least predicted step time,
     then the fewest changes from `asked`. Tried: the asked precision, bf16-mixed, bf16-fsdp
     (sharded only) and bf16; the asked optimizer and, for AdamW, 8-bit AdamW; the asked ranks and
     powers of two up to `max_ranks`. None when nothing up to `max_ranks` fits. `traced`:
-    graphs already traced, by precision (the optimizer does not change the trace). `layout`
-    (tensor and context parallelism) stays as asked: only the data-parallel ranks vary."""
+    graphs already traced, by precision (the optimizer does not change the trace); `known`: steps
+    already judged, by (precision, optimizer), whose planners and allocator walks serve again.
+    `layout` (tensor and context parallelism) stays as asked: only the data-parallel ranks
+    vary."""
     traced = {} if traced is None else traced
     levels = [asked.shard, *(2**k for k in range(1, 11) if asked.shard < 2**k <= max_ranks)]
     precisions = list(dict.fromkeys([asked.precision, "bf16-mixed", "bf16-fsdp", "bf16"]))
@@ -513,6 +516,9 @@ def setup_that_fits(
                 build_for(precision), gpu, precision, optimizer, asked.shard, progress, layout
             )
             steps.traced = traced.setdefault(precision, {})
+            seen = (known or {}).get((precision, optimizer))
+            if seen is not None and seen.traced is steps.traced:
+                steps.planners, steps.memories = seen.planners, seen.memories
             steps.simulate_allocator = reserve is None
             steps.replicate_depth = not full_trace
             combos[(precision, optimizer)] = steps

@@ -148,8 +148,11 @@ def fit_row(
             limits.append(str(err).split(";")[0])
             return False
         if (b, s) not in judgements or judgements[(b, s)][0] is not graph:
-            found = judge_step(steps, name, b, s, asked_usable)
-            fits = found is not None and fits_on(found[0], found[2], found[3])
+            if name == "auto" and candidate_fits(steps, b, s):
+                fits = True  # judge_step's answer whatever auto's solvers find: spare them
+            else:
+                found = judge_step(steps, name, b, s, asked_usable)
+                fits = found is not None and fits_on(found[0], found[2], found[3])
             judgements[(b, s)] = (graph, fits)
         return judgements[(b, s)][1]
 
@@ -269,6 +272,14 @@ def judge_step(
         usable = live_limit(peak, memories[0])
     overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
     return peak, p, memories, usable, overhead
+
+
+def candidate_fits(steps: FitSteps, batch: int, seq: int) -> bool:
+    """Whether a fixed or the lowest-peak plan's reserved bytes fit at (batch, seq): then `auto`
+    fits there by `judge_step` (its own plans fit, or it falls back to the first of these that
+    does), so a search that asks only whether it fits need not run auto's solvers."""
+    planner = steps.planner(batch, seq)
+    return any(steps.gpu_memories(batch, seq, p)[0].fits for p in steps.candidates(planner))
 
 
 def live_limit(peak: int, memory: Any) -> int:

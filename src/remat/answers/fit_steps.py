@@ -107,6 +107,9 @@ class FitSteps:
         self.traced: dict[tuple[int, int], Graph] = {}
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
+        #: `gpu_memories` by (graph, regions, FSDP ranks): a plan judged again (auto's choice
+        #: is often a fixed strategy's regions; the searches return to a size) is not walked again
+        self.memories: dict[tuple[int, tuple[Any, ...], int], tuple[Graph, list[Any]]] = {}
 
     @property
     def fsdp_ranks(self) -> int:
@@ -206,8 +209,13 @@ class FitSteps:
         from remat.prediction.gpu_memory import Fsdp, gpu_memories
 
         graph = self.planner(batch, seq).graph
-        fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
-        return gpu_memories(graph, self.gpu, plan.regions, self.optimizer, fsdp)
+        key = (id(graph), tuple(plan.regions), self.fsdp_ranks)
+        kept = self.memories.get(key)
+        if kept is None or kept[0] is not graph:
+            fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
+            found = gpu_memories(graph, self.gpu, plan.regions, self.optimizer, fsdp)
+            kept = self.memories[key] = (graph, found)
+        return list(kept[1])
 
     def fixed_plans(self, planner: Planner) -> Iterator[Any]:
         """The plan of every appliable fixed strategy the model supports, one at a time."""

@@ -152,17 +152,27 @@ class RankMemory:
     sharding: Sharding
     ranks: int
     simulate: bool = True
+    #: walks by (pipeline, each stage's regions): a rank's events read only its stages' regions,
+    #: and auto's plans are often another row's (store-all's on every stage)
+    walked: dict[Any, tuple[TracedPipeline, list[list[Any]]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def of(self, traced: TracedPipeline, plans: dict[int, Any]) -> list[list[Any]]:
         """Per rank, its memories under each setting."""
         if not self.simulate:
             return []
-        return [
-            traced.gpu_memories(
-                rank, self.gpu, plans, self.optimizer, self.sharding, ranks=self.ranks
-            )
-            for rank in sorted(traced.order)
-        ]
+        regions = (() if plans.get(t.stage.index) is None else plans[t.stage.index].regions
+                   for t in traced.traced)  # as `rank_events` reads them  # fmt: skip
+        key = (id(traced), tuple(regions))
+        if key not in self.walked or self.walked[key][0] is not traced:
+            self.walked[key] = (traced, [
+                traced.gpu_memories(
+                    rank, self.gpu, plans, self.optimizer, self.sharding, ranks=self.ranks
+                )
+                for rank in sorted(traced.order)
+            ])  # fmt: skip
+        return [list(rank) for rank in self.walked[key][1]]
 
     def fits(self, memories: list[list[Any]], report: PipelineReport, usable: int) -> bool:
         if not memories:

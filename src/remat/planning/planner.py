@@ -265,6 +265,8 @@ class Planner:
         self._frontiers: dict[int, Frontier] = {}
         self._lowest: Plan | None = None
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
+        #: `make_plan`'s plans by (regions, offloaded blocks): the rest of a call only labels it
+        self._judged: dict[tuple[tuple[Region, ...], tuple[int, ...]], Plan] = {}
 
     # -- the user's API ------------------------------------------------------------------------
     @property
@@ -489,25 +491,28 @@ class Planner:
         """The plan of `regions` (and of `offload_blocks`' saves on the host), judged by the exact
         simulation; its recompute time includes what checkpointing itself costs on the profile
         (`region_overheads`), its `transfer_seconds` the copies no compute hides."""
-        offload = None
         if offload_blocks:
-            offload = offloading.choose(self, regions, offload_blocks, chosen=offload_saves)
             details = {**details, "host_link": offloading.settings_of(self).link_name}
-        p = build_plan(
-            self.graph,
-            regions,
-            strategy=strategy,
-            budget_bytes=budget_bytes,
-            op_seconds=self.op_seconds,
-            base_bytes=self.base_bytes,
-            profile=self.profile.name,
-            reason=reason,
-            status=status,
-            appliable=appliable,
-            details=details,
-            overhead_seconds=sum(self.region_overheads(regions)),
-            offload=offload,
-        )
+        saves = tuple(sorted((offload_saves or {}).items()))
+        key = (tuple(regions), tuple(offload_blocks), saves)
+        if key not in self._judged:  # the same regions again (first_k per budget, retries)
+            offload = (
+                offloading.choose(self, regions, offload_blocks, chosen=offload_saves)
+                if offload_blocks
+                else None
+            )
+            self._judged[key] = build_plan(
+                self.graph, regions, strategy=strategy, budget_bytes=budget_bytes,
+                op_seconds=self.op_seconds, base_bytes=self.base_bytes,
+                profile=self.profile.name, reason=reason,
+                overhead_seconds=sum(self.region_overheads(regions)), offload=offload,
+            )  # fmt: skip
+        judged = self._judged[key]
+        p = replace(
+            judged, regions=regions, strategy=strategy, budget_bytes=budget_bytes, reason=reason,
+            status=status, appliable=appliable, details=details or {},
+            held_by_module=dict(judged.held_by_module),
+        )  # fmt: skip
         if self.optimizer_step_peak > p.predicted_peak_bytes:
             p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
         return p

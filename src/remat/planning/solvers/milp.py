@@ -78,9 +78,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import optimize
@@ -431,44 +431,59 @@ def _tie_break(
 
 
 # -- the public solvers -------------------------------------------------------------------------
+#: `milp`'s answers by (the problem less its fixed bytes, the room above them, the time limit),
+#: for those found within the time limit (a deterministic program, so the same answer): the
+#: program sees only the room (`_cheapest`, `_tie_break` and `_fits` all subtract the fixed
+#: bytes first), so the planners of one step under two optimizers, or of one step asked again,
+#: pose the same one. Oldest dropped past `SOLVED_KEPT`.
+_solved: OrderedDict[tuple[BlockProblem, int, float], tuple[tuple[int, ...], bool, float] | int]
+_solved = OrderedDict()
+SOLVED_KEPT = 512
+
+
 def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -> MilpResult:
     """The plan with the least recompute whose peak fits `budget_bytes`, lowest peak among ties.
 
     `time_limit_s` bounds the search (see the module docstring for what is returned when it runs
     out). The returned `peak_bytes` is always exact and within the budget. Raises
     `InfeasibleBudget`, with the smallest achievable peak as `min_feasible_bytes`, when no choice
-    fits.
+    fits. Solved once per program and room (`_solved`).
     """
-    deadline = time.monotonic() + time_limit_s
-    model = _model(problem)
-    run, cuts = _cheapest(problem, model, budget_bytes, deadline)
-    if run is None:
-        lowest = _lowest_peak_choice(model)
-        peak = block_peak_bytes(problem, lowest)
-        if peak > budget_bytes:
-            raise InfeasibleBudget(
-                f"no choice of options fits the budget of {format_bytes(budget_bytes)} "
-                f"({budget_bytes} bytes): the smallest achievable peak is {format_bytes(peak)} "
-                f"({peak} bytes)",
-                budget_bytes=budget_bytes,
-                min_feasible_bytes=peak,
-            )
+    key = (replace(problem, fixed_bytes=0), budget_bytes - problem.fixed_bytes, time_limit_s)
+    found = _solved.get(key)
+    if found is None:
+        deadline = time.monotonic() + time_limit_s
+        found = _solve(problem, budget_bytes, time_limit_s, deadline)
+        if isinstance(found, int) or time.monotonic() < deadline:  # no time limit reached
+            _solved[key] = found
+            if len(_solved) > SOLVED_KEPT:
+                _solved.popitem(last=False)
+    else:
+        _solved.move_to_end(key)
+    if isinstance(found, int):  # no choice fits: the smallest peak above the fixed bytes
+        peak = problem.fixed_bytes + found
+        raise InfeasibleBudget(
+            f"no choice of options fits the budget of {format_bytes(budget_bytes)} "
+            f"({budget_bytes} bytes): the smallest achievable peak is {format_bytes(peak)} "
+            f"({peak} bytes)",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=peak,
+        )
+    choice, optimal, gap = found
+    seconds = block_recompute_seconds(problem, choice)
+    if gap == math.inf:
         return _result(
             problem,
-            lowest,
+            choice,
             "time_limit",
             math.inf,
             f"HiGHS found no plan within {time_limit_s:g} s; this lowest-peak plan fits but does "
             "not minimise recompute (raise the time limit)",
         )
-    choice = run.choice
-    if time.monotonic() < deadline:
-        choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
-    seconds = block_recompute_seconds(problem, choice)
     least, what = "recompute", "recompute"
     if block_host_bytes(problem, choice):
         least, what = "added time", "recompute and copies to host memory not hidden by compute"
-    if run.optimal:
+    if optimal:
         why = (
             f"the least {least} that fits, proved optimal by the MILP solver (HiGHS): "
             f"{_time(seconds)} of {what} a step (not the step's time) within"
@@ -476,15 +491,35 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
     else:
         why = (
             f"the MILP solver (HiGHS) stopped at its {time_limit_s:g} s time limit with "
-            f"{_time(seconds)} of {what} a step, at most {run.gap:.2%} above the least that fits"
+            f"{_time(seconds)} of {what} a step, at most {gap:.2%} above the least that fits"
         )
     return _result(
         problem,
         choice,
-        "optimal" if run.optimal else "time_limit",
-        run.gap,
+        "optimal" if optimal else "time_limit",
+        gap,
         f"{why} {format_bytes(budget_bytes)}",
     )
+
+
+def _solve(
+    problem: BlockProblem, budget_bytes: int, time_limit_s: float, deadline: float
+) -> tuple[tuple[int, ...], bool, float] | int:
+    """`milp`'s search: the choice, whether proven optimal, and HiGHS's gap (infinite: the
+    lowest-peak plan, as HiGHS found none in time); or, where no choice fits, the smallest peak
+    less the fixed bytes."""
+    model = _model(problem)
+    run, cuts = _cheapest(problem, model, budget_bytes, deadline)
+    if run is None:
+        lowest = _lowest_peak_choice(model)
+        peak = block_peak_bytes(problem, lowest)
+        if peak > budget_bytes:
+            return peak - problem.fixed_bytes
+        return lowest, False, math.inf
+    choice = run.choice
+    if time.monotonic() < deadline:
+        choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
+    return choice, run.optimal, run.gap
 
 
 def _time(seconds: float) -> str:
