@@ -163,8 +163,10 @@ class _Allocations(TorchDispatchMode):
             out = _rng_operator(func, args, kwargs or {})
             if out is NotImplemented:
                 return NotImplemented
-        elif self.on_cpu and func._overloadpacket.__name__ in kernel_scratch.MEASURED_ON_CPU:
-            out, scratch = _cpu_convolution(func, args, kwargs or {})
+        elif func._overloadpacket.__name__ in kernel_scratch.MEASURED_ON_CPU:
+            # the wrapper is the CPU backend's, so its convolutions' layouts are oneDNN's on
+            # every target; their scratch is the CPU kernel's only when the step runs there
+            out, scratch = _cpu_convolution(func, args, kwargs or {}, self.on_cpu)
         else:
             out = func(*args, **(kwargs or {}))
             scratch = kernel_scratch_bytes(func, args)
@@ -175,10 +177,13 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-def _cpu_convolution(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+def _cpu_convolution(
+    func: Any, args: tuple, kwargs: dict[str, Any], measure_scratch: bool = True
+) -> tuple[Any, int]:
     """A CPU convolution (forward or backward) on meta tensors: its outputs in the layout the CPU
     kernel gives them (the meta kernel knows oneDNN's channels-last rule only for CPU tensors, and
-    inductor asserts the layout it planned), and the scratch the kernel allocates inside itself,
+    inductor asserts the layout it planned: a GPU target's replay of the CPU backend's wrapper
+    needs them too), and, with `measure_scratch`, the scratch the kernel allocates inside itself,
     measured on this machine at inductor's own shapes and strides (`remat.device.kernel_scratch`,
     as the eager trace measures it): its weight and input reorders, and in backward a weight-sized
     buffer per thread."""
@@ -194,6 +199,8 @@ def _cpu_convolution(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[An
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, on_cpu, (args, kwargs))
         fake_out = func(*fake_args, **fake_kwargs)
     out = pytree.tree_map_only(torch.Tensor, to_meta, fake_out)
+    if not measure_scratch:
+        return out, kernel_scratch_bytes(func, args)
     scratch = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, list(_tensors(out)))
     return out, scratch or 0
 
