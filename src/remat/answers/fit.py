@@ -195,7 +195,8 @@ def fit(
     `compile` (`whole` or `blocks`): one more row, `compile:<mode>`, the step under torch.compile
     with no recomputation of remat's (`remat.prediction.compiled_estimate`): its peak at (batch, seq) only
     (each size is one compilation, so no largest batch or sequence is searched). On one rank.
-    `ac="full"` (with `blocks`): each block checkpointed before it is compiled.
+    `ac` (`full` or a selective op policy, `remat.prediction.compiled_ac`): each block
+    checkpointed before it is compiled, as torchtitan's apply_ac wraps it.
 
     `build_for(precision)`: the `build` of another precision. Given, and nothing fits as asked,
     `extra["setup_that_fits"]` is `setup_that_fits`'s answer (precision, optimizer and ranks

@@ -301,7 +301,9 @@ def _allocator_note(memories: list[Any]) -> str:
 def compiled_row(
     steps: FitSteps, mode: str, ac: str | None, batch: int, seq: int, usable: int
 ) -> FitRow:
-    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step."""
+    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step.
+    Judged by the caching allocator as eager rows are (its reserved bytes within the limit,
+    `remat.prediction.compiled_events`) where the allocator is simulated, else by live bytes."""
     from remat.prediction.compiled_estimate import estimate_compiled
 
     graph = steps.trace(batch, seq)
@@ -316,17 +318,20 @@ def compiled_row(
         optimizer=steps.optimizer,
         autocast=steps.setup.autocast,
         ac=ac,
+        gpu=steps.gpu if steps.simulate_allocator else None,
     )
-    name = f"{mode}+{ac} AC" if ac else mode
+    name = f"{mode}+{compiled.ac} AC" if compiled.ac else mode
+    memories = compiled.gpu_memory
     return FitRow(
         strategy=f"compile:{name}",
         plan=f"torch.compile ({name}), torch's partitioner",
         peak_bytes=compiled.peak_bytes,
-        fits=compiled.peak_bytes <= usable,
+        fits=memories[0]["fits"] if memories else compiled.peak_bytes <= usable,
         overhead=None,
         max_batch=None,
         max_seq=None,
         note=f"{compiled.backend}; peak at batch {batch}, seq {seq} only (one compilation a size)",
+        gpu_memory=memories,
     )
 
 
