@@ -387,13 +387,14 @@ def compiled_row(
     units = max(seq // SEQ_STEP, 1)
     high = max_seq // SEQ_STEP if row_fits else (seq - 1) // SEQ_STEP
     low = units if row_fits and seq % SEQ_STEP == 0 else 1
-    try:
-        s_anchors = [units, units + 1, units + 2]
-        s_peaks = [at(batch, u * SEQ_STEP).peak_bytes for u in s_anchors]
+    s_anchors = [units, units + 1, units + 2]
+    try:  # the eager steps first: where they do not grow with the sequence, nothing to compile
+        eager = {estimate(steps.trace(batch, u * SEQ_STEP)).peak_bytes for u in s_anchors}
+        s_peaks = [] if len(eager) == 1 else [at(batch, u * SEQ_STEP).peak_bytes for u in s_anchors]
     except RematError as err:
         limits.append(str(err).split(";")[0])
         s_anchors, s_peaks = [units], [compiled.peak_bytes]
-    if len(set(s_peaks)) == 1 and len(s_peaks) > 1:  # the sequence does not move the step
+    if not s_peaks:  # the sequence does not move the step
         best_seq = high if row_fits and high >= low else None
     else:
         u_guess = (
