@@ -194,7 +194,10 @@ POINTS: tuple[Point, ...] = (
         strategy="full",
         compile="blocks",
         note="torchtune compiles each layer (and the loss, which remat prices eager); "
-        "compiled peaks are live bytes (the allocator is not simulated for compiled steps), "
+        "compiled peaks are live bytes as these rows read them (`peak_bytes`; since issue 37 "
+        "`fit`'s compiled rows also carry the caching allocator's allocated and reserved bytes "
+        "and fit by them, docs/compiled.md, which these rows do not read yet: their live peaks "
+        "are unchanged), "
         "inductor's CPU backend stands in for its GPU backend (docs/compiled.md)",
     ),
     Point(

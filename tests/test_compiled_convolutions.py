@@ -92,3 +92,20 @@ def test_a_convnet_compiled_by_remat_frees_inductors_weight_copies_in_backward()
     (plan,) = plans_of(compiled)
     assert measured.peak_bytes == plan.predicted_peak_bytes
     assert measured.activation_bytes == plan.held_bytes
+
+
+@pytest.mark.slow
+def test_a_conv_compiled_for_a_gpu_target_replays_the_cpu_backends_layouts(monkeypatch):
+    """Was a raw inductor AssertionError (ViT-H, `fit --compile whole` on an H100): inductor
+    generates for its CPU backend on every target and asserts the channels-last layout oneDNN's
+    convolution returns, which the meta kernel gave only where the step runs on the CPU. On a GPU
+    target the replay now gives the CPU backend's layouts too, without the CPU kernel's scratch:
+    byte for byte the CPU target's step with that scratch taken as zero."""
+    from remat.device import kernel_scratch
+
+    model, x = PatchHead(), torch.randn(2, 3, 32, 32)
+    on_gpu = remat.trace(model, x, target="cuda")
+    gpu = remat.estimate_compiled(on_gpu, model, x, autocast=torch.bfloat16)
+    monkeypatch.setattr(kernel_scratch, "cpu_scratch_bytes", lambda *args: 0)
+    cpu = remat.estimate_compiled(remat.trace(model, x), model, x, autocast=torch.bfloat16)
+    assert gpu.peak_bytes == cpu.peak_bytes > 0

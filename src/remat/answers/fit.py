@@ -193,9 +193,11 @@ def fit(
     models, confirmed by a trace at the answer).
 
     `compile` (`whole` or `blocks`): one more row, `compile:<mode>`, the step under torch.compile
-    with no recomputation of remat's (`remat.prediction.compiled_estimate`): its peak at (batch, seq) only
-    (each size is one compilation, so no largest batch or sequence is searched). On one rank.
-    `ac="full"` (with `blocks`): each block checkpointed before it is compiled.
+    with no recomputation of remat's (`remat.prediction.compiled_estimate`), judged as the eager
+    rows are, its largest batch and sequence searched on compiled sizes (`compiled_row`). On one
+    rank.
+    `ac` (`full` or a selective op policy, `remat.prediction.compiled_ac`): each block
+    checkpointed before it is compiled, as torchtitan's apply_ac wraps it.
 
     `build_for(precision)`: the `build` of another precision. Given, and nothing fits as asked,
     `extra["setup_that_fits"]` is `setup_that_fits`'s answer (precision, optimizer and ranks
@@ -278,7 +280,7 @@ def fit(
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
     if compile is not None:
-        rows.append(compiled_row(steps, compile, ac, batch, seq, usable))
+        rows.append(compiled_row(steps, compile, ac, batch, seq, usable, max_batch, max_seq))
     extra: dict[str, Any] = {}
     depth = next((g.info["depth"] for g in steps.traced.values() if "depth" in g.info), None)
     if depth is not None:  # how the steps were traced (`remat.tracing.depth`)

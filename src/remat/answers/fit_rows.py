@@ -310,34 +310,122 @@ def _allocator_note(memories: list[Any]) -> str:
 
 
 def compiled_row(
-    steps: FitSteps, mode: str, ac: str | None, batch: int, seq: int, usable: int
+    steps: FitSteps,
+    mode: str,
+    ac: str | None,
+    batch: int,
+    seq: int,
+    usable: int,
+    max_batch: int = 4096,
+    max_seq: int = 1 << 20,
 ) -> FitRow:
-    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step."""
+    """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step,
+    and the largest batch and sequence that fit. Judged by the caching allocator as eager rows
+    are (reserved bytes within the limit, `remat.prediction.compiled_events`) where it is
+    simulated, else by live bytes; the largest sizes by the same rule as eager rows': a line
+    (batch) or parabola (sequence) through compiled sizes guesses where the live bytes reach
+    the asked size's live limit, and the allocator's judgement of compiled steps confirms it.
+    Each size is one compilation; a step that does not grow with the sequence (an image model)
+    is not searched along it."""
     from remat.prediction.compiled_estimate import estimate_compiled
 
-    graph = steps.trace(batch, seq)
-    if steps.progress:
-        steps.progress(f"compiling ({mode}) batch {batch}, seq {seq} on fake tensors")
-    model, inputs = steps.build(batch, seq)
-    compiled = estimate_compiled(
-        graph,
-        model,
-        *inputs,
-        compile=mode,
-        optimizer=steps.optimizer,
-        autocast=steps.setup.autocast,
-        ac=ac,
+    compiled_at: dict[tuple[int, int], Any] = {}
+    limits: list[str] = []
+
+    def at(b: int, s: int) -> Any:
+        if (b, s) not in compiled_at:
+            graph = steps.trace(b, s)
+            if steps.progress:
+                steps.progress(f"compiling ({mode}) batch {b}, seq {s} on fake tensors")
+            model, inputs = steps.build(b, s)
+            compiled_at[(b, s)] = estimate_compiled(
+                graph,
+                model,
+                *inputs,
+                compile=mode,
+                optimizer=steps.optimizer,
+                autocast=steps.setup.autocast,
+                ac=ac,
+                gpu=steps.gpu if steps.simulate_allocator else None,
+            )
+        return compiled_at[(b, s)]
+
+    def fits(b: int, s: int) -> bool:
+        try:
+            c = at(b, s)
+        except RematError as err:  # a length the model cannot build
+            limits.append(str(err).split(";")[0])
+            return False
+        return c.gpu_memory[0]["fits"] if c.gpu_memory else c.peak_bytes <= usable
+
+    compiled = at(batch, seq)
+    memories = compiled.gpu_memory
+    row_fits = fits(batch, seq)
+    live = compiled.peak_bytes
+    if memories:  # the live bytes the step may reach by the allocator's judgement (`live_limit`)
+        room = memories[0]["limit_bytes"] - memories[0]["reserved_bytes"]
+        live = live + room if row_fits else min(live + room, live - 1)
+    else:
+        live = usable
+
+    def guess(xs: list[int], ys: list[int], size: Callable[[int], tuple[int, int]]) -> int:
+        """Where the line or parabola through the compiled sizes reaches the live limit,
+        corrected twice by the allocator's overhead (reserved - live) compiled at the guess: it
+        grows with the step, so the asked size's alone guesses far sizes high."""
+        x = _guess(xs, ys, live)
+        for _ in range(2):
+            try:
+                c = at(*size(max(x, 1)))
+            except RematError:
+                break
+            if not c.gpu_memory or c.gpu_memory[0]["out_of_memory"]:
+                break  # an allocator that ran out stopped at its limit: no overhead to read
+            m = c.gpu_memory[0]
+            corrected = _guess(xs, ys, c.peak_bytes + m["limit_bytes"] - m["reserved_bytes"])
+            if corrected == x:
+                break
+            x = corrected
+        return x
+
+    b_anchors = [max(batch, 2), max(batch, 2) + 1]
+    b_peaks = [at(b, seq).peak_bytes for b in b_anchors]
+    best_batch = _largest(
+        lambda b: fits(b, seq),
+        guess(b_anchors, b_peaks, lambda b: (b, seq)),
+        batch if row_fits else 1,
+        max_batch if row_fits else batch - 1,
     )
-    name = f"{mode}+{ac} AC" if ac else mode
+    units = max(seq // SEQ_STEP, 1)
+    high = max_seq // SEQ_STEP if row_fits else (seq - 1) // SEQ_STEP
+    low = units if row_fits and seq % SEQ_STEP == 0 else 1
+    s_anchors = [units, units + 1, units + 2]
+    try:  # the eager steps first: where they do not grow with the sequence, nothing to compile
+        eager = {estimate(steps.trace(batch, u * SEQ_STEP)).peak_bytes for u in s_anchors}
+        s_peaks = [] if len(eager) == 1 else [at(batch, u * SEQ_STEP).peak_bytes for u in s_anchors]
+    except RematError as err:
+        limits.append(str(err).split(";")[0])
+        s_anchors, s_peaks = [units], [compiled.peak_bytes]
+    if not s_peaks:  # the sequence does not move the step
+        best_seq = high if row_fits and high >= low else None
+    else:
+        u_guess = (
+            guess(s_anchors, s_peaks, lambda u: (batch, u * SEQ_STEP))
+            if len(s_peaks) > 1
+            else units
+        )
+        best_seq = _largest(lambda u: fits(batch, u * SEQ_STEP), u_guess, low, high)
+    name = f"{mode}+{compiled.ac} AC" if compiled.ac else mode
     return FitRow(
         strategy=f"compile:{name}",
         plan=f"torch.compile ({name}), torch's partitioner",
         peak_bytes=compiled.peak_bytes,
-        fits=compiled.peak_bytes <= usable,
+        fits=row_fits,
         overhead=None,
-        max_batch=None,
-        max_seq=None,
-        note=f"{compiled.backend}; peak at batch {batch}, seq {seq} only (one compilation a size)",
+        max_batch=best_batch,
+        max_seq=None if best_seq is None else best_seq * SEQ_STEP,
+        note=f"{compiled.backend}; {len(compiled_at)} sizes compiled"
+        + (f"; max seq: {limits[-1]}" if limits else ""),
+        gpu_memory=memories,
     )
 
 

@@ -5,9 +5,11 @@
 - `whole`: `torch.compile(model)`, one graph for the model (a graph break is an error: its pieces
   would be separate graphs with eager code between them);
 - `blocks`: each repeated block (`graph.blocks`: transformer layers) compiled on its own and the
-  rest eager, as torchtitan's `apply_compile` does; this is what composes with per-block
-  activation checkpointing: with `ac="full"` each block is wrapped in `torch.utils.checkpoint`
-  before it is compiled (torchtitan's compile + AC), and the partitioner recomputes it in backward.
+  rest eager, as torchtitan's `apply_compile` does.
+
+Either composes with per-block activation checkpointing (`ac`: `full` or a selective op policy,
+`remat.prediction.compiled_ac`): each block is wrapped in `torch.utils.checkpoint` before it is
+compiled (torchtitan's compile + AC), and the partitioner recomputes it in backward.
 
 Each compiled graph goes through torch's own pipeline on fake CPU tensors: dynamo, AOTAutograd,
 inductor's joint-graph passes and torch's default partitioner (`min_cut_rematerialization_partition`,
@@ -31,9 +33,12 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from remat.device.gpus import Gpu
 from remat.device.targets import get_target
 from remat.errors import RematError
 from remat.graph import Graph
+from remat.prediction.compiled_ac import check_ac, wrap_blocks
+from remat.prediction.compiled_events import blocks_step_events, whole_step_events
 from remat.prediction.estimate import (
     OPTIMIZER_MEMORY,
     Optimizer,
@@ -43,22 +48,21 @@ from remat.prediction.estimate import (
     trainable_param_bytes,
     trainable_param_elements,
 )
+from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, blas_workspaces, memory_of_events
 from remat.prediction.inductor_plan import StepPeak, step_peak
 from remat.prediction.schedule import simulate
 from remat.tracing import hfcompat
 
 #: How the step is compiled: the whole model as one graph, or each block on its own.
 COMPILE_MODES = ("whole", "blocks")
-#: Activation checkpointing under `blocks`: none, or each block fully checkpointed.
-AC_MODES = (None, "full")
 #: Where inductor's decisions come from (the output says so).
 BACKEND = "inductor, CPU backend"
 
 
 @dataclass(frozen=True)
 class CompiledEstimate:
-    """The predicted peak of one compiled training step (`mode`: whole or blocks; `ac`: "full"
-    when each block is checkpointed before it is compiled), next to the eager step of the same
+    """The predicted peak of one compiled training step (`mode`: whole or blocks; `ac`: how each
+    block is checkpointed before it is compiled, `remat.prediction.compiled_ac`), next to the eager step of the same
     graph. `peak_bytes` includes the optimizer step when there is one
     (`peak_phase` says which phase decides it). `graphs_compiled`: the distinct graphs inductor
     generated code for (blocks: one per distinct block, reused by identical ones)."""
@@ -73,6 +77,10 @@ class CompiledEstimate:
     blocks_compiled: int
     backend: str
     seconds: float
+    #: the step as the GPU reports it (`remat.prediction.gpu_memory.GpuMemory.to_dict`), under
+    #: each of its allocator settings, torch's default first (`remat.prediction.compiled_events`);
+    #: empty without a `gpu`
+    gpu_memory: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,6 +211,7 @@ def estimate_compiled(
     optimizer: Optimizer = None,
     autocast: torch.dtype | None = None,
     ac: str | None = None,
+    gpu: Gpu | str | None = None,
     **kwargs: Any,
 ) -> CompiledEstimate:
     """The peak of one training step of `model(*args, **kwargs)` under torch.compile, with the
@@ -212,26 +221,25 @@ def estimate_compiled(
     `graph.blocks` compiled on its own, the rest eager, as torchtitan compiles). The model may
     be on the meta device: it is compiled on fake tensors, nothing runs. `autocast`: the forward
     under `torch.autocast` of that dtype (bf16-mixed), CPU autocast's op lists as the CPU backend
-    generates. `ac="full"` (with `blocks`): each block under full activation checkpointing
-    (non-reentrant `torch.utils.checkpoint`) before it is compiled, torchtitan's compile + AC.
+    generates. `ac`: each block under activation checkpointing (non-reentrant
+    `torch.utils.checkpoint`; `full` or a selective op policy, `remat.prediction.compiled_ac`)
+    before it is compiled, torchtitan's compile + AC. `gpu`: the step's events also run
+    through the caching allocator on that GPU (`gpu_memory`), as `remat.prediction.gpu_memory`
+    runs an eager step's (`remat.prediction.compiled_events`).
     Clears dynamo's caches (`torch._dynamo.reset()`) before and after, as compiling
     a fresh model does."""
     if compile not in COMPILE_MODES:
         raise RematError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
-    if ac not in AC_MODES:
-        raise RematError(
-            f"ac must be None or one of {', '.join(map(repr, AC_MODES[1:]))}, got {ac!r}"
-        )
-    if ac is not None and compile != "blocks":
-        raise RematError(
-            f"ac={ac!r} checkpoints each block before compiling it: it needs compile='blocks'"
-        )
+    ac = check_ac(ac, graph)
     optimizer = resolve_optimizer(optimizer, graph)
     # on a GPU target the buffers are the CPU backend's, but not the CPU kernels' scratch
     on_cpu = not get_target(graph.info.get("target")).is_cuda
     start = time.perf_counter()
+    memories: tuple[dict[str, Any], ...] = ()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_model, fake_args, fake_kwargs = _fake_copy(model, args, kwargs, mode)
+    if ac is not None:
+        wrap_blocks(fake_model, graph, ac)
     torch._dynamo.reset()
     mixed = (
         torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
@@ -253,21 +261,28 @@ def estimate_compiled(
                 temp = memory.step_temp_bytes(*trainable, param_sizes(graph))
                 fb_peak, step_bytes = step.peak_bytes + state, step.end_bytes + state + temp
                 graphs, blocks = 1, 0
+                if gpu is not None:
+                    events = whole_step_events(graph, step, optimizer, blas_workspaces(gpu))
             else:
                 # the blocks' arguments come from an eager forward on fake tensors, where
                 # transformers' data-dependent mask decisions are taken as the real run takes
                 # them (remat.tracing.hfcompat, as the fake trace does); dynamo traces them itself
                 with hfcompat.as_real_run(kwargs):
-                    fb_peak, step_bytes, graphs, blocks = _blocks_peak(
+                    fb_peak, step_bytes, graphs, blocks, spans = _blocks_peak(
                         graph,
                         fake_model,
                         fake_args,
                         fake_kwargs,
                         mode,
                         optimizer,
-                        ac == "full",
                         on_cpu,
                     )
+                if gpu is not None:
+                    events = blocks_step_events(graph, spans, optimizer, blas_workspaces(gpu))
+            if gpu is not None:
+                memories = tuple(
+                    memory_of_events(events, gpu, 1, s).to_dict() for s in ALLOCATOR_SETTINGS
+                )
     finally:
         torch._dynamo.reset()
     optimizer_decides = optimizer is not None and step_bytes > fb_peak
@@ -282,6 +297,7 @@ def estimate_compiled(
         blocks_compiled=blocks,
         backend=BACKEND,
         seconds=time.perf_counter() - start,
+        gpu_memory=memories,
     )
 
 
@@ -299,18 +315,6 @@ def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return (type(module), tuple(state), tuple(layout(x) for x in leaves), str(spec))
 
 
-class _Checkpointed(nn.Module):
-    """A block under full activation checkpointing, as torchtitan wraps it before compiling:
-    `torch.utils.checkpoint` (non-reentrant) around the block's forward."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
 def _blocks_peak(
     graph: Graph,
     model: nn.Module,
@@ -318,11 +322,11 @@ def _blocks_peak(
     kwargs: dict,
     mode: FakeTensorMode,
     optimizer: Optimizer,
-    checkpoint: bool = False,
     on_cpu: bool = True,
-) -> tuple[int, int, int, int]:
-    """(forward/backward peak, optimizer step bytes, graphs compiled, blocks compiled) of the step
-    with each of `graph.blocks` compiled on its own.
+) -> tuple[int, int, int, int, list[tuple[int, int, int, int, StepPeak]]]:
+    """(forward/backward peak, optimizer step bytes, graphs compiled, blocks compiled, and each
+    block's spans with its compiled step, for `blocks_step_events`) of the step with each of
+    `graph.blocks` compiled on its own.
 
     Each distinct block (`_signature`) is compiled once, on the arguments it gets in the model's
     forward: identical blocks give the same graph, and torch itself compiles one and reuses it
@@ -362,9 +366,8 @@ def _blocks_peak(
     steps: dict[tuple, StepPeak] = {}
     for key, (path, module, block_args, block_kwargs) in calls.items():
         torch._dynamo.reset()
-        compiled = _Checkpointed(module) if checkpoint else module
         steps[key] = _compiled_step(
-            compiled, block_args, block_kwargs, False, f"block {path}", on_cpu
+            module, block_args, block_kwargs, False, f"block {path}", on_cpu
         )
     of_block = {path: steps[key] for path, key in key_of.items()}
 
@@ -384,6 +387,7 @@ def _blocks_peak(
 
     timeline = list(sim.timeline)
     held: list[tuple[int, int, int]] = []  # (after forward op, until backward op, extra bytes)
+    spans: list[tuple[int, int, int, int, StepPeak]] = []
     replaced: list[tuple[int, int, int]] = []  # (first op, last op, compiled live bytes)
     for b in blocks:
         step = of_block[b.path]
@@ -395,6 +399,7 @@ def _blocks_peak(
         if not backward:
             raise RematError(f"block {b.path} has no backward ops in the trace: nothing to train")
         g0, g1 = min(backward), max(backward)
+        spans.append((b.first_op, b.last_op, g0, g1, step))
         eager_held = sum(
             s.nbytes
             for s in graph.storages.values()
@@ -418,4 +423,4 @@ def _blocks_peak(
         if not any(first <= p <= last for first, last, _ in replaced):
             timeline[p] += extra(p)
     step_bytes = optimizer_step_bytes(graph, sim, optimizer) if optimizer is not None else 0
-    return max(timeline), step_bytes, len(steps), len(blocks)
+    return max(timeline), step_bytes, len(steps), len(blocks), spans

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat.device import kernel_scratch
+from remat.device.allocator import Alloc, Free
 from remat.tracing.tensors import storage_key
 
 
@@ -126,6 +127,12 @@ class Replay:
     end_bytes: int
     shared_output_bytes: int = 0
     output_storages: tuple[tuple[int, int] | None, ...] = ()
+    #: the run's allocations and frees in order (`Alloc`/`Free` keyed by `("new", n)` for a
+    #: storage the graph made, by the argument's index `("arg", i)` for one it was given, and
+    #: `("scratch", n)` for an extern kernel's scratch), for the caching allocator
+    events: tuple[Alloc | Free, ...] = ()
+    #: each output's key in `events`, None where it is not a tensor
+    output_keys: tuple[Any, ...] = ()
 
 
 class _Allocations(TorchDispatchMode):
@@ -134,27 +141,38 @@ class _Allocations(TorchDispatchMode):
 
     supports_higher_order_operators = True  # the RNG-state operators of `_rng_operator`
 
-    def __init__(self, inputs: Sequence[torch.Tensor], on_cpu: bool = False):
+    def __init__(self, inputs: Sequence[Any], on_cpu: bool = False):
         super().__init__()
         self.on_cpu = on_cpu
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        for t in inputs:
-            self._track(t)
+        self.keys: dict[int, Any] = {}  # storage -> its key in `events`
+        self.events: list[Alloc | Free] = []
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                self._track(t, ("arg", i))
         self.now = 0
         self.peak = 0
 
-    def _track(self, t: torch.Tensor) -> int:
+    def _track(self, t: torch.Tensor, key: Any = None) -> int:
         storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self.refs and not self.refs[key][0].expired():
+        cdata = storage._cdata
+        if cdata in self.refs and not self.refs[cdata][0].expired():
             return 0
-        self.refs[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.refs[cdata] = (StorageWeakRef(storage), storage.nbytes())
+        if key is None:
+            key = ("new", len(self.events))
+            self.events.append(Alloc(key, storage.nbytes()))
+        self.keys[cdata] = key
         return storage.nbytes()
 
+    def key_of(self, t: torch.Tensor) -> Any:
+        return self.keys.get(t.untyped_storage()._cdata)
+
     def _collect(self) -> None:
-        for key, (ref, nbytes) in list(self.refs.items()):
+        for cdata, (ref, nbytes) in list(self.refs.items()):
             if ref.expired():
-                del self.refs[key]
+                del self.refs[cdata]
+                self.events.append(Free(self.keys.pop(cdata)))
                 self.now -= nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -163,8 +181,10 @@ class _Allocations(TorchDispatchMode):
             out = _rng_operator(func, args, kwargs or {})
             if out is NotImplemented:
                 return NotImplemented
-        elif self.on_cpu and func._overloadpacket.__name__ in kernel_scratch.MEASURED_ON_CPU:
-            out, scratch = _cpu_convolution(func, args, kwargs or {})
+        elif func._overloadpacket.__name__ in kernel_scratch.MEASURED_ON_CPU:
+            # the wrapper is the CPU backend's, so its convolutions' layouts are oneDNN's on
+            # every target; their scratch is the CPU kernel's only when the step runs there
+            out, scratch = _cpu_convolution(func, args, kwargs or {}, self.on_cpu)
         else:
             out = func(*args, **(kwargs or {}))
             scratch = kernel_scratch_bytes(func, args)
@@ -172,13 +192,19 @@ class _Allocations(TorchDispatchMode):
         for t in _tensors(out):
             self.now += self._track(t)
         self.peak = max(self.peak, self.now + scratch)
+        if scratch:
+            key = ("scratch", len(self.events))
+            self.events += [Alloc(key, scratch), Free(key)]
         return out
 
 
-def _cpu_convolution(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, int]:
+def _cpu_convolution(
+    func: Any, args: tuple, kwargs: dict[str, Any], measure_scratch: bool = True
+) -> tuple[Any, int]:
     """A CPU convolution (forward or backward) on meta tensors: its outputs in the layout the CPU
     kernel gives them (the meta kernel knows oneDNN's channels-last rule only for CPU tensors, and
-    inductor asserts the layout it planned), and the scratch the kernel allocates inside itself,
+    inductor asserts the layout it planned: a GPU target's replay of the CPU backend's wrapper
+    needs them too), and, with `measure_scratch`, the scratch the kernel allocates inside itself,
     measured on this machine at inductor's own shapes and strides (`remat.device.kernel_scratch`,
     as the eager trace measures it): its weight and input reorders, and in backward a weight-sized
     buffer per thread."""
@@ -194,6 +220,8 @@ def _cpu_convolution(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[An
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, on_cpu, (args, kwargs))
         fake_out = func(*fake_args, **fake_kwargs)
     out = pytree.tree_map_only(torch.Tensor, to_meta, fake_out)
+    if not measure_scratch:
+        return out, kernel_scratch_bytes(func, args)
     scratch = kernel_scratch.cpu_scratch_bytes(func, args, kwargs, list(_tensors(out)))
     return out, scratch or 0
 
@@ -254,7 +282,7 @@ def replay(source: str, args: list[torch.Tensor | Any], on_cpu: bool = False) ->
     scope["empty_strided_cuda"] = _meta_empty
     scope["empty_strided_xpu"] = _meta_empty
     scope["reinterpret_tensor"] = _reinterpret
-    counter = _Allocations([a for a in args if isinstance(a, torch.Tensor)], on_cpu)
+    counter = _Allocations(args, on_cpu)
     with counter, torch.no_grad():
         outputs = scope["call"](args)
         counter._collect()
@@ -269,8 +297,9 @@ def replay(source: str, args: list[torch.Tensor | Any], on_cpu: bool = False) ->
         (storage_key(o), o.untyped_storage().nbytes()) if isinstance(o, torch.Tensor) else None
         for o in outputs
     )
+    keys = tuple(counter.key_of(o) if isinstance(o, torch.Tensor) else None for o in outputs)
     del outputs
-    return Replay(counter.peak, counter.now, shared, storages)
+    return Replay(counter.peak, counter.now, shared, storages, tuple(counter.events), keys)
 
 
 def _meta_empty(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -299,6 +328,17 @@ class StepPeak:
     #: storages the forward returns for backward, parameters and buffers left out (inductor's
     #: own layout copies in, such as a convolution's channels-last input and weight)
     saved_bytes: int = 0
+    #: the step's allocations and frees in order, for the caching allocator (`step_events`):
+    #: the forward's, then the tangents and the loss, the backward's and AccumulateGrad's copies;
+    #: what the step still holds at its end is not freed here
+    events: tuple[Alloc | Free, ...] = ()
+    #: in `events`: the forward's user outputs, the tangents (each once) and the gradients the
+    #: backward returns, by key (a compiled block's step hands these over to the eager step's)
+    user_output_keys: tuple[Any, ...] = ()
+    tangent_keys: tuple[Any, ...] = ()
+    gradient_keys: tuple[Any, ...] = ()
+    #: how many of `events` are the forward's (the rest: tangents, loss, backward)
+    forward_event_count: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -455,7 +495,86 @@ def _replay_step(
     del bases
     bw = replay(bw_source, args, on_cpu)
     del held
-    return StepPeak(persistent, fw, tangents, loss_bytes, bw, sum(n for _, n in saved))
+    events = _step_events(forward, backward, fw, bw, bw_inputs, loss_bytes, num_fwd_outputs)
+    return StepPeak(
+        persistent,
+        fw,
+        tangents,
+        loss_bytes,
+        bw,
+        sum(n for _, n in saved),
+        events,
+        tuple(("fw", k) for k in fw.output_keys[:num_fwd_outputs] if k and k[0] == "new"),
+        tuple(e.key for e in events if isinstance(e, Alloc) and e.key[0] == "tangent"),
+        tuple(("bw", k) for k in bw.output_keys if k and k[0] == "new"),
+        sum(1 for e in fw.events if not (isinstance(e, Free) and e.key[0] == "arg")),
+    )
+
+
+def _step_events(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    fw: Replay,
+    bw: Replay,
+    bw_inputs: list[Any],
+    loss_bytes: int,
+    num_fwd_outputs: int,
+) -> tuple[Alloc | Free, ...]:
+    """The two replays' events as one step's: the forward's new storages, the tangents and the
+    loss, then the backward's, where a backward argument's free is the free of the forward output
+    (or tangent) it is; parameters and inputs are the caller's, never freed here."""
+    fw_keys = {
+        storage_key(v): ("fw", key)
+        for v, key in zip(_output_values(forward), fw.output_keys, strict=False)
+        if isinstance(v, torch.Tensor) and key is not None and key[0] == "new"
+    }
+    # a saved value whose fake value is not the forward output's (a saved RNG state, of
+    # symbolic size, is `rng_state_output_<k>` in backward) is the saved output at its place:
+    # the backward's arguments are the forward's saved outputs in order, then the tangents
+    saved_keys = fw.output_keys[num_fwd_outputs:]
+    arguments = [n for n in _placeholders(backward) if not n.name.startswith("tangents")]
+    by_place = (
+        {
+            n.name: ("fw", key)
+            for n, key in zip(arguments, saved_keys, strict=True)
+            if key and key[0] == "new"
+        }
+        if len(arguments) == len(saved_keys)
+        else {}
+    )
+    events: list[Alloc | Free] = [
+        _renamed(e, "fw") for e in fw.events if not (isinstance(e, Free) and e.key[0] == "arg")
+    ]
+    arg_keys: dict[Any, Any] = {}
+    for i, (n, v) in enumerate(zip(_placeholders(backward), bw_inputs, strict=True)):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if n.name.startswith("tangents") and storage_key(v) not in fw_keys:
+            key = ("tangent", storage_key(v))
+            if key not in arg_keys.values():
+                events.append(Alloc(key, v.untyped_storage().nbytes()))
+            arg_keys[("arg", i)] = key
+        elif storage_key(v) in fw_keys:
+            arg_keys[("arg", i)] = fw_keys[storage_key(v)]
+        elif n.name in by_place:
+            arg_keys[("arg", i)] = by_place[n.name]
+    if loss_bytes:
+        events.append(Alloc(("loss",), loss_bytes))
+    for e in bw.events:
+        if isinstance(e, Free) and e.key[0] == "arg":
+            if e.key in arg_keys:  # a parameter or input is never freed by the step
+                events.append(Free(arg_keys[e.key]))
+        else:
+            events.append(_renamed(e, "bw"))
+    if bw.shared_output_bytes:  # AccumulateGrad's copies of gradients in a shared buffer
+        events.append(Alloc(("grad copies",), bw.shared_output_bytes))
+    return tuple(events)
+
+
+def _renamed(event: Alloc | Free, graph: str) -> Alloc | Free:
+    if isinstance(event, Alloc):
+        return Alloc((graph, event.key), event.nbytes)
+    return Free((graph, event.key))
 
 
 def _as_saved(

@@ -122,9 +122,11 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ac",
-        choices=["full"],
-        help="with --compile blocks: each block under full activation checkpointing before it is "
-        "compiled (torchtitan's compile + AC)",
+        metavar="STRATEGY",
+        help="with --compile: each block checkpointed before it is compiled, as torchtitan's "
+        "apply_ac wraps it: full, selective:torchtitan (torchtitan's op SAC, its default with "
+        "compile), selective:save-matmuls or selective:megatron (fused attention only); "
+        "store_all: none",
     )
 
 

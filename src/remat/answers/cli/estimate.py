@@ -22,9 +22,10 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
 
     graph, seconds, (model, inputs) = trace_model(args, console)
     compiled = None
-    if args.ac and args.compile != "blocks":
+    if args.ac and not args.compile:
         raise RematError(
-            "--ac full checkpoints each block before compiling it: add --compile blocks"
+            f"--ac {args.ac} checkpoints each block before it is compiled: add --compile whole "
+            "or blocks (the eager rows of fit price every strategy without it)"
         )
     if args.compile and "layout" in graph.info:
         raise RematError("--compile is predicted on one rank: leave out --tp / --cp")
@@ -33,7 +34,13 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
 
         with console.status(f"compiling ({args.compile}) on fake tensors with inductor ..."):
             compiled = estimate_compiled(
-                graph, model, *inputs, compile=args.compile, optimizer=args.optimizer, ac=args.ac
+                graph,
+                model,
+                *inputs,
+                compile=args.compile,
+                optimizer=args.optimizer,
+                ac=args.ac,
+                gpu=getattr(args, "gpu", None),
             )
     est = estimate(graph, optimizer=args.optimizer)
     return show_estimate(graph, est, args, console, seconds, compiled)

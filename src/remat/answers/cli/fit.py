@@ -122,7 +122,7 @@ def fit_report(
     ac: str | None = None,
 ):
     """`remat.answers.fit` of the model the arguments name on `--gpu` (or `--capacity`); `compile`: also
-    the step under torch.compile (`whole` or `blocks`, with `ac="full"` each block checkpointed)."""
+    the step under torch.compile (`whole` or `blocks`, each block checkpointed as `ac` names)."""
     from remat import models
     from remat.answers.fit import fit
     from remat.answers.fit_steps import PRECISIONS
@@ -215,9 +215,10 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     from remat.answers.report import fitting_table
 
     writable(args.html, "--html")
-    if args.ac and args.compile != "blocks":
+    if args.ac and not args.compile:
         raise RematError(
-            "--ac full checkpoints each block before compiling it: add --compile blocks"
+            f"--ac {args.ac} checkpoints each block before it is compiled: add --compile whole "
+            "or blocks (the eager rows of fit price every strategy without it)"
         )
     report = fit_report(args, console, args.precision, args.shard, args.compile, args.ac)
     offloaded = _offload_answer(args, console, report)
