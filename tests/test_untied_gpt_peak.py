@@ -10,6 +10,7 @@ node's release, one bias gradient too long, at the peak of a dropout model's ful
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import remat
 from remat import Planner
+from remat.errors import InfeasibleBudget
 
 
 class _Layer(nn.Module):
@@ -79,3 +81,19 @@ def test_full_checkpointing_of_an_untied_dropout_gpt_is_predicted_to_the_byte():
     remat.apply(model, plan)
     assert remat.measure(model, *inputs).peak_bytes == plan.predicted_peak_bytes <= by_hand
     remat.remove(model)
+
+
+def test_a_budget_short_by_no_more_than_the_inputs_says_where_they_went():
+    """The issue's 11,328 B: a peak read from the profiler's events plus the parameters leaves the
+    inputs out (allocated before the step), which remat's whole-step budget counts."""
+    torch.manual_seed(0)
+    model = _UntiedGPT().train()
+    inputs = tuple(torch.randint(0, 512, (2, 64)) for _ in range(2))
+    planner = Planner(remat.trace(model, *inputs), "cpu")
+    lowest = planner.plan("1TiB", "full").predicted_peak_bytes
+    input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    with pytest.raises(InfeasibleBudget, match="no more than the inputs' 2048 bytes"):
+        planner.plan(lowest - input_bytes, "auto")
+    with pytest.raises(InfeasibleBudget) as far:
+        planner.plan(lowest - input_bytes - 1, "auto")
+    assert "inputs' 2048 bytes" not in str(far.value)  # short by more: not the inputs alone
