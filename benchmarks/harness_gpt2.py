@@ -330,7 +330,7 @@ def _lowest_plan(planner):  # noqa: ANN001, ANN202
 
 
 def _acceptance(rows: list[dict]) -> str:
-    """Issue 38's eager equal-peak acceptance, from the rows' median ratios."""
+    """Issue 38's eager equal-peak acceptance, from the rows' paired (per-round) ratios."""
     limits = {"full": 1.05, "selective": 1.02}
     out = []
     for peer, limit in limits.items():
@@ -338,8 +338,13 @@ def _acceptance(rows: list[dict]) -> str:
         if row is None or "ratio" not in row:
             out.append(f"auto at {peer}'s peak: no timed row ({row and row.get('note', '')[:80]})")
             continue
-        ok = "pass" if row["ratio"] <= limit else "FAIL"
-        out.append(f"auto at {peer}'s peak: {row['ratio']:.3f}x store_all (limit {limit}x): {ok}")
+        # per round, against store_all's step in the same round: a load spike on some rounds
+        # moves the medians' ratio far more (0.418x on a run whose paired median was 1.100)
+        ok = "pass" if row["paired"] <= limit else "FAIL"
+        out.append(
+            f"auto at {peer}'s peak: {row['paired']:.3f}x store_all, paired median "
+            f"(limit {limit}x): {ok}"
+        )
     return "\n".join(out)
 
 
