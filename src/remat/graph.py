@@ -113,8 +113,12 @@ class Saved:
     `released_after`: when autograd let go of it, for a save no node unpacked (its node destroyed
     with the forward's tensors that led to it, or done with it); None: held to the end of the step.
     `phase` "backward": saved by autograd run inside a custom Function's backward (a reversible
-    layer's recomputation), held only until that nested backward has used it. Graphs from before
-    these were recorded have None in `forward_op`, `packed_after` and `released_after`."""
+    layer's recomputation), held only until that nested backward has used it. `unpacked_until`:
+    the last op before the tensor the unpack handed to its node was dropped (the node's backward
+    function returned; the engine's `sum_to` of its gradients and its release come after): a
+    value a checkpoint replay re-made, held by nothing else, dies then. Graphs from before these
+    were recorded have None in `forward_op`, `packed_after`, `released_after` and
+    `unpacked_until`."""
 
     storage: int
     tensor: int
@@ -123,6 +127,7 @@ class Saved:
     forward_op: int | None = None
     packed_after: int | None = None
     released_after: int | None = None
+    unpacked_until: int | None = None
 
 
 @dataclass(frozen=True)

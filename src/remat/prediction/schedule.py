@@ -13,9 +13,11 @@ which is what `remat.apply` installs (torch/utils/checkpoint.py: `_checkpoint_ho
   stops right after the last save of the forward has been re-made (early stop): after that op's
   kernel when the save is one of its outputs, before it when it is an input. Kept ops reached by the
   replay hand over their cached outputs (the cache lets go of them); the others run again.
-- Every value the replay re-saves sits in the frame until its node unpacks it, so it lives until the
-  last region node that saved it has run, kept tensors too. The rest of the replay's tensors die
-  as in the forward, or when the replay stops. A kept output the replay did not reach stays in the
+- Every value the replay re-saves sits in the frame until its node unpacks it; the unpack hands it
+  over (the frame keeps nothing), so it lives until the backward function of the last region node
+  that saved it has returned, kept tensors too: before the engine reduces that node's gradients
+  to their inputs' shapes (`sum_to`) and releases the node (`Saved.unpacked_until`). The rest of
+  the replay's tensors die as in the forward, or when the replay stops. A kept output the replay did not reach stays in the
   cache until the frame dies.
 - The frame (its inputs, RNG state, cache, and remat's BatchNorm snapshot) lives until its last
   holder is released: after the last region node that saved anything has run.
@@ -267,6 +269,15 @@ def analyse_regions(
             return end if sv.released_after is None else sv.released_after
         return release(sv.node)
 
+    def handed_until(sv: Saved) -> int:
+        """Until when the value a replay re-made for a save lives once its node has unpacked it:
+        the frame hands it over and keeps nothing, so only the node's backward function holds
+        it, until it returns (`Saved.unpacked_until`), before autograd reduces the node's
+        gradients (`sum_to`) and releases the node; traces without it: until the release."""
+        if sv.node is None or sv.unpacked_until is None:
+            return released(sv)
+        return sv.unpacked_until
+
     def region_of_save(sv: Saved) -> int:
         node = graph.nodes.get(sv.node) if sv.node is not None else None
         op = sv.forward_op if node is None else node.forward_op
@@ -315,7 +326,7 @@ def analyse_regions(
         holders: dict[int, int] = {}
         for sv in saves:
             if trigger is not None and released(sv) >= trigger:
-                holders[sv.storage] = max(holders.get(sv.storage, -1), released(sv))
+                holders[sv.storage] = max(holders.get(sv.storage, -1), handed_until(sv))
         stop_at = _early_stop(graph, saves[-1]) if saves else None
         replayed = () if trigger is None else range(reg.first_op, stop_at + 1)
         replays.append(

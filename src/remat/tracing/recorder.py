@@ -125,6 +125,8 @@ class Tracer(TorchDispatchMode):
         self.weakrefs: dict[int, StorageWeakRef] = {}
         self.live: dict[int, int] = {}  # storage id -> its weak reference's cdata
         self.stand_in_refs: list[StorageWeakRef] = []
+        #: save handle -> the cdata of the stand-in its unpack handed to a node, until that dies
+        self.handed: dict[int, int] = {}
         self.tensors: dict[int, Tensor] = {}
         self.tensor_ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.ids = itertools.count()
@@ -234,6 +236,9 @@ class Tracer(TorchDispatchMode):
         for sid in [s for s, cdata in self.live.items() if expired(cdata)]:
             self.storages[sid].released_after = last
             del self.live[sid]
+        for handle in [h for h, cdata in self.handed.items() if expired(cdata)]:
+            self.saved[handle].unpacked_until = last
+            del self.handed[handle]
 
     def resolve_grad_fns(self) -> None:
         """Attribute the last forward op's outputs' `grad_fn`. Autograd attaches it only after the
@@ -610,6 +615,11 @@ class Tracer(TorchDispatchMode):
             stand_in = base.as_strided(rec.shape, rec.stride, rec.offset)
             cdata = storage_key(stand_in)
             self.storage_by_cdata[cdata] = rec.storage
+            # The node keeps the unpacked tensor in a local of its backward function, which dies
+            # when it returns, before the engine reduces its gradients to their inputs' shapes
+            # (`sum_to`) and before it releases the node: what a checkpoint replay re-made lives
+            # until then (`Saved.unpacked_until`).
+            self.handed[handle] = cdata
             self.stand_in_refs.append(StorageWeakRef(stand_in.untyped_storage()))
             self.tensor_ids[stand_in] = rec.tensor
             return stand_in if rewrap is None else rewrap(stand_in)

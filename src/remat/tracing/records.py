@@ -108,6 +108,7 @@ class SavedRecord:
     forward_op: int | None = None
     packed_after: int | None = None
     released_after: int | None = None
+    unpacked_until: int | None = None
 
     def freeze(self) -> Saved:
         return freeze_record(self, Saved)

@@ -410,6 +410,7 @@ def replicate(
                     lay.move(ids, v.tensor, c),  # type: ignore[arg-type]
                     lay.move(ids, v.node, c), v.phase, lay.move(ops, v.forward_op, c),
                     lay.move(ops, v.packed_after, c), lay.move(ops, v.released_after, c),
+                    lay.move(ops, v.unpacked_until, c),
                 )  # fmt: skip
 
     if full_state is not None and [new_state[i] for i in sorted(new_state)] != full_state:
