@@ -125,10 +125,6 @@ _TITAN_8B = Source(
 )
 _LLAMA31_8B = Source("remat preset", "llama-3.1-8b")
 _B200_SETUP = "Llama 3 8B, local 1 x 8192, FSDP2 x 8 (bf16 params, fp32 reduce), AdamW, per-op SAC"
-_B200_COMPILE = (
-    "torch.compile with per-op SAC (a compiled step takes --ac full only): the eager step is "
-    "predicted"
-)
 _BERT = Source(
     "transformers (shipped config)",
     "hf:google-bert/bert-large-uncased",
@@ -403,7 +399,7 @@ POINTS: tuple[Point, ...] = (
             shard=8,
             master_scale=2,
             float8=recipe,
-            unexpressed=_B200_COMPILE,
+            compile="blocks",
             note=note,
         )
         for id, what, gib, recipe, note in (
@@ -413,12 +409,18 @@ POINTS: tuple[Point, ...] = (
                 33.71,
                 None,
                 "torchtitan logs max reserved as 'memory: X GiB', which torchao's "
-                "parse_torchtitan_logs.py reads. The runs were compiled (each block and the "
-                "loss) with per-op SAC, which the CLI cannot yet combine: remat prices the eager "
-                "step, whose cross-entropy over 8192 x 128256 logits materialises their fp32 "
-                "upcast and log-softmax (3.9 GiB each) that the compiled loss fuses away, and "
-                "whose eager SAC keeps what the compiled partitioner need not: the rows are "
-                "not a test of remat's accuracy (F1 1.52, outside)",
+                "parse_torchtitan_logs.py reads (the table's 'GB' are those GiB). The runs "
+                "compiled each block and the loss (torchao's llama3.sh: --training.compile; "
+                "llama3_8b.toml: selective op AC): `--compile blocks --ac selective:torchtitan` "
+                "(each size one compilation; this script reads the asked size only: 5-28 s a row "
+                "here, F1-F3's 6 in 95 s, against 189 s for the eager rows before; the CLI command "
+                "of F2 (remat preset) gives the same 36.60 GiB in 593 s, its eager rows and "
+                "25 compiled sizes searched for the largest batch and sequence). The loss stays "
+                "eager in remat: the peak (remat preset) is its backward, where three fp32 "
+                "8192 x 128256 tensors (the upcast logits, their log-softmax and its gradient, "
+                "3.91 GiB each: 11.99 GiB of eager storages) are live, which a compiled loss "
+                "fuses into kernels; the allocator adds 9.0 GiB over the requested peak (37.17 "
+                "GiB requested, 46.22 reserved). F1 1.37-1.42, outside",
             ),
             (
                 "F2",
@@ -437,15 +439,14 @@ POINTS: tuple[Point, ...] = (
                 33.72,
                 "rowwise",
                 "the published runs are memory-neutral (float8 / bf16: 0.990 tensorwise, "
-                "1.000 rowwise). Eager, remat's float8 rows fall well below its bf16 one (F2 / F1 "
-                "0.70): torchtitan's per-op SAC saves aten.mm outputs and float8 matmuls are "
-                "_scaled_mm, so in eager every float8 linear is recomputed with its input. The "
-                "saves themselves are neutral (torchao saves the bf16 input and weight, as "
-                "nn.Linear does); what moves an eager float8 step is the casts: under full AC "
-                "(remat preset, reserved) float8 / bf16 is 0.908 tensorwise with float8 "
-                "all-gather (the gathered weights halved) and 1.021 rowwise (the eager casts' "
-                "fp32 temporaries, 448 MiB for one 8192 x 14336 activation), which torch.compile "
-                "fuses away. F2 and F3 within 10% (1.07-1.08) are that cancellation, not agreement",
+                "1.000 rowwise); compiled, remat's are not (F2 / F1 0.79, remat preset): "
+                "torchtitan's per-op SAC saves aten.mm outputs and a float8 matmul is _scaled_mm, "
+                "so each float8 linear is recomputed in backward, and the 32 compiled blocks hold "
+                "2.03 GiB at the peak against bf16's 11.53 GiB (every second mm output and the "
+                "attention's). Both peak in the eager loss's backward (11.99 GiB of fp32 "
+                "temporaries, F1's note) with 9.1 GiB of allocator overhead over the requested "
+                "peak. F2 and F3 within 10-16% are the eager loss and that overhead against "
+                "the smaller saves, not agreement",
             ),
         )
     ),
@@ -620,9 +621,13 @@ def predict(point: Point, source: Source) -> Prediction:
     if point.strategy != "store_all":
         plan = planner.solve(strategies.get(point.strategy, "eager"), planner.estimate.peak_bytes)
         regions = plan.regions
+    fsdp = Fsdp(point.shard, point.master_scale) if point.shard > 1 else None
     if point.compile is not None:
         from remat.prediction.compiled_estimate import estimate_compiled
 
+        # the asked size only (`fit` also searches the largest, one compilation a size); the
+        # allocator's figures where the statistic is one of its own, live bytes for "active"
+        judged = point.statistic != "active"
         compiled = estimate_compiled(
             graph,
             model,
@@ -630,12 +635,12 @@ def predict(point: Point, source: Source) -> Prediction:
             compile=point.compile,
             optimizer=point.optimizer,
             autocast=point.autocast,
-            ac="full"
-            if point.strategy == "full"
-            else None,  # torchtitan/torchtune: AC, then compile
+            ac=None if point.strategy == "store_all" else point.strategy,  # AC, then compile
+            gpu=gpu if judged else None,
+            fsdp=fsdp,
         )
-        return Prediction(point, source, compiled.peak_bytes, time.perf_counter() - start)
-    fsdp = Fsdp(point.shard, point.master_scale) if point.shard > 1 else None
+        value = compiled.gpu_memory[0][_FIELD[point.statistic]] if judged else compiled.peak_bytes
+        return Prediction(point, source, value, time.perf_counter() - start)
     memory = gpu_memory(
         graph, gpu, regions, point.optimizer, fsdp=fsdp, keep_grads=point.keep_grads
     )
@@ -690,10 +695,13 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
     if point.context_bytes is not None and point.statistic == "nvidia-smi":
         parts += ["--cuda-context", f"{point.context_bytes // MIB}MiB"]
     if point.compile is not None:
-        parts += ["--compile", point.compile] + (
-            ["--ac", "full"] if point.strategy == "full" else []
+        ac = [] if point.strategy == "store_all" else ["--ac", point.strategy]
+        parts += ["--compile", point.compile, *ac]
+        row = f"compile:{point.compile}" + (f"+{point.strategy} AC" if ac else "")
+        field = (
+            "peak_bytes (live bytes)" if point.statistic == "active" else _FIELD[point.statistic]
         )
-        read = f"row compile:{point.compile}, peak_bytes (live bytes)"
+        read = f"row {row}, {field}"
     else:
         read = f"row {_ROW[point.strategy]}, {_FIELD[point.statistic]}"
     missing = [point.unexpressed] if point.unexpressed else []

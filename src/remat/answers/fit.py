@@ -237,10 +237,10 @@ def fit(
         raise RematError(
             f"compile={compile!r} is predicted on one rank: leave out --compile with --tp / --cp"
         )
-    if compile is not None and shard > 1:
+    if compile == "whole" and shard > 1:
         raise RematError(
-            f"compile={compile!r} is predicted on one rank: drop --shard, or leave out --compile "
-            "(FSDP's per-rank arithmetic runs on the eager step)"
+            "compile='whole' is predicted on one rank: drop --shard, or use --compile blocks "
+            "(torchtitan's per-block compile under per-block FSDP)"
         )
     loop = loop or Loop()
     gradients = replace(loop, keep_logits=False)  # the loop's treatment of gradients

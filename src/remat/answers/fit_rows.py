@@ -22,6 +22,7 @@ from remat.answers.fit_steps import FitSteps
 from remat.errors import RematError
 from remat.planning import strategies
 from remat.prediction.estimate import estimate
+from remat.prediction.gpu_memory import Fsdp
 from remat.units import format_bytes
 
 #: The sequence-length answer is a multiple of this (tokens), as sequence lengths are chosen.
@@ -331,6 +332,10 @@ def compiled_row(
 
     compiled_at: dict[tuple[int, int], Any] = {}
     limits: list[str] = []
+    # one rank's step under --shard: the allocator judges it; the search below runs on the
+    # unsharded live bytes, whose growth with the size is the rank's (activations are not sharded)
+    fsdp = Fsdp(steps.fsdp_ranks, steps.setup.master_scale) if steps.fsdp_ranks > 1 else None
+    judged = steps.simulate_allocator or fsdp is not None
 
     def at(b: int, s: int) -> Any:
         if (b, s) not in compiled_at:
@@ -346,7 +351,8 @@ def compiled_row(
                 optimizer=steps.optimizer,
                 autocast=steps.setup.autocast,
                 ac=ac,
-                gpu=steps.gpu if steps.simulate_allocator else None,
+                gpu=steps.gpu if judged else None,
+                fsdp=fsdp,
             )
         return compiled_at[(b, s)]
 
@@ -418,7 +424,10 @@ def compiled_row(
     return FitRow(
         strategy=f"compile:{name}",
         plan=f"torch.compile ({name}), torch's partitioner",
-        peak_bytes=compiled.peak_bytes,
+        # under --shard the rank's live peak, by the event walk (requested less the workspaces)
+        peak_bytes=compiled.peak_bytes
+        if fsdp is None
+        else memories[0]["requested_bytes"] - memories[0]["blas_workspace_bytes"],
         fits=row_fits,
         overhead=None,
         max_batch=best_batch,

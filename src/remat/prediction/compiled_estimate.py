@@ -48,7 +48,12 @@ from remat.prediction.estimate import (
     trainable_param_bytes,
     trainable_param_elements,
 )
-from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, blas_workspaces, memory_of_events
+from remat.prediction.gpu_memory import (
+    ALLOCATOR_SETTINGS,
+    Fsdp,
+    blas_workspaces,
+    memory_of_events,
+)
 from remat.prediction.inductor_plan import StepPeak, step_peak
 from remat.prediction.schedule import simulate
 from remat.tracing import hfcompat
@@ -212,6 +217,7 @@ def estimate_compiled(
     autocast: torch.dtype | None = None,
     ac: str | None = None,
     gpu: Gpu | str | None = None,
+    fsdp: Fsdp | None = None,
     **kwargs: Any,
 ) -> CompiledEstimate:
     """The peak of one training step of `model(*args, **kwargs)` under torch.compile, with the
@@ -225,12 +231,20 @@ def estimate_compiled(
     `torch.utils.checkpoint`; `full` or a selective op policy, `remat.prediction.compiled_ac`)
     before it is compiled, torchtitan's compile + AC. `gpu`: the step's events also run
     through the caching allocator on that GPU (`gpu_memory`), as `remat.prediction.gpu_memory`
-    runs an eager step's (`remat.prediction.compiled_events`).
+    runs an eager step's (`remat.prediction.compiled_events`). `fsdp` (with `gpu`, `blocks`
+    only): that allocator run is one rank's of FSDP2 over the blocks, as torchtitan applies AC,
+    compile and then `fully_shard` to each block; the live figures stay the unsharded step's.
     Clears dynamo's caches (`torch._dynamo.reset()`) before and after, as compiling
     a fresh model does."""
     if compile not in COMPILE_MODES:
         raise RematError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     ac = check_ac(ac, graph)
+    if fsdp is not None and (compile != "blocks" or gpu is None):
+        raise RematError(
+            f"fsdp with compile={compile!r}{'' if gpu else ' and no gpu'}: FSDP's per-rank "
+            "memory is judged by the allocator on a GPU with each block compiled on its own: "
+            "give compile='blocks' and a gpu"
+        )
     optimizer = resolve_optimizer(optimizer, graph)
     # on a GPU target the buffers are the CPU backend's, but not the CPU kernels' scratch
     on_cpu = not get_target(graph.info.get("target")).is_cuda
@@ -278,10 +292,13 @@ def estimate_compiled(
                         on_cpu,
                     )
                 if gpu is not None:
-                    events = blocks_step_events(graph, spans, optimizer, blas_workspaces(gpu))
+                    events = blocks_step_events(
+                        graph, spans, optimizer, blas_workspaces(gpu), fsdp=fsdp
+                    )
             if gpu is not None:
+                ranks = 1 if fsdp is None else fsdp.shard
                 memories = tuple(
-                    memory_of_events(events, gpu, 1, s).to_dict() for s in ALLOCATOR_SETTINGS
+                    memory_of_events(events, gpu, ranks, s).to_dict() for s in ALLOCATOR_SETTINGS
                 )
     finally:
         torch._dynamo.reset()

@@ -12,7 +12,11 @@ as it judges an eager one:
   outlive it (a block's output, its gradients) are handed over at the span's end: the compiled
   outputs freed and the eager storages allocated, the same bytes, so the cached block is reused.
   An eager storage made outside a span that dies inside it (the block's input, the gradient of
-  its output) is freed at the span's end.
+  its output) is freed at the span's end. Under FSDP (`fsdp`) the per-unit all-gathers,
+  unsharded parameters and reduce-scatters are `gpu_memory.fsdp_events`', made around the
+  spans: a block's forward span sits between its pre-forward and post-forward, its backward
+  span between its pre-backward and post-backward, as `fully_shard` on each compiled block
+  runs them (torchtitan: AC, compile, then FSDP per block).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from remat.device.allocator import Alloc, Free
 from remat.device.targets import ops_scratch_bytes
 from remat.graph import Graph
 from remat.prediction.estimate import Optimizer
-from remat.prediction.gpu_memory import BLAS_OPS, optimizer_events
+from remat.prediction.gpu_memory import BLAS_OPS, Fsdp, Positions, fsdp_events, optimizer_events
 from remat.prediction.inductor_plan import StepPeak
 from remat.prediction.schedule import analyse_regions, build_schedule, storage_lives
 
@@ -82,13 +86,15 @@ def blocks_step_events(
     optimizer: Optimizer,
     workspaces: list[int],
     steps: int = 2,
+    fsdp: Fsdp | None = None,
 ) -> list[Event]:
     """The events of `steps` training steps of `graph` with blocks compiled: `spans` gives each
     block's (first forward op, last forward op, first backward op, last backward op, its compiled
-    step); everything outside the spans runs as traced (see the module's docstring)."""
+    step); everything outside the spans runs as traced (see the module's docstring); on one
+    rank of `fsdp` if given."""
     analysis = analyse_regions(graph, ())
     schedule = build_schedule(graph, analysis)
-    _, lives, _ = storage_lives(graph, analysis, schedule)
+    _, lives, owners = storage_lives(graph, analysis, schedule)
     total = len(schedule.order)
     pos = schedule.position_of_op
     # each replaced span by position: (start, end, block, "fw" | "bw")
@@ -100,10 +106,28 @@ def blocks_step_events(
             inside[p] = r
     op_scratch = ops_scratch_bytes(graph)
     events, params, inputs = _persistent(graph)
+    grad_lives = {
+        n: sid
+        for n, sid in enumerate(owners)
+        if fsdp is not None and sid is not None and graph.storages[sid].kind == "grad"
+    }
+    sizes = params
     workspaces_made = False
     for k in range(steps):
         before: defaultdict[int, list[Event]] = defaultdict(list)
         after: defaultdict[int, list[Event]] = defaultdict(list)
+        at = Positions()
+        before_step: list[Event] = []
+        after_backward: list[Event] = []
+        if fsdp is not None:
+            before_step, after_backward, sizes = fsdp_events(
+                graph, schedule, fsdp, k, at, grad_lives
+            )
+            if k == 0:  # the model as built holds the shards, not the parameters
+                events = [
+                    e for e in events if not (isinstance(e.key, tuple) and e.key[1] in params)
+                ]
+                events[:0] = [Alloc(("persistent", sid), n) for sid, n in sizes.items() if n]
         handed: defaultdict[tuple[int, str], list[Event]] = defaultdict(list)
         for n, (first, last, nbytes) in enumerate(lives):
             if not nbytes:
@@ -119,9 +143,12 @@ def blocks_step_events(
                 handed[(b, half)].append(Alloc(key, nbytes))
             else:
                 before[first].append(Alloc(key, nbytes))
+            if n in grad_lives:
+                continue  # freed at its unit's reduce-scatter (fsdp_events)
             end = inside.get(min(last, total))
             after[end[1] if end is not None else min(last, total)].append(Free(key))
         events += [Alloc(("input", k, s.id), s.nbytes) for s in inputs]
+        events += before_step
         live: dict[Any, None] = {}
         emitted: set[tuple[int, str]] = set()
         for p, (_, i) in enumerate(schedule.order):
@@ -130,19 +157,31 @@ def blocks_step_events(
                 events += [Alloc(("blas", j), n) for j, n in enumerate(workspaces)]
                 workspaces_made = True
             if span is None:
+                events += at.before.get(p, ())
                 events += before.get(p, ())
                 if op_scratch[i]:
                     events += [Alloc(("scratch", k, p), op_scratch[i]), Free(("scratch", k, p))]
             elif (span[2], span[3]) not in emitted:
                 emitted.add((span[2], span[3]))
+                for q in range(span[0], span[1] + 1):  # FSDP's pre-forward / pre-backward
+                    events += at.before.get(q, ())
                 events += _span_events(spans[span[2]][4], span[3], (k, span[2]), live)
             if span is None or p == span[1]:
                 if span is not None:  # hand the compiled outputs over to the eager storages
                     events += _handover(spans[span[2]][4], span[3], (k, span[2]), live)
                     events += handed.get((span[2], span[3]), ())
+                    for q in range(span[0], span[1] + 1):  # FSDP's post-forward / backward
+                        events += at.after.get(q, ())
+                else:
+                    events += at.after.get(p, ())
                 events += after.get(p, ())
-        events += optimizer_events(graph, optimizer, k, params, create_state=k == 0)
+        events += after_backward
+        events += optimizer_events(graph, optimizer, k, sizes, create_state=k == 0)
         events += after.get(total, ())
+        events += at.after.get(total, ())
+        if fsdp is not None:
+            units = {"", *(b.path for b in graph.blocks)}
+            events += [Free(("grad_shard", k, u)) for u in units]
         events += [Free(key) for key in live]
         events += [Free(("input", k, s.id)) for s in inputs]
     return events

@@ -128,7 +128,7 @@ def optimizer_events(
     return events
 
 
-class _Positions:
+class Positions:
     """Per schedule position, the events to make before and after the op there."""
 
     def __init__(self) -> None:
@@ -137,8 +137,8 @@ class _Positions:
         self.after: defaultdict[int, list[Event]] = defaultdict(list)
 
 
-def _fsdp_events(
-    graph: Graph, schedule: Any, fsdp: Fsdp, step: int, at: _Positions, grad_lives: dict[int, int]
+def fsdp_events(
+    graph: Graph, schedule: Any, fsdp: Fsdp, step: int, at: Positions, grad_lives: dict[int, int]
 ) -> tuple[list[Event], list[Event], dict[int, int]]:
     """FSDP2's allocations around the step, per torch's `_fully_shard` (2.13): each unit's
     all-gather output on the all-gather stream (freed after the next unit's copy-out in forward,
@@ -269,13 +269,13 @@ def step_events(
     }
     workspaces_made = False
     for step in range(steps):
-        at = _Positions()
+        at = Positions()
         ended_early: set[int] = set()
         before_step: list[Event] = []
         after_backward: list[Event] = []
         sizes = params
         if fsdp is not None:
-            before_step, after_backward, sizes = _fsdp_events(
+            before_step, after_backward, sizes = fsdp_events(
                 graph, schedule, fsdp, step, at, grad_lives
             )
             ended_early = set(grad_lives)

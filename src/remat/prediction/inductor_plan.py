@@ -186,7 +186,7 @@ class _Allocations(TorchDispatchMode):
             # every target; their scratch is the CPU kernel's only when the step runs there
             out, scratch = _cpu_convolution(func, args, kwargs or {}, self.on_cpu)
         else:
-            out = func(*args, **(kwargs or {}))
+            out = _run_on_meta(func, args, kwargs or {})
             scratch = kernel_scratch_bytes(func, args)
         self._collect()
         for t in _tensors(out):
@@ -196,6 +196,18 @@ class _Allocations(TorchDispatchMode):
             key = ("scratch", len(self.events))
             self.events += [Alloc(key, scratch), Free(key)]
         return out
+
+
+def _run_on_meta(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """`func` on meta tensors. An out= overload with no meta kernel (`aten._scaled_mm.out`, the
+    float8 matmul inductor calls as an extern kernel) writes into the buffer the wrapper gave it
+    and allocates nothing of its own that a meta kernel would show: its result is that buffer."""
+    try:
+        return func(*args, **kwargs)
+    except NotImplementedError:
+        if func._overloadname != "out" or "out" not in kwargs:
+            raise
+        return kwargs["out"]
 
 
 def _cpu_convolution(
