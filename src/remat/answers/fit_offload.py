@@ -120,15 +120,7 @@ def offload_at_full(
             answer = attempt_of(offloading, milp.milp(problem, target))
         except InfeasibleBudget:
             break
-        candidate = offloading.make_plan(
-            answer.regions,
-            "milp",
-            None,
-            answer.reason,
-            offload_blocks=answer.offload,
-            offload_saves=answer.offload_saves,
-            **answer.details,
-        )
+        candidate = offloading.plan_of(answer, "milp", None)
         excess = per_rank(candidate) - full_rank
         if excess <= 0:
             if candidate.added_seconds < found.added_seconds:

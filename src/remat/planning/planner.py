@@ -475,6 +475,26 @@ class Planner:
             out.append(checkpoint_overhead_seconds(self.profile, 1, policy_ops))
         return out
 
+    def plan_of(
+        self,
+        found: Attempt,
+        strategy: str,
+        budget_bytes: int | None,
+        status: PlanStatus | None = None,
+    ) -> Plan:
+        """A solver's answer judged by the exact simulation (`make_plan`), as `strategy`'s plan;
+        `status` overrides the solver's own (a retry's answer is only "feasible")."""
+        return self.make_plan(
+            found.regions,
+            strategy,
+            budget_bytes,
+            found.reason,
+            status=status or found.status,
+            offload_blocks=found.offload,
+            offload_saves=found.offload_saves,
+            **found.details,
+        )
+
     def make_plan(
         self,
         regions: tuple[Region, ...],
@@ -606,9 +626,7 @@ class Planner:
             except InfeasibleBudget:
                 break
             status = found.status if tries == 0 else "feasible"
-            kw = {"status": status, "offload_blocks": found.offload, **found.details}
-            kw["offload_saves"] = found.offload_saves
-            p = self.make_plan(found.regions, strategy, budget_bytes, found.reason, **kw)
+            p = self.plan_of(found, strategy, budget_bytes, status)
             if p.predicted_peak_bytes <= budget_bytes:
                 return p
             closest = min(closest or p.predicted_peak_bytes, p.predicted_peak_bytes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import get_args
 
 from rich.console import Console
 from rich.markup import escape
@@ -29,6 +30,7 @@ from remat.answers.cli.demo import cmd_demo
 from remat.answers.cli.estimate import cmd_estimate
 from remat.answers.cli.fit import cmd_fit
 from remat.answers.cli.plan import cmd_plan
+from remat.answers.fit_steps import Precision
 from remat.errors import InfeasibleBudget, RematError, exit_code
 from remat.prediction.estimate import OPTIMIZERS
 
@@ -172,16 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument(
         "--precision",
         default="bf16-mixed",
-        choices=[
-            "fp32",
-            "bf16",
-            "bf16-mixed",
-            "fp16-mixed",
-            "bf16-fsdp",
-            "float8",
-            "float8-tensorwise",
-            "float8-rowwise",
-        ],
+        choices=get_args(Precision),
         help="bf16-mixed: fp32 master weights and grads, autocast bf16 forward (fp16-mixed: "
         "autocast fp16); bf16: everything in bf16; bf16-fsdp (with --shard): FSDP2's MixedPrecisionPolicy, bf16 gathered weights "
         "and compute over fp32 shards of weights, grads and state; float8 (with --shard): "

@@ -59,16 +59,7 @@ def lowest_peak(planner: Planner) -> Plan:
     problem = planner.block_problem()
     with quiet_fd(1):
         found = attempt_of(planner, milp.milp(problem, milp.min_peak(problem)))
-    return planner.make_plan(
-        found.regions,
-        "milp",
-        None,
-        found.reason,
-        status=found.status,
-        offload_blocks=found.offload,
-        offload_saves=found.offload_saves,
-        **found.details,
-    )
+    return planner.plan_of(found, "milp", None)
 
 
 def solve_compiled(joint: JointContext, budget_bytes: int | None) -> SaveSet:
