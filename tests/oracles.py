@@ -4,6 +4,8 @@
   `remat.planning.solvers.chain`, the reference for `chain_dp` on chains too long to enumerate;
 - `chain_brute_force`: every schedule of a short chain (the reference for ties and infeasibility);
 - `blocks_brute_force`: every choice of a small `BlockProblem` (the reference for `milp`);
+- `every_save_set`: every save set a joint problem allows, with what it recomputes (the
+  reference for the compiled path's save-set programs);
 - `store_all_timeline`: the live bytes of a step without checkpointing, the reference for
   `remat.estimate` (which is `remat.prediction.schedule.simulate` with no regions).
 """
@@ -32,6 +34,7 @@ from remat.planning.solvers.milp import (
     block_peak_bytes,
     block_recompute_seconds,
 )
+from remat.planning.solvers.mincut import JointProblem, recomputed_values
 
 Segment = tuple[int, int, bool]
 
@@ -212,3 +215,17 @@ def store_all_timeline(graph: Graph, base_bytes: int) -> list[int]:
         + scratch_bytes(graph, op)
         for i, op in enumerate(graph.ops)
     ]
+
+
+def every_save_set(problem: JointProblem):
+    """Each (save set, values it recomputes) of `problem`: every subset of its values that saves
+    nothing unsaveable and leaves the backward computable."""
+    values = range(len(problem.values))
+    for r in range(len(problem.values) + 1):
+        for subset in itertools.combinations(values, r):
+            chosen = set(subset)
+            if chosen & problem.unsaveable:
+                continue
+            recomputed = recomputed_values(problem, chosen)
+            if recomputed is not None:
+                yield chosen, recomputed

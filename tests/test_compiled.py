@@ -5,13 +5,13 @@ never slower (in its model) than torch's own partitioner at the same saved bytes
 from __future__ import annotations
 
 import functools
-import itertools
 
 import numpy as np
 import pytest
 import torch
 from compiled_support import needs_cxx
 from hypothesis import given, settings
+from oracles import every_save_set
 from test_mincut import build, specs
 from torch import nn
 from torch.utils.checkpoint import (
@@ -24,7 +24,7 @@ import remat
 from remat import models
 from remat.answers.bench import gradients
 from remat.applying.compiled import plans_of
-from remat.planning.solvers.mincut import joint_problem, recomputed_values
+from remat.planning.solvers.mincut import joint_problem
 from remat.planning.solvers.saveset import cheapest_save_set, describe_save_set
 
 BANDWIDTH = 1e9
@@ -342,23 +342,13 @@ def test_cheapest_save_set_matches_brute_force(spec):
     total_held = sum(graph.storages[m].nbytes for m in held)
     for cap in (None, total_held // 2, 0):
         best = None
-        for r in range(len(values) + 1):
-            for subset in itertools.combinations(range(len(values)), r):
-                chosen = set(subset)
-                if chosen & problem.unsaveable:
-                    continue
-                recomputed = recomputed_values(problem, chosen)
-                if recomputed is None:
-                    continue
-                storages = {values[v].storage for v in chosen} & set(held)
-                if cap is not None and sum(graph.storages[m].nbytes for m in storages) > cap:
-                    continue
-                ops = {graph.op_by_name[values[v].op].index for v in recomputed}
-                cost = (
-                    sum(op_seconds[i] for i in ops)
-                    + sum(values[v].cost for v in chosen) / BANDWIDTH
-                )
-                best = cost if best is None else min(best, cost)
+        for chosen, recomputed in every_save_set(problem):
+            storages = {values[v].storage for v in chosen} & set(held)
+            if cap is not None and sum(graph.storages[m].nbytes for m in storages) > cap:
+                continue
+            ops = {graph.op_by_name[values[v].op].index for v in recomputed}
+            cost = sum(op_seconds[i] for i in ops) + sum(values[v].cost for v in chosen) / BANDWIDTH
+            best = cost if best is None else min(best, cost)
         found = cheapest_save_set(graph, problem, op_seconds, BANDWIDTH, cap)
         if best is None:
             assert found is None

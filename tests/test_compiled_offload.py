@@ -15,6 +15,7 @@ import torch
 from compiled_support import needs_cxx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import every_save_set
 from test_mincut import build, specs
 from torch import nn
 
@@ -22,7 +23,7 @@ import remat
 from remat import models
 from remat.answers.bench import gradients
 from remat.applying.compiled import plans_of
-from remat.planning.solvers.mincut import joint_problem, recomputed_values
+from remat.planning.solvers.mincut import joint_problem
 from remat.planning.solvers.saveset import (
     Offloadable,
     cheapest_choice,
@@ -253,33 +254,26 @@ def test_the_save_sets_program_with_offload_matches_brute_force(spec, seed):
     index_of = {v.name: i for i, v in enumerate(values)}
     for cap in (None, total // 2, total // 5, 0):
         best = None
-        for r in range(len(values) + 1):
-            for subset in itertools.combinations(range(len(values)), r):
-                chosen = set(subset)
-                if chosen & problem.unsaveable:
-                    continue
-                recomputed = recomputed_values(problem, chosen)
-                if recomputed is None:
-                    continue
-                storages = {values[v].storage for v in chosen} & set(held)
-                ops = {graph.op_by_name[values[v].op].index for v in recomputed}
-                base = sum(op_seconds[i] for i in ops) + sum(values[v].cost for v in chosen) / 1e9
-                movable = [
-                    m
-                    for m, name in movers.items()
-                    if index_of[name] in chosen
-                    and all(u == index_of[name] or values[u].storage != m for u in chosen)
-                ]
-                for k in range(len(movable) + 1):
-                    for moved in itertools.combinations(movable, k):
-                        out = sum(graph.storages[m].nbytes for m in moved)
-                        kept = sum(graph.storages[m].nbytes for m in storages) - out
-                        if cap is not None and kept > cap:
-                            continue
-                        if host_cap is not None and out > host_cap:
-                            continue
-                        cost = base + sum(seconds[m] for m in moved)
-                        best = cost if best is None else min(best, cost)
+        for chosen, recomputed in every_save_set(problem):
+            storages = {values[v].storage for v in chosen} & set(held)
+            ops = {graph.op_by_name[values[v].op].index for v in recomputed}
+            base = sum(op_seconds[i] for i in ops) + sum(values[v].cost for v in chosen) / 1e9
+            movable = [
+                m
+                for m, name in movers.items()
+                if index_of[name] in chosen
+                and all(u == index_of[name] or values[u].storage != m for u in chosen)
+            ]
+            for k in range(len(movable) + 1):
+                for moved in itertools.combinations(movable, k):
+                    out = sum(graph.storages[m].nbytes for m in moved)
+                    kept = sum(graph.storages[m].nbytes for m in storages) - out
+                    if cap is not None and kept > cap:
+                        continue
+                    if host_cap is not None and out > host_cap:
+                        continue
+                    cost = base + sum(seconds[m] for m in moved)
+                    best = cost if best is None else min(best, cost)
         found = cheapest_choice(graph, problem, op_seconds, 1e9, cap, offload)
         if best is None:
             assert found is None
