@@ -153,6 +153,9 @@ class Offloader:
     places: dict[int, dict[_StorageKey, tuple[Any, int]]] = field(
         default_factory=lambda: defaultdict(dict)
     )
+    #: how many storages each group has numbered: not len(places[group]), which stays put when a
+    #: new storage comes at the address of a freed one and takes over its key
+    numbered: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     offloaded_bytes: int = 0  # the storages the latest forward copied, each once
     enabled: bool = True  # off: every save stays on the device (`remat.verify` measures both)
     active: int = 0  # how many offloaded blocks' forwards are running (the cache offloads there)
@@ -160,7 +163,7 @@ class Offloader:
     def __getstate__(self) -> dict[str, Any]:
         """A copy (`copy.deepcopy`, `pickle`, `torch.save` of the planned model) starts with no
         step under way, an empty pool and, on CUDA, its own side stream."""
-        skip = ("copies", "groups", "places", "stream")
+        skip = ("copies", "groups", "places", "numbered", "stream")
         state = {k: v for k, v in vars(self).items() if k not in skip}
         state["pool"] = HostPool(self.pool.pinned)
         state["excluded"] = set()
@@ -169,7 +172,13 @@ class Offloader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         cuda = state.pop("cuda_stream")
-        vars(self).update(state, copies={}, groups=defaultdict(list), places=defaultdict(dict))
+        vars(self).update(
+            state,
+            copies={},
+            groups=defaultdict(list),
+            places=defaultdict(dict),
+            numbered=defaultdict(int),
+        )
         self.stream = torch.cuda.Stream() if cuda else None
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -197,7 +206,8 @@ class Offloader:
         places = self.places[self.group]
         known = places.get(key)
         if known is None or known[0]() is not storage:
-            known = places[key] = (weakref.ref(storage), len(places))
+            known = places[key] = (weakref.ref(storage), self.numbered[self.group])
+            self.numbered[self.group] += 1
         return known[1] in self.chosen[self.group]
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -221,6 +231,7 @@ class Offloader:
         self.copies.clear()
         self.groups.clear()
         self.places.clear()
+        self.numbered.clear()
         self.group = 0
         self.offloaded_bytes = 0
         self.excluded = {
