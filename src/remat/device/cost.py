@@ -259,6 +259,39 @@ ATTENTION_PREFIXES = (
     "_efficient_attention_",
 )
 
+#: torchtitan's per-op selective checkpointing (`_save_list` of
+#: torchtitan/models/llama3/infra/parallelize.py at 6fc499f6, the commit of torchao's B200 table),
+#: by op overload: these outputs are saved, every second `aten.mm` excepted. `aten.max.default`
+#: is the full reduction torchao's tensorwise float8 casts take their amax with (a scalar, "for
+#: low precision training"); `aten.amax` (rowwise scales) and `aten.max.dim` are not in it.
+TORCHTITAN_SAVE_LIST = frozenset(
+    {
+        "aten.mm.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "aten.max.default",
+    }
+)
+#: The ops torchtitan's policy counts as `aten.mm` beside it: `addmm` (a linear with a bias;
+#: torchtitan's models have none) and `_scaled_mm`, the float8 matmul that torchao's
+#: `Float8Linear` runs as `aten.mm` on its float8 tensor subclass: the policy (a dispatch mode)
+#: sees that `aten.mm` before the subclass turns it into `_scaled_mm`, and remat's stand-in of
+#: torchao (`remat.models.float8`) calls `_scaled_mm` itself.
+TORCHTITAN_MM_OPS = frozenset({"aten.mm.default", "aten.addmm.default", "aten._scaled_mm.default"})
+#: The CPU and emulated stand-ins of the attention kernels torchtitan's list names
+#: (`_scaled_dot_product_flash_attention_for_cpu`, cuDNN's, ...): saved as the GPU's would be.
+TORCHTITAN_ATTENTION_PREFIX = "aten._scaled_dot_product_"
+
+
+def torchtitan_saves(target: str, mm_count: int) -> bool:
+    """Whether torchtitan's per-op policy saves the output of op `target` (an overload,
+    `aten.mm.default`), `mm_count` being the region's count of mms so far, this one included
+    (every second mm is recomputed)."""
+    if target in TORCHTITAN_MM_OPS:
+        return mm_count % 2 == 1
+    return target in TORCHTITAN_SAVE_LIST or target.startswith(TORCHTITAN_ATTENTION_PREFIX)
+
 
 def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
     """A profile from `PROFILES` by name, or the given profile unchanged. Raises

@@ -7,10 +7,12 @@ region in backward. The selective policies are the eager strategies' (`selective
 `remat.planning.solvers.selective`) written as torch's selective-checkpoint policies
 (`create_selective_checkpoint_contexts`), which see one aten op at a time:
 
-- `selective:torchtitan`: torchtitan's `_get_custom_policy`: save mm and attention outputs, but
-  recompute every second mm (counted in the forward, as torchtitan counts it). The eager policy
-  counts `addmm` as an mm (a linear with a bias), and so does this one: on torchtitan's models,
-  which have no biases, the two are torchtitan's list exactly;
+- `selective:torchtitan`: torchtitan's `_get_custom_policy` over its `_save_list`
+  (`remat.device.cost.torchtitan_saves`, as the eager policy): save mm and attention outputs and
+  the full `max` reductions (float8's amax), but recompute every second mm (counted in the
+  forward, as torchtitan counts it). A float8 matmul counts as the `aten.mm` torchao's
+  Float8Linear runs it as (the policy sees that, not the `_scaled_mm` below it), and `addmm` as
+  an mm (a linear with a bias; torchtitan's models have none);
 - `selective:save-matmuls`: save every matmul-class and attention output;
 - `selective:megatron`: recompute the attention core, save the rest; op by op this is the
   fused attention op, so a model whose attention core is several ops (scores, softmax, product
@@ -32,7 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.device.cost import ATTENTION_PREFIXES, MATMUL_OPS
+from remat.device.cost import (
+    ATTENTION_PREFIXES,
+    MATMUL_OPS,
+    TORCHTITAN_MM_OPS,
+    torchtitan_saves,
+)
 from remat.errors import RematError
 from remat.graph import Graph
 
@@ -46,34 +53,34 @@ AC_MODES = (
     "selective:save-matmuls",
     "selective:megatron",
 )
-_MM = frozenset({"mm", "addmm"})
 _SOFTMAX = frozenset({"_softmax", "softmax", "_safe_softmax"})
 
 
-def _short(func: Any) -> str:
-    return func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else str(func)
+def _short(target: str) -> str:
+    """The packet name of an overload's name (`mm` of `aten.mm.default`)."""
+    parts = target.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
-def _is_attention(short: str) -> bool:
-    return short.startswith(ATTENTION_PREFIXES)
+def _is_attention(target: str) -> bool:
+    return _short(target).startswith(ATTENTION_PREFIXES)
 
 
-def _torchtitan(meta: dict[str, int], short: str) -> bool:
-    if short in _MM:
-        meta["mm"] += 1
-        return meta["mm"] % 2 == 1
-    return _is_attention(short)
+def _torchtitan(meta: dict[str, int], target: str) -> bool:
+    meta["mm"] += target in TORCHTITAN_MM_OPS
+    return torchtitan_saves(target, meta["mm"])
 
 
-def _save_matmuls(meta: dict[str, int], short: str) -> bool:
-    return short in MATMUL_OPS or _is_attention(short)
+def _save_matmuls(meta: dict[str, int], target: str) -> bool:
+    return _short(target) in MATMUL_OPS or _is_attention(target)
 
 
-def _megatron(meta: dict[str, int], short: str) -> bool:
-    return not _is_attention(short)
+def _megatron(meta: dict[str, int], target: str) -> bool:
+    return not _is_attention(target)
 
 
-#: For each selective strategy, whether an op's output is saved (`meta`: the policy's counters).
+#: For each selective strategy, whether an op's output is saved (`meta`: the policy's counters;
+#: the op by its overload's name, `aten.mm.default`).
 _SAVES: dict[str, Callable[[dict[str, int], str], bool]] = {
     "selective:torchtitan": _torchtitan,
     "selective:save-matmuls": _save_matmuls,
@@ -90,7 +97,7 @@ def _context_fn(saves: Callable[[dict[str, int], str], bool]) -> Any:
     meta: dict[bool, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        saved = saves(meta[ctx.is_recompute], _short(func))
+        saved = saves(meta[ctx.is_recompute], str(func))
         return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from remat.device.cost import is_matmul
+from remat.device.cost import TORCHTITAN_MM_OPS, is_matmul, torchtitan_saves
 from remat.graph import Graph, Op
 
 Policy = Callable[[Graph, list[Op]], set[str]]
 
 _SOFTMAX = frozenset({"_softmax", "softmax", "_safe_softmax", "_log_softmax"})
-_MM = frozenset({"mm", "addmm"})
 
 
 def _saved_outputs(graph: Graph, ops: list[Op]) -> set[str]:
@@ -78,14 +77,12 @@ def save_matmuls(graph: Graph, ops: list[Op]) -> set[str]:
 
 
 def torchtitan(graph: Graph, ops: list[Op]) -> set[str]:
-    """torchtitan's op-level policy: keep mm and SDPA outputs, but recompute every second mm."""
+    """torchtitan's op-level policy (`remat.device.cost.torchtitan_saves`): keep mm and SDPA
+    outputs and the float8 casts' amax, but recompute every second mm."""
     keep, mm_count = set(), 0
     for op in ops:
-        if op.short in _MM:
-            mm_count += 1
-            if mm_count % 2 == 1:
-                keep.add(op.name)
-        elif op.short.startswith("_scaled_dot_product"):
+        mm_count += op.target in TORCHTITAN_MM_OPS
+        if torchtitan_saves(op.target, mm_count):
             keep.add(op.name)
     return keep
 
