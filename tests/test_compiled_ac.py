@@ -11,8 +11,8 @@ import json
 
 import pytest
 import torch
-from torch import nn
 from compiled_support import needs_cxx
+from torch import nn
 
 import remat
 from remat import models

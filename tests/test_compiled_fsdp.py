@@ -62,3 +62,35 @@ def test_a_compiled_float8_step_under_fsdp_holds_its_shards_and_frees_what_it_ga
     assert sum(live[k] for k in held) == sum(-(-n * 2 // 2) for n in params.values())
     left = {k[0] for k in live}
     assert left <= {"persistent", "state", "blas"}, left
+
+
+@needs_cxx
+@pytest.mark.slow
+def test_estimate_takes_shard_with_compiled_blocks_as_fit_does(capsys):
+    """`remat estimate --compile blocks --shard N` was refused (estimate had no --shard, nor
+    fit's --precision) while fit's compiled row took it. Now estimate's step on one rank of
+    FSDP2 x 4 over fp32 shards (bf16-fsdp) is fit's, byte for byte under both allocator
+    settings: the compiled step as fit's compiled row, the eager one as its store_all row."""
+    import json
+
+    from remat.answers.cli import main
+    from remat.answers.fit import fit
+
+    setup = {"model": "llama-3.2-1b", "batch": 1, "seq": 32, "precision": "bf16-fsdp"}
+    argv = ["--tiny", "--gpu", "h100", "--optimizer", "adamw", "--shard", "4"]
+    argv += ["--compile", "blocks", "--ac", "selective:torchtitan", "--json"]
+    for key in ("model", "batch", "seq", "precision"):
+        argv += [f"--{key}", str(setup[key])]
+    assert main(["estimate", *argv]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+
+    def build(batch: int, seq: int):
+        return models.build("llama-3.2-1b", batch=batch, seq=seq, dtype="bf16", tiny=True)
+
+    rows = fit(
+        build, **setup, gpu=get_gpu("h100"), shard=4, strategies_to_fit=("store_all",), max_batch=1, max_seq=32,
+        compile="blocks", ac="selective:torchtitan", optimizer="adamw",
+    ).rows  # fmt: skip
+    assert estimated["shard"] == 4
+    assert estimated["compiled"]["gpu_memory"] == list(rows[-1].gpu_memory)
+    assert estimated["gpu_memory"] == list(rows[0].gpu_memory)

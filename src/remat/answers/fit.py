@@ -244,10 +244,11 @@ def fit(
         )
     loop = loop or Loop()
     gradients = replace(loop, keep_logits=False)  # the loop's treatment of gradients
-    if gradients.describe() and (shard * layout.ranks > 1 or compile is not None):
+    if gradients.describe() and (shard * layout.ranks > 1 or compile == "whole"):
         raise RematError(
-            f"{gradients.describe()} is predicted for an eager step on one rank: leave out "
-            "--shard, --tp, --cp, --pp and --compile with it"
+            f"{gradients.describe()} is predicted on one rank, eager or compiled by blocks: "
+            "leave out --shard, --tp, --cp and --pp with it, and use --compile blocks or "
+            "blocks+loss (a whole compiled graph returns every gradient at its end)"
         )
     if loop.keep_logits and (compile is not None or layout.pp > 1):
         raise RematError(

@@ -142,13 +142,26 @@ def build_torchtune(
     return TorchtuneStep(model.train(), loss), (ids, token_ids(batch, seq, vocab, device))
 
 
+class LossFunction(nn.Module):
+    """A loss function as a module, the step's `loss`: the unit torchtitan's trainer compiles on
+    its own under `--training.compile` (`build_cross_entropy_loss`), remat's
+    `--compile blocks+loss`."""
+
+    def __init__(self, function: Any) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.function(pred, labels)
+
+
 class TorchtitanStep(nn.Module):
     """A torchtitan model and its loss, as its trainer takes one step."""
 
     def __init__(self, model: nn.Module, loss: Any) -> None:
         super().__init__()
         self.model = model
-        self.loss = loss
+        self.loss = LossFunction(loss)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         pred = self.model(tokens)

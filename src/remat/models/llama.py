@@ -98,23 +98,37 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(b, t, n_kv, n_rep, d).reshape(b, t, n_kv * n_rep, d)
 
 
-def chunked_cross_entropy(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunks: int
-) -> torch.Tensor:
-    """torchtune's `CEWithChunkedOutputLoss`: the output projection applied to `chunks` sequence
-    chunks of `hidden` (torchtune's `num_output_chunks`), each chunk's logits upcast to fp32 and
-    summed by cross-entropy, over the number of labels not ignored (-100)."""
-    logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
-    total = sum(
-        F.cross_entropy(
-            chunk.reshape(-1, chunk.size(-1)).float(),
-            target.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
+class CrossEntropy(nn.Module):
+    """torchtitan's `cross_entropy_loss` (components/loss.py): cross-entropy of the logits upcast
+    to fp32. A module, the model's `loss`, as the trainers hold their loss: what they compile on
+    its own (torchtitan's `build_cross_entropy_loss` under `--training.compile`, torchtune's
+    `compile_loss`), remat's `--compile blocks+loss`."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class ChunkedCrossEntropy(nn.Module):
+    """torchtune's `CEWithChunkedOutputLoss` (the model's `loss` where `loss_chunks` > 0): given
+    the logits of each sequence chunk (the output projection applied chunk by chunk, as
+    torchtune's decoder does with `num_output_chunks`), each chunk upcast to fp32 and summed by
+    cross-entropy, over the number of labels not ignored (-100)."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def forward(self, logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        total = sum(
+            F.cross_entropy(
+                chunk.reshape(-1, chunk.size(-1)).float(),
+                target.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            for chunk, target in zip(logits, labels.chunk(self.chunks, dim=1), strict=True)
         )
-        for chunk, target in zip(logits, labels.chunk(chunks, dim=1), strict=True)
-    )
-    return total / (labels != -100).sum()
+        return total / (labels != -100).sum()
 
 
 class Attention(nn.Module):
@@ -186,6 +200,9 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.loss_chunks = config.loss_chunks
+        self.loss = (
+            ChunkedCrossEntropy(config.loss_chunks) if config.loss_chunks else CrossEntropy()
+        )
         freqs_cis = precompute_freqs_cis(
             config.d_model // config.n_heads, config.max_seq_len, config.rope_theta
         )
@@ -201,8 +218,9 @@ class Llama(nn.Module):
         if labels is None:
             return self.lm_head(h)
         if self.loss_chunks:
-            return chunked_cross_entropy(self.lm_head, h, labels, self.loss_chunks)
-        return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), labels.flatten(0, 1))
+            chunks = h.chunk(self.loss_chunks, dim=1)
+            return self.loss([self.lm_head(chunk) for chunk in chunks], labels)
+        return self.loss(self.lm_head(h), labels)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """`.to(dtype)` casts parameters and float buffers; the complex RoPE table keeps complex64

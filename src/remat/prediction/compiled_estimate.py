@@ -5,7 +5,12 @@
 - `whole`: `torch.compile(model)`, one graph for the model (a graph break is an error: its pieces
   would be separate graphs with eager code between them);
 - `blocks`: each repeated block (`graph.blocks`: transformer layers) compiled on its own and the
-  rest eager, as torchtitan's `apply_compile` does.
+  rest eager, as torchtitan's `apply_compile` does;
+- `blocks+loss`: the blocks and the model's loss module (`loss`: cross-entropy on the upcast
+  logits) each compiled on its own, as torchtitan's trainer (`--training.compile` compiles each
+  block and `build_cross_entropy_loss`'s function) and torchtune's recipes (`compile_loss`) do:
+  the compiled loss saves the logits it is given (in their own dtype) and per-row statistics,
+  where the eager loss materialises fp32 logits, their log-softmax and its gradient.
 
 Either composes with per-block activation checkpointing (`ac`: `full` or a selective op policy,
 `remat.prediction.compiled_ac`): each block is wrapped in `torch.utils.checkpoint` before it is
@@ -38,7 +43,11 @@ from remat.device.targets import get_target
 from remat.errors import RematError
 from remat.graph import Graph
 from remat.prediction.compiled_ac import check_ac, wrap_blocks
-from remat.prediction.compiled_events import blocks_step_events, whole_step_events
+from remat.prediction.compiled_events import (
+    blocks_step_events,
+    saved_inputs,
+    whole_step_events,
+)
 from remat.prediction.estimate import (
     OPTIMIZER_MEMORY,
     Optimizer,
@@ -58,8 +67,12 @@ from remat.prediction.inductor_plan import StepPeak, step_peak
 from remat.prediction.schedule import simulate
 from remat.tracing import hfcompat
 
-#: How the step is compiled: the whole model as one graph, or each block on its own.
-COMPILE_MODES = ("whole", "blocks")
+#: How the step is compiled: the whole model as one graph, each block on its own, or each block
+#: and the model's loss (its `loss` submodule) each on its own.
+COMPILE_MODES = ("whole", "blocks", "blocks+loss")
+#: The path of the loss module `blocks+loss` compiles: the `loss` of remat's presets and of the
+#: framework steps (`remat.models.llama.CrossEntropy`, `remat.models.frameworks`).
+LOSS_PATH = "loss"
 #: Where inductor's decisions come from (the output says so).
 BACKEND = "inductor, CPU backend"
 
@@ -239,7 +252,7 @@ def estimate_compiled(
     if compile not in COMPILE_MODES:
         raise RematError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     ac = check_ac(ac, graph)
-    if fsdp is not None and (compile != "blocks" or gpu is None):
+    if fsdp is not None and (compile == "whole" or gpu is None):
         raise RematError(
             f"fsdp with compile={compile!r}{'' if gpu else ' and no gpu'}: FSDP's per-rank "
             "memory is judged by the allocator on a GPU with each block compiled on its own: "
@@ -290,6 +303,7 @@ def estimate_compiled(
                         mode,
                         optimizer,
                         on_cpu,
+                        loss=compile == "blocks+loss",
                     )
                 if gpu is not None:
                     events = blocks_step_events(
@@ -318,6 +332,20 @@ def estimate_compiled(
     )
 
 
+def _loss_call(graph: Graph, model: nn.Module) -> list[Any]:
+    """The call of the model's loss module (`LOSS_PATH`), or a RematError that says what to do."""
+    calls = [m for m in graph.modules if m.path == LOSS_PATH]
+    module = getattr(model, LOSS_PATH, None)
+    if not calls or not isinstance(module, nn.Module):
+        raise RematError(
+            f"compile='blocks+loss' compiles the model's loss module ({LOSS_PATH!r}, as remat's "
+            "presets and the torchtune: and torchtitan: steps have it); this model computes its "
+            "loss without one (a chunked loss runs the output head inside it): use "
+            "compile='blocks'"
+        )
+    return calls[:1]
+
+
 def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What a compiled block's graph depends on besides its code: its type, its parameters' and
     buffers' layouts and its arguments' layouts (non-tensor arguments by value)."""
@@ -340,6 +368,7 @@ def _blocks_peak(
     mode: FakeTensorMode,
     optimizer: Optimizer,
     on_cpu: bool = True,
+    loss: bool = False,
 ) -> tuple[int, int, int, int, list[tuple[int, int, int, int, StepPeak]]]:
     """(forward/backward peak, optimizer step bytes, graphs compiled, blocks compiled, and each
     block's spans with its compiled step, for `blocks_step_events`) of the step with each of
@@ -352,13 +381,17 @@ def _blocks_peak(
     compiled forward's run, from the live bytes before the block's first op; what it holds from
     its forward to its backward by what the compiled forward leaves (outputs and saved values);
     its backward by the compiled backward's run, from the live bytes before the block's first
-    backward op. What lies outside the blocks runs as traced."""
+    backward op. An input the compiled forward saves is held to the end of its backward, where
+    the eager step would have dropped it sooner. What lies outside the blocks runs as traced.
+    `loss`: the model's loss module (`LOSS_PATH`) is compiled on its own as well, a unit like
+    a block (after them in `spans`)."""
     blocks = graph.blocks
     if not blocks:
         raise RematError(
             "compile='blocks' needs repeated blocks (numbered submodules such as layers.0); "
             "this model has none: use compile='whole'"
         )
+    units = [*blocks, *(_loss_call(graph, model) if loss else ())]
     # the first call of each distinct block: its path, module and arguments
     calls: dict[tuple, tuple[str, nn.Module, tuple, dict]] = {}
     key_of: dict[str, tuple] = {}
@@ -372,7 +405,7 @@ def _blocks_peak(
 
     handles = [
         model.get_submodule(b.path).register_forward_pre_hook(pre_hook(b.path), with_kwargs=True)
-        for b in blocks
+        for b in units
     ]
     try:
         with mode, torch.enable_grad():
@@ -383,9 +416,8 @@ def _blocks_peak(
     steps: dict[tuple, StepPeak] = {}
     for key, (path, module, block_args, block_kwargs) in calls.items():
         torch._dynamo.reset()
-        steps[key] = _compiled_step(
-            module, block_args, block_kwargs, False, f"block {path}", on_cpu
-        )
+        what = f"block {path}" if path != LOSS_PATH else f"loss module {path}"
+        steps[key] = _compiled_step(module, block_args, block_kwargs, False, what, on_cpu)
     of_block = {path: steps[key] for path, key in key_of.items()}
 
     state = OPTIMIZER_MEMORY[optimizer].state_bytes(
@@ -406,7 +438,7 @@ def _blocks_peak(
     held: list[tuple[int, int, int]] = []  # (after forward op, until backward op, extra bytes)
     spans: list[tuple[int, int, int, int, StepPeak]] = []
     replaced: list[tuple[int, int, int]] = []  # (first op, last op, compiled live bytes)
-    for b in blocks:
+    for b in units:
         step = of_block[b.path]
         backward = [
             op.index
@@ -425,6 +457,10 @@ def _blocks_peak(
             and sim.deaths.get(s.id, len(graph.ops)) > b.last_op
         )
         held.append((b.last_op, g0, step.forward.end_bytes - eager_held))
+        for sid in saved_inputs(graph, b.first_op, b.last_op, step):
+            death = sim.deaths.get(sid, len(graph.ops))
+            if death < g1:  # the compiled forward saved it: held to the backward's end
+                held.append((death, g1, graph.storages[sid].nbytes))
         replaced.append((b.first_op, b.last_op, step.forward.peak_bytes))
         bw = step.backward
         replaced.append((g0, g1, max(bw.peak_bytes, bw.end_bytes + bw.shared_output_bytes)))

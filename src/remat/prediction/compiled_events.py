@@ -12,8 +12,10 @@ as it judges an eager one:
   outlive it (a block's output, its gradients) are handed over at the span's end: the compiled
   outputs freed and the eager storages allocated, the same bytes, so the cached block is reused.
   An eager storage made outside a span that dies inside it (the block's input, the gradient of
-  its output) is freed at the span's end. Under FSDP (`fsdp`) the per-unit all-gathers,
-  unsharded parameters and reduce-scatters are `gpu_memory.fsdp_events`', made around the
+  its output) is freed at the span's end, or at the end of its backward span where the compiled
+  forward saves it (`saved_inputs`: a compiled loss keeps the logits it was given). Under FSDP
+  (`fsdp`) the per-unit all-gathers, unsharded parameters and reduce-scatters are
+  `gpu_memory.fsdp_events`', made around the
   spans: a block's forward span sits between its pre-forward and post-forward, its backward
   span between its pre-backward and post-backward, as `fully_shard` on each compiled block
   runs them (torchtitan: AC, compile, then FSDP per block).
@@ -106,6 +108,10 @@ def blocks_step_events(
             inside[p] = r
     op_scratch = ops_scratch_bytes(graph)
     events, params, inputs = _persistent(graph)
+    # inputs a compiled forward saves (a compiled loss's logits): freed after its backward
+    kept_until = {
+        sid: pos[g1] for f0, f1, _, g1, step in spans for sid in saved_inputs(graph, f0, f1, step)
+    }
     grad_lives = {
         n: sid
         for n, sid in enumerate(owners)
@@ -146,7 +152,8 @@ def blocks_step_events(
             if n in grad_lives:
                 continue  # freed at its unit's reduce-scatter (fsdp_events)
             end = inside.get(min(last, total))
-            after[end[1] if end is not None else min(last, total)].append(Free(key))
+            free_at = end[1] if end is not None else min(last, total)
+            after[max(free_at, kept_until.get(owners[n], free_at))].append(Free(key))
         events += [Alloc(("input", k, s.id), s.nbytes) for s in inputs]
         events += before_step
         live: dict[Any, None] = {}
@@ -185,6 +192,21 @@ def blocks_step_events(
         events += [Free(key) for key in live]
         events += [Free(("input", k, s.id)) for s in inputs]
     return events
+
+
+def saved_inputs(graph: Graph, first: int, last: int, step: StepPeak) -> set[int]:
+    """The storages of `graph` made before forward op `first` and read by ops `first..last` (a
+    compiled unit's inputs, its parameters and the step's inputs aside) whose layout is one of
+    those the unit's compiled forward saves (`StepPeak.saved_inputs`)."""
+    wanted = set(step.saved_inputs)
+    return {
+        graph.tensors[t].storage
+        for op in graph.ops[first : last + 1]
+        for t in op.inputs
+        if (graph.tensors[t].shape, graph.tensors[t].dtype) in wanted
+        and graph.storages[graph.tensors[t].storage].allocated_at is not None
+        and graph.storages[graph.tensors[t].storage].allocated_at < first
+    }
 
 
 def _span_events(step: StepPeak, half: str, prefix: tuple, live: dict[Any, None]) -> list[Event]:

@@ -550,12 +550,15 @@ def optimizer_step_bytes(graph: Graph, step: Simulation, optimizer: Optimizer) -
     trainable, elements = trainable_param_bytes(graph), trainable_param_elements(graph)
     persistent = sum(s.nbytes for s in graph.storages.values() if s.allocated_at is None)
     held = sum(graph.storages[sid].nbytes for sid, d in step.deaths.items() if d >= len(graph.ops))
-    return (
-        persistent
-        + memory.state_bytes(trainable, elements, param_tensors(graph))
-        + held
-        + memory.step_temp_bytes(trainable, elements, param_sizes(graph))
-    )
+    sizes = param_sizes(graph)
+    if graph.info.get("optimizer_in_backward"):  # one optimizer a parameter, one at a time
+        temp = max(
+            (memory.step_temp_bytes(n, n * elements // max(trainable, 1), [n]) for n in sizes),
+            default=0,
+        )
+    else:
+        temp = memory.step_temp_bytes(trainable, elements, sizes)
+    return persistent + memory.state_bytes(trainable, elements, param_tensors(graph)) + held + temp
 
 
 def estimate(

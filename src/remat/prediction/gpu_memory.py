@@ -109,7 +109,10 @@ def optimizer_events(
                 moment = q.moment_bytes(elements, sizes[sid] // max(elements, 1))
                 state = [] if q.paged(elements) else [moment, moment]
             events += [Alloc(("state", sid, k), n) for k, n in enumerate(state) if n]
-    if memory.step_temp_per_param_byte:  # foreach: the whole list at once, then freed
+    if memory.step_temp_per_param_byte and graph.info.get("optimizer_in_backward"):
+        for sid in params:  # one optimizer a parameter: a list of one tensor at a time
+            events += [Alloc(("tmp", step, sid), sizes[sid]), Free(("tmp", step, sid))]
+    elif memory.step_temp_per_param_byte:  # foreach: the whole list at once, then freed
         events += [Alloc(("tmp", step, sid), sizes[sid]) for sid in params]
         events += [Free(("tmp", step, sid)) for sid in params]
     if memory.per_parameter:  # for-loop: sqrt, quotient; the previous denom freed on rebinding

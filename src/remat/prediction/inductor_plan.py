@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from remat.device import kernel_scratch
 from remat.device.allocator import Alloc, Free
-from remat.tracing.tensors import storage_key
+from remat.tracing.tensors import dtype_name, storage_key
 
 
 class _Generated(BaseException):
@@ -351,6 +351,10 @@ class StepPeak:
     gradient_keys: tuple[Any, ...] = ()
     #: how many of `events` are the forward's (the rest: tangents, loss, backward)
     forward_event_count: int = 0
+    #: the inputs (neither parameters nor buffers) the forward saves for backward, by (shape,
+    #: dtype name): a compiled unit keeps them from its forward to its backward, whenever the
+    #: eager step would have dropped them (a compiled loss keeps the logits it was given)
+    saved_inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -475,6 +479,11 @@ def _replay_step(
     held: list[Any] = list(args)  # parameters and inputs outlive the step
     static = {storage_key(held[i]) for i in static_input_idxs if isinstance(held[i], torch.Tensor)}
     arg_keys = {storage_key(a) for a in held if isinstance(a, torch.Tensor)}
+    inputs = {  # the inputs by storage, as the caller gave them (the replay empties `args`)
+        storage_key(a): (tuple(a.shape), dtype_name(a.dtype))
+        for i, a in enumerate(args)
+        if isinstance(a, torch.Tensor) and i not in static_input_idxs
+    }
     fw = replay(fw_source, args, on_cpu)
     saved = {
         s for s in fw.output_storages[num_fwd_outputs:] if s is not None and s[0] not in static
@@ -486,6 +495,7 @@ def _replay_step(
         for n, s in zip(_output_nodes(forward), fw.output_storages, strict=False)
         if n is not None and s is not None and s[0] not in arg_keys
     }
+    saved_inputs = tuple(inputs[key] for key, _ in saved if key in inputs)
     del held, bases
 
     args, bases = _meta_arguments(bw_inputs)
@@ -520,6 +530,7 @@ def _replay_step(
         tuple(e.key for e in events if isinstance(e, Alloc) and e.key[0] == "tangent"),
         tuple(("bw", k) for k in bw.output_keys if k and k[0] == "new"),
         sum(1 for e in fw.events if not (isinstance(e, Free) and e.key[0] == "arg")),
+        saved_inputs,
     )
 
 

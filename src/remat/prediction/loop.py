@@ -4,9 +4,12 @@
   from a `register_post_accumulate_grad_hook` and sets its `.grad` to None): a parameter's
   gradient is freed as soon as its last accumulation has run and its own step is done, so the
   gradients never all live at once. The optimizer state still does. The step's own transient
-  moves into the backward, one parameter at a time (foreach over a one-tensor list: that
-  parameter's bytes); it is not placed there: the step is counted at the end as before, where,
-  the gradients gone, it is rarely the peak.
+  moves into the backward, one parameter at a time (one optimizer a parameter, as torchtune
+  builds them: foreach over a one-tensor list, that parameter's bytes); it is not placed there:
+  the step is counted at the end as before, one parameter's transient at a time
+  (`estimate.optimizer_step_bytes`, `gpu_memory.optimizer_events`), where, the gradients gone,
+  it is rarely the peak. Under torch.compile by blocks, a block's gradients come out of its
+  compiled backward together and are stepped and freed at its end.
 - `keep_grads`: `zero_grad(set_to_none=False)` (torch < 2.0's default, Hugging Face's Trainer
   then), or any micro-step of gradient accumulation after the first: every gradient exists
   before the step, and the backward's gradient for a parameter is a temporary that

@@ -102,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--cp", type=positive_int, default=1, help="one context-parallel rank's step (seq / cp)"
     )
+    est.add_argument(
+        "--precision",
+        choices=get_args(Precision),
+        help="as for fit (replaces --dtype): the parameters' dtype, autocast, float8 linears, "
+        "and for bf16-fsdp / float8* fp32 shards under --shard (default: --dtype, no autocast)",
+    )
+    est.add_argument(
+        "--shard",
+        type=positive_int,
+        default=1,
+        help="one rank's step of FSDP2 over this many ranks, as fit's per-rank rows: parameters, "
+        "gradients and optimizer state sharded, each block a unit; with --compile blocks or "
+        "blocks+loss, judged by the allocator on --gpu (default: %(default)s)",
+    )
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     est.add_argument(
         "--top", type=positive_int, default=12, help="rows in the by-module and by-op tables"

@@ -115,10 +115,11 @@ def add_budget_arg(p: argparse.ArgumentParser) -> None:
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
-        choices=["whole", "blocks"],
-        help="also predict the step under torch.compile: whole (torch.compile(model)) or blocks "
-        "(each block compiled, the rest eager, as torchtitan does); inductor's own buffers, "
-        "generated for its CPU backend on fake tensors",
+        choices=["whole", "blocks", "blocks+loss"],
+        help="also predict the step under torch.compile: whole (torch.compile(model)), blocks "
+        "(each block compiled, the rest eager) or blocks+loss (each block and the loss module "
+        "compiled on their own, as torchtitan's --training.compile and torchtune's compile "
+        "flags do); inductor's own buffers, generated for its CPU backend on fake tensors",
     )
     p.add_argument(
         "--ac",
@@ -234,6 +235,9 @@ def trace_model(args: argparse.Namespace, console: Console):
         console.print("also: hf:<model_type> (e.g. hf:gpt2, hf:llama), pkg.module:factory")
         raise SystemExit(0)
     device = "meta" if args.trace_device == "meta" else args.trace_device
+    setup = precision_of(args)
+    if setup is not None:  # estimate --precision: built and traced as fit traces it
+        args.dtype = setup.param_dtype
     model, inputs = models.build(
         args.model,
         batch=args.batch,
@@ -243,6 +247,9 @@ def trace_model(args: argparse.Namespace, console: Console):
         tiny=args.tiny,
         **model_overrides(args),
     )
+    autocast = None
+    if setup is not None:
+        model, autocast = setup.prepare(model), setup.autocast
     where = "fake tensors" if device == "meta" else f"real {device} tensors"
     start = time.perf_counter()
     gpu = getattr(args, "gpu", None)
@@ -257,15 +264,17 @@ def trace_model(args: argparse.Namespace, console: Console):
         if layout.ranks > 1:  # one rank's step: estimate --tp / --cp
 
             def build(batch: int, seq: int):
-                return models.build(
+                built, built_inputs = models.build(
                     args.model, batch=batch, seq=seq, dtype=DTYPES[args.dtype], tiny=args.tiny,
                     **model_overrides(args),
                 )  # fmt: skip
+                return (setup.prepare(built) if setup else built), built_inputs
 
             graph = layout.trace(
                 build,
                 args.batch,
                 args.seq,
+                autocast=autocast,
                 target=target,
                 replicate_depth=not getattr(args, "full_trace", False),
             )
@@ -276,6 +285,7 @@ def trace_model(args: argparse.Namespace, console: Console):
                 *inputs,
                 device=device,
                 target=target,
+                autocast=autocast,
                 replicate_depth=device == "meta" and not getattr(args, "full_trace", False),
             )
     graph = loop_of(args).apply(graph)
@@ -288,6 +298,16 @@ def trace_model(args: argparse.Namespace, console: Console):
         dtype=args.dtype,
     )
     return graph, time.perf_counter() - start, (model, inputs)
+
+
+def precision_of(args: argparse.Namespace) -> Any:
+    """estimate's --precision as fit's `PrecisionSetup`, or None (--dtype, no autocast)."""
+    precision = getattr(args, "precision", None) if args.command == "estimate" else None
+    if precision is None:
+        return None
+    from remat.answers.fit_steps import PRECISIONS
+
+    return PRECISIONS[precision]
 
 
 def _shape(args: argparse.Namespace, inputs: tuple) -> str:
