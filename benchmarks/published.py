@@ -34,7 +34,7 @@ from remat.errors import RematError
 from remat.models.float8 import convert_to_float8
 from remat.planning import strategies
 from remat.planning.planner import Planner
-from remat.prediction.gpu_memory import Fsdp, gpu_memory
+from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, gpu_memory
 from remat.prediction.loop import Loop
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -77,6 +77,8 @@ class Point:
     compile: str | None = None
     context_bytes: int | None = None  # the context the publication measured, when it did
     keep_logits: bool = False  # the loop keeps the fp32 prediction through backward (--keep-logits)
+    optimizer_in_backward: bool = False  # each gradient stepped and freed in backward
+    expandable: bool = False  # the run set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     torch_version: tuple[int, int] | None = None  # an older torch's autograd (remat.device.targets)
     float8: str | None = None  # torchao's Float8Linear recipe (remat.models.float8.RECIPES)
     unexpressed: str = ""  # what of the run neither the CLI nor this script expresses
@@ -173,7 +175,7 @@ POINTS: tuple[Point, ...] = (
         4096,
         "bf16",
         "adamw",
-        compile="blocks",
+        compile="blocks+loss",
     ),
     Point(
         "T4",
@@ -188,12 +190,17 @@ POINTS: tuple[Point, ...] = (
         "bf16",
         "adamw",
         strategy="full",
-        compile="blocks",
-        note="torchtune compiles each layer (and the loss, which remat prices eager); "
+        compile="blocks+loss",
+        note="torchtune compiles each layer and the loss (`compile_loss`: the chunked "
+        "cross-entropy, `--compile blocks+loss`: the compiled loss saves the bf16 chunk logits "
+        "and per-row statistics, where the eager loss saved each chunk's fp32 log-softmax, 3.9 "
+        "GiB here); T2 stays `--compile blocks`: its CrossEntropyLoss takes the logits "
+        "torchtune's decoder already upcast to fp32 (`self.output(h).float()`), outside the "
+        "compiled loss, where the preset's loss module upcasts inside (compiled, T2 would be "
+        "0.845, the fp32 logits gone); "
         "compiled peaks are live bytes as these rows read them (`peak_bytes`; since issue 37 "
         "`fit`'s compiled rows also carry the caching allocator's allocated and reserved bytes "
-        "and fit by them, docs/compiled.md, which these rows do not read yet: their live peaks "
-        "are unchanged), "
+        "and fit by them, docs/compiled.md, which these rows do not read), "
         "inductor's CPU backend stands in for its GPU backend (docs/compiled.md)",
     ),
     Point(
@@ -209,11 +216,28 @@ POINTS: tuple[Point, ...] = (
         "bf16",
         "adamw-fused",
         strategy="full",
-        compile="blocks",
+        compile="blocks+loss",
         note="the published 24.9 GiB is under its parameters, gradients and AdamW state "
         "alone plus foreach AdamW's sqrt list (23.9 + 6.0 GiB = 29.9 GiB, what remat predicts for "
         "the configuration as published): the run's step allocated no such list, as fused AdamW "
         "does",
+    ),
+    Point(
+        "T5",
+        _TORCHTUNE,
+        "T4 + optimizer step in backward (optimizer_in_bwd: one optimizer per parameter, each "
+        "gradient freed after its step)",
+        "a100-80gb",
+        "active",
+        round(23.1 * GIB),
+        (_LLAMA32_3B_TT_CHUNKED, _LLAMA32_3B_CHUNKED),
+        2,
+        4096,
+        "bf16",
+        "adamw",
+        strategy="full",
+        compile="blocks+loss",
+        optimizer_in_backward=True,
     ),
     Point(
         "P1",
@@ -399,7 +423,8 @@ POINTS: tuple[Point, ...] = (
             shard=8,
             master_scale=2,
             float8=recipe,
-            compile="blocks",
+            compile="blocks+loss",
+            expandable=True,  # torchtitan's run_train.sh sets it
             note=note,
         )
         for id, what, gib, recipe, note in (
@@ -409,18 +434,21 @@ POINTS: tuple[Point, ...] = (
                 33.71,
                 None,
                 "torchtitan logs max reserved as 'memory: X GiB', which torchao's "
-                "parse_torchtitan_logs.py reads (the table's 'GB' are those GiB). The runs "
-                "compiled each block and the loss (torchao's llama3.sh: --training.compile; "
-                "llama3_8b.toml: selective op AC): `--compile blocks --ac selective:torchtitan` "
-                "(each size one compilation; this script reads the asked size only: 5-28 s a row "
-                "here, F1-F3's 6 in 95 s, against 189 s for the eager rows before; the CLI command "
-                "of F2 (remat preset) gives the same 36.60 GiB in 593 s, its eager rows and "
-                "25 compiled sizes searched for the largest batch and sequence). The loss stays "
-                "eager in remat: the peak (remat preset) is its backward, where three fp32 "
-                "8192 x 128256 tensors (the upcast logits, their log-softmax and its gradient, "
-                "3.91 GiB each: 11.99 GiB of eager storages) are live, which a compiled loss "
-                "fuses into kernels; the allocator adds 9.0 GiB over the requested peak (37.17 "
-                "GiB requested, 46.22 reserved). F1 1.37-1.42, outside",
+                "parse_torchtitan_logs.py reads (the table's 'GB' are those GiB). The runs, as "
+                "torchtitan 6fc499f6 ran them: run_train.sh sets PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True (the figure is `expandable_reserved_bytes`); torchao's "
+                "llama3.sh passes --training.compile, which compiles each TransformerBlock and "
+                "the loss function (components/loss.py build_cross_entropy_loss: `--compile "
+                "blocks+loss`); llama3_8b.toml: per-op SAC (`--ac selective:torchtitan`, its "
+                "_save_list). Requested 31.34 GiB from both sources (0.930 of the published "
+                "reserved): where the run's allocator held 2.37 GiB over that (if it is the run's), the "
+                "allocator model holds 6.37 GiB (37.71 reserved, remat preset; 42.66 under "
+                "torch's default settings): the first step's AdamW state (7.49 GiB a rank) is made "
+                "in the activation space its backward freed, so the second step's forward maps "
+                "new pages (reserved 30.23 -> 37.71 GiB over blocks 24-31 and the loss). That "
+                "overhead is the 11-12% left. Before (the loss eager: three fp32 8192 x 128256 "
+                "tensors, 11.99 GiB, in its backward; compiled blocks without their saved inputs; "
+                "torch's default allocator): 1.42 (torchtitan), 1.37 (preset)",
             ),
             (
                 "F2",
@@ -439,14 +467,14 @@ POINTS: tuple[Point, ...] = (
                 33.72,
                 "rowwise",
                 "the published runs are memory-neutral (float8 / bf16: 0.990 tensorwise, "
-                "1.000 rowwise); compiled, remat's are not (F2 / F1 0.79, remat preset): "
-                "torchtitan's per-op SAC saves aten.mm outputs and a float8 matmul is _scaled_mm, "
-                "so each float8 linear is recomputed in backward, and the 32 compiled blocks hold "
-                "2.03 GiB at the peak against bf16's 11.53 GiB (every second mm output and the "
-                "attention's). Both peak in the eager loss's backward (11.99 GiB of fp32 "
-                "temporaries, F1's note) with 9.1 GiB of allocator overhead over the requested "
-                "peak. F2 and F3 within 10-16% are the eager loss and that overhead against "
-                "the smaller saves, not agreement",
+                "1.000 rowwise), and so are remat's now (requested: 31.14 GiB tensorwise, 0.994 "
+                "of bf16's 31.34): torchtitan's per-op SAC sees torchao's float8 matmul as the "
+                "aten.mm it dispatches on its float8 tensors, and its _save_list keeps aten.max "
+                "(the tensorwise amax); remat's policy counted the stand-in's _scaled_mm as no mm "
+                "and recomputed every float8 linear (F2 / F1 0.79, the blocks holding 2.03 GiB "
+                "against bf16's 11.53). Before: F2 1.16 / 1.10, F3 1.07 / 1.12 (torchtitan / "
+                "preset), agreement of the eager loss's 11.99 GiB and the default allocator's "
+                "9.1 GiB overhead against the smaller saves",
             ),
         )
     ),
@@ -460,11 +488,11 @@ SKIPPED = (
         "batch, so the peak is the longest batch's, which the publication does not give",
     ),
     (
-        "torchtune + optimizer in backward (23.1), + 8-bit AdamW (17.6)",
-        "the optimizer in backward is modelled for eager steps (`--optimizer-in-backward`), not "
-        "under torch.compile, which these runs use; 8-bit AdamW is (`--optimizer adamw-8bit`, "
-        "`adamw-8bit-torchao`), but not on top of the optimizer in backward (the drop that "
-        "activation offloading makes, 23.1 -> 21.8, is rebuilt above)",
+        "torchtune + 8-bit AdamW (17.6)",
+        "8-bit AdamW is modelled (`--optimizer adamw-8bit`, `adamw-8bit-torchao`), and so is "
+        "the optimizer in backward under torch.compile by blocks (T5), but this row also "
+        "offloads activations (T6), whose drop, 23.1 -> 21.8, is rebuilt above and not "
+        "composed with the other two",
     ),
     (
         "HF Adafactor (12295 MiB) and 8-bit Adam (13085 MiB)",
@@ -509,8 +537,8 @@ OFFLOAD_DROPS = (
         5,  # OffloadActivations(max_fwd_stash_size=5)
         "torchtune offloads what autograd saves under its hooks: with every layer checkpointed, "
         "each layer's input (checkpoint saves it through the hooks) and the final norm's saves "
-        "(the output projection excluded by hand). T5 steps the optimizer in backward, which "
-        "remat does not model: each gradient is freed as it is made, so T5's peak is the "
+        "(the output projection excluded by hand). T5 steps the optimizer in backward (its row "
+        "above): each gradient is freed as it is made, so T5's peak is the "
         "forward's end (the loss), where every offloaded tensor is gone; the drop is taken there, "
         "as the forward's peak with and without offload, less the last 5 tensors offloaded "
         "(torchtune's forward stash, max_fwd_stash_size=5, holds them on the GPU until their "
@@ -615,7 +643,8 @@ def predict(point: Point, source: Source) -> Prediction:
     graph = remat.trace(model, *inputs, autocast=point.autocast, target=target)
     # torchtitan's loop of March 2024 (`pred = model(input_ids)`, fp32; `loss_fn(pred,
     # labels).backward()` with `pred` in scope): the CLI's --keep-logits, the same graph change
-    graph = Loop(keep_logits=point.keep_logits).apply(graph)
+    loop = Loop(optimizer_in_backward=point.optimizer_in_backward, keep_logits=point.keep_logits)
+    graph = loop.apply(graph)
     planner = Planner(graph, gpu.profile, point.optimizer)
     regions = ()
     if point.strategy != "store_all":
@@ -639,10 +668,18 @@ def predict(point: Point, source: Source) -> Prediction:
             gpu=gpu if judged else None,
             fsdp=fsdp,
         )
-        value = compiled.gpu_memory[0][_FIELD[point.statistic]] if judged else compiled.peak_bytes
+        memories = compiled.gpu_memory
+        value = memories[int(point.expandable)][_FIELD[point.statistic]] if judged else None
+        value = compiled.peak_bytes if value is None else value
         return Prediction(point, source, value, time.perf_counter() - start)
     memory = gpu_memory(
-        graph, gpu, regions, point.optimizer, fsdp=fsdp, keep_grads=point.keep_grads
+        graph,
+        gpu,
+        regions,
+        point.optimizer,
+        fsdp=fsdp,
+        settings=ALLOCATOR_SETTINGS[int(point.expandable)],
+        keep_grads=point.keep_grads,
     )
     context = memory.context_bytes if point.context_bytes is None else point.context_bytes
     value = {
@@ -662,6 +699,13 @@ _FIELD = {
     "reserved": "reserved_bytes",
     "nvidia-smi": "nvidia_smi_bytes",
 }
+
+
+def _field(point: Point) -> str:
+    """The fit row's JSON field of the point's statistic, under the run's allocator settings."""
+    if point.expandable and point.statistic == "reserved":
+        return "expandable_reserved_bytes"
+    return _FIELD[point.statistic]
 
 
 def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
@@ -690,6 +734,7 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
     parts += ["--shard", str(point.shard)] if point.shard > 1 else []
     parts += ["--keep-grads"] if point.keep_grads else []  # as a micro-step of accumulation
     parts += ["--keep-logits"] if point.keep_logits else []
+    parts += ["--optimizer-in-backward"] if point.optimizer_in_backward else []
     if point.torch_version is not None:
         parts += ["--torch-version", ".".join(map(str, point.torch_version))]
     if point.context_bytes is not None and point.statistic == "nvidia-smi":
@@ -698,12 +743,10 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
         ac = [] if point.strategy == "store_all" else ["--ac", point.strategy]
         parts += ["--compile", point.compile, *ac]
         row = f"compile:{point.compile}" + (f"+{point.strategy} AC" if ac else "")
-        field = (
-            "peak_bytes (live bytes)" if point.statistic == "active" else _FIELD[point.statistic]
-        )
+        field = "peak_bytes (live bytes)" if point.statistic == "active" else _field(point)
         read = f"row {row}, {field}"
     else:
-        read = f"row {_ROW[point.strategy]}, {_FIELD[point.statistic]}"
+        read = f"row {_ROW[point.strategy]}, {_field(point)}"
     missing = [point.unexpressed] if point.unexpressed else []
     parts.append("--json")
     return " ".join(shlex.quote(p) for p in parts), read, "; ".join(missing)
