@@ -56,6 +56,31 @@ def test_matmul_is_compute_bound_and_pointwise_memory_bound_on_h100(mlp_graph):
     assert op_seconds(mlp_graph, gelu, h100) == pytest.approx(gelu_bytes / h100.bandwidth)
 
 
+def test_an_eager_transcendental_or_random_op_costs_its_arithmetic_where_that_is_dearer():
+    """FLOP counters count nothing for GELU or dropout, so the roofline priced them by their
+    traffic alone: on a CPU, tanh-GELU of 3.1M floats ran 6.3 ms against 1.26 ms priced, and the
+    planner took recomputing them (and dropout's masks, the encoder of issue 38) for cheap. Their
+    eager price is now at least `transcendental_ops` vector operations an element; on an H100
+    their traffic still decides (fp32: 8 bytes an element against 4 operations). Failed before:
+    GELU's price on the cpu profile was its 25 MiB of traffic, 1.26 ms."""
+    meta = {"device": "meta"}
+    model = nn.Sequential(nn.Linear(768, 3072, **meta), nn.GELU("tanh"), nn.Dropout(0.1))
+    graph = remat.trace(model, torch.empty(1024, 768, **meta))
+    elements = 1024 * 3072
+    for short in ("gelu", "bernoulli_"):
+        op = _op(graph, short)
+        cpu, h100 = PROFILES["cpu"], PROFILES["h100"]
+        arithmetic = elements * cpu.transcendental_ops / cpu.vector_flops
+        assert arithmetic > op_bytes_moved(graph, op) / cpu.bandwidth
+        assert op_seconds(graph, op, cpu) == pytest.approx(arithmetic)
+        assert op_seconds(graph, op, h100) == pytest.approx(
+            op_bytes_moved(graph, op) / h100.bandwidth
+        )
+        assert op_seconds_all(graph, cpu)[op.index] == op_seconds(graph, op, cpu)
+    mm = _op(graph, "addmm")
+    assert op_seconds(graph, mm, "cpu") == pytest.approx(mm.flops / PROFILES["cpu"].peak_flops)
+
+
 def test_fused_recompute_costs_arithmetic_not_traffic(mlp_graph):
     """Inside a fused kernel (the compiled path) a pointwise op costs its arithmetic: one vector
     operation an element, `transcendental_ops` for GELU and the like; no memory round trip. A

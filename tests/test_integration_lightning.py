@@ -54,7 +54,9 @@ def test_integration_lightning_fabric_setup_keeps_the_losses_and_verifies(monkey
     monkeypatch.syspath_prepend(str(EXAMPLES))  # it takes lightning_trainer's FSDP1-on-CPU shim
     result = _example("lightning_fabric").main(["--steps", "3"])
     assert result["equal"] and result["verified"]
-    assert any(region.keep for region in result["plan"].regions)
+    # the plan installed after 3 steps is the one the first-steps tuning's schedule has reached:
+    # which candidate (selective or whole blocks) depends on the cost model's order of them
+    assert result["plan"].regions
 
 
 @pytest.mark.distributed

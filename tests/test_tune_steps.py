@@ -200,3 +200,18 @@ def test_untuned_auto_ranks_plans_with_the_measured_cost_of_checkpointing(monkey
         priced = remat.auto(model, x, budget=BUDGET, tune=False)
         assert priced.regions and not any(r.keep for r in priced.regions)
         assert priced.predicted_peak_bytes <= priced.budget_bytes
+
+
+def test_verify_between_tuned_steps_reports_the_plan_that_ran():
+    """A training script that calls `remat.verify(model)` after a step while the first steps are
+    still being tuned (examples/train_loop.py: 6 micro-batches, 24 tuned steps) is told what the
+    plan that ran kept. Failed before: the tuner installed the next candidate when the backward
+    ended, so verify found a plan with no forward yet and raised."""
+    model, x = _encoder()
+    remat.auto(model, x, budget=BUDGET, clock=FakeClock())
+    assert len(vars(model)["_remat_tune_steps"].plans) >= 2
+    for _ in range(3):
+        _train(model, x, 1)
+        assert tune_steps.tuning(model)
+        check = remat.verify(model)
+        assert check.kept_ops_matched == check.kept_ops_expected

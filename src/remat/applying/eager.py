@@ -76,6 +76,9 @@ class _Applied:
     #: module -> the instance `forward` it had before the plan, or None (its class's)
     forwards: dict[nn.Module, Any]
     warned: bool = False
+    #: the plan this one took over from between two training steps (the first-steps tuning's
+    #: swap), while this one has not run: what `verify` reports until it has
+    ran: Any = None
     #: the plan's offloading hooks (`remat.applying.offload.Offloader`), when it offloads
     offloader: Any = None
 
@@ -334,10 +337,17 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
         )
 
 
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
+def apply(model: nn.Module, plan: Plan, *, between_steps: bool = False) -> nn.Module:
     """Install `plan` on `model` in place (undo with `remove`): a plan made for, or read from JSON
     for, any model of the same architecture. The model then trains with caching off. Refused for
-    a model another tool already checkpoints (`checkpointed_elsewhere`)."""
+    a model another tool already checkpoints (`checkpointed_elsewhere`). `between_steps`: a swap
+    between two training steps (`remat.applying.tune_steps`): until `plan` runs, `verify`
+    reports the plan that ran the step before."""
+    previous = vars(model).get(_APPLIED)
+    ran = None
+    if between_steps and previous is not None:
+        ran = previous if any(c.forwards for c in previous.checks) else previous.ran
+        previous.ran = None
     remove(model)
     refuse_double_checkpointing(model)
     named = dict(model.named_modules())
@@ -356,6 +366,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         caches=CachesOff(model),
         handles=scope_hooks(model, scope) if selective else [],
         forwards={},
+        ran=ran,
     )
     for region in plan.regions:
         check = RegionCheck(region.modules, frozenset(region.keep_keys))
@@ -552,6 +563,9 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
             for p, grad in grads:
                 p.grad = grad
     checks = [c for c in state.checks if c.expected]
+    if measured is None and state.ran is not None and any(c.forwards == 0 for c in checks):
+        state = state.ran  # swapped in between steps, not run yet: the plan that ran
+        checks = [c for c in state.checks if c.expected]
     if any(c.forwards == 0 for c in checks):
         raise RematError(
             "verify: the model has not run a training forward since the plan was applied; run a "

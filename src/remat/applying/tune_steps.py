@@ -126,7 +126,7 @@ class StepTuner:
         self.step += 1
         if self.step < len(self.schedule):
             if installed_plan(model) is not self.current:
-                apply(model, self.current)
+                apply(model, self.current, between_steps=True)
             return
         self._finish(model)
 
@@ -136,7 +136,7 @@ class StepTuner:
         if self.key is not None:
             result = keep(self.key, result)
         self.result = result
-        apply(model, result.chosen)
+        apply(model, result.chosen, between_steps=True)
         tried = ", ".join(f"{name} {format_ms(s)}" for name, s in result.seconds.items())
         log.info(
             "remat: tuned %s on its first %d training steps: kept %s (tried %s, median of %d "

@@ -343,7 +343,8 @@ def checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tu
     forward; the policy, per op it sees (every op in the forward and again in the replay), what it
     adds beyond plain checkpointing: measured so, not with a bare policy, because the hooks and
     the lookup cost as much again as torch's policy mode (39 us an op against 22 on this project's
-    2-core VM). Rounds are interleaved; each figure is a median, at least 0."""
+    2-core VM). Rounds are interleaved; each figure is a median, at least 0; on the CPU, of the
+    thread's CPU time (below)."""
     from torch.utils.checkpoint import (
         CheckpointPolicy,
         checkpoint,
@@ -399,26 +400,38 @@ def checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tu
             .backward()
         ),
     }
+    # On the CPU, this thread's CPU time: what the Python costs, as the profile's roofline prices
+    # the ops' work, whatever else the machine runs. Wall time on a CPU that other processes
+    # share counts their turns too: at load 13 on 2 cores it read 67 us an op of torch's policy
+    # mode where the thread worked 12, and the planner, its ops priced unloaded, ranked
+    # selective regions 5x too dear (full checkpointing over them). A GPU's host overhead is
+    # wall time: the kernels it waits for are not the thread's.
+    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.enable_grad():
         for _ in range(reps):
             for name, fn in runs.items():
-                times[name].append(_median_seconds(fn, dev, reps=3))
+                times[name].append(_median_seconds(fn, dev, reps=3, clock=clock))
     med = {name: statistics.median(t) for name, t in times.items()}
     region = med["checkpoint"] - med["plain"] - med["forward"]
     per_op = (med["policy"] - med["checkpoint"]) / (2 * ops)
     return max(region, 0.0), max(per_op, 0.0)
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+def _median_seconds(
+    fn: Callable[[], object],
+    device: torch.device,
+    reps: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     fn()  # warm-up: first-call dispatch, allocator, thread pool
     _synchronize(device)
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = clock()
         fn()
         _synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 

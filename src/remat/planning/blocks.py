@@ -15,11 +15,11 @@ any block) stayed in the forward's constant even when block 0 offloads it: on GP
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from remat.graph import Graph, ModuleCall
-from remat.prediction.schedule import Region, Simulation
+from remat.graph import Graph, ModuleCall, Op
+from remat.prediction.schedule import Region, Simulation, analyse_regions
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,60 @@ def block_seconds(
     for region, overhead in zip(regions, overheads, strict=True):
         seconds[of_op[region.first_op]] += overhead
     return seconds
+
+
+def replay_reach(graph: Graph, first_op: int, last_op: int) -> list[Op]:
+    """The ops of a region over `first_op..last_op` that its replay reaches: up to its early stop,
+    after the op that made the region's last save, whatever the region keeps. A selective policy's
+    cache holds a kept op's output from the forward until the region's backward, and only the
+    replay reads it: an op past the stop (a block's last Linear, whose output only the residual
+    add reads; save-matmuls keeps it, as torch's op lists do) would hold its bytes and save no
+    recompute, so no policy here keeps one."""
+    probe = Region(("",), first_op, last_op, random=False)
+    stop = analyse_regions(graph, [probe]).replays[0].stop_at
+    return graph.ops[first_op : (first_op - 1 if stop is None else stop) + 1]
+
+
+def ladder_sizes(dearest: Sequence[str], named: Iterable[Iterable[str]], most: int) -> list[int]:
+    """The rungs of a block's keep ladder to offer (`Planner.block_options`): n for keeping the
+    first n of `dearest` (its ops, dearest to recompute per byte first), from 1 to one less than
+    all of them, less those that keep what a `named` policy keeps; `most` of them at most,
+    spread evenly over the ladder."""
+    taken = {frozenset(keep) for keep in named}
+    sizes = [n for n in range(1, len(dearest)) if frozenset(dearest[:n]) not in taken]
+    if len(sizes) > most:
+        sizes = [sizes[round(k * (len(sizes) - 1) / (most - 1))] for k in range(most)]
+    return sizes
+
+
+#: How a block hands its output to the next: (where it sits in the first's output, the argument of
+#: the second that takes it); `Region.carry_output` and `Region.carry_argument`.
+Carry = tuple[tuple[int | str, ...], str]
+
+
+def carry(a: ModuleCall, b: ModuleCall) -> Carry | str:
+    """How call `b` takes call `a`'s output where one checkpoint region can run both, else why
+    not (a sentence). The region calls `b` with `a`'s arguments but one, so: no op between them;
+    `a` returned one tensor (anywhere in a tuple, dict or dataclass) and `b` took it as an
+    argument of its own; `b` was called like `a` (`ModuleCall.repeats`: the same non-tensor
+    values in and out); and every other tensor argument is the same tensor in the same place."""
+    if a.last_op + 1 != b.first_op:
+        return "ops run between them"
+    if len(a.outputs) != 1 or a.output_path is None:
+        return f"{a.path} returns {len(a.outputs)} tensors, not one the next block takes"
+    if a.path not in b.repeats:
+        return "they are called with different non-tensor arguments or return different things"
+    if len(a.arguments) != len(a.inputs) or len(b.arguments) != len(b.inputs):
+        return "the trace did not record how they were called"
+    taken = [i for i, t in enumerate(b.inputs) if t == a.outputs[0] and b.arguments[i]]
+    if len(taken) != 1 or b.arguments[taken[0]] not in a.arguments:
+        return f"{b.path} does not take {a.path}'s output as one argument of its own"
+    i = taken[0]
+    name = b.arguments[i]
+    j = a.arguments.index(name)
+    if (
+        a.inputs[:j] + a.inputs[j + 1 :] != b.inputs[:i] + b.inputs[i + 1 :]
+        or a.arguments[:j] + a.arguments[j + 1 :] != b.arguments[:i] + b.arguments[i + 1 :]
+    ):
+        return f"{b.path} takes other tensors than {a.path} besides {name!r}"
+    return a.output_path, name

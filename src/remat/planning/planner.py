@@ -29,14 +29,18 @@ from remat.errors import (
     StrategyRefused,
     UnknownStrategyError,
 )
-from remat.graph import Graph, ModuleCall
+from remat.graph import Graph, Op
 from remat.planning import offload as offloading
 from remat.planning.blocks import (
     BlockMetrics,
+    Carry,
     block_seconds,
+    carry,
     deciding_blocks,
+    ladder_sizes,
     maker_blocks,
     measure,
+    replay_reach,
 )
 from remat.planning.plans import (
     DEFAULT_BUDGET,
@@ -47,7 +51,7 @@ from remat.planning.plans import (
     resolve_budget,
 )
 from remat.planning.solvers import chain as chain_model
-from remat.planning.solvers.selective import POLICIES, without_mutated
+from remat.planning.solvers.selective import POLICIES, dearest_first, without_mutated
 from remat.prediction.estimate import MemoryEstimate, Optimizer, estimate, optimizer_step_bytes
 from remat.prediction.schedule import Region, Simulation, analyse_regions, make_region, simulate
 from remat.units import format_bytes
@@ -58,41 +62,11 @@ if TYPE_CHECKING:
 
 #: What a block can be in the per-block models: stored, checkpointed, or selectively checkpointed.
 BLOCK_OPTIONS = ("store", "full", *(f"selective:{p}" for p in POLICIES))
+#: The keep ladder's options (`Planner.block_options`): their prefix, and how many at most.
+DEAREST, LADDER = "dearest-", 6
 
 
 PlanPath = Literal["eager", "compile"]
-
-#: How a block hands its output to the next: (where it sits in the first's output, the argument of
-#: the second that takes it); `Region.carry_output` and `Region.carry_argument`.
-Carry = tuple[tuple[int | str, ...], str]
-
-
-def carry(a: ModuleCall, b: ModuleCall) -> Carry | str:
-    """How call `b` takes call `a`'s output where one checkpoint region can run both, else why
-    not (a sentence). The region calls `b` with `a`'s arguments but one, so: no op between them;
-    `a` returned one tensor (anywhere in a tuple, dict or dataclass) and `b` took it as an
-    argument of its own; `b` was called like `a` (`ModuleCall.repeats`: the same non-tensor
-    values in and out); and every other tensor argument is the same tensor in the same place."""
-    if a.last_op + 1 != b.first_op:
-        return "ops run between them"
-    if len(a.outputs) != 1 or a.output_path is None:
-        return f"{a.path} returns {len(a.outputs)} tensors, not one the next block takes"
-    if a.path not in b.repeats:
-        return "they are called with different non-tensor arguments or return different things"
-    if len(a.arguments) != len(a.inputs) or len(b.arguments) != len(b.inputs):
-        return "the trace did not record how they were called"
-    taken = [i for i, t in enumerate(b.inputs) if t == a.outputs[0] and b.arguments[i]]
-    if len(taken) != 1 or b.arguments[taken[0]] not in a.arguments:
-        return f"{b.path} does not take {a.path}'s output as one argument of its own"
-    i = taken[0]
-    name = b.arguments[i]
-    j = a.arguments.index(name)
-    if (
-        a.inputs[:j] + a.inputs[j + 1 :] != b.inputs[:i] + b.inputs[i + 1 :]
-        or a.arguments[:j] + a.arguments[j + 1 :] != b.arguments[:i] + b.arguments[i + 1 :]
-    ):
-        return f"{b.path} takes other tensors than {a.path} besides {name!r}"
-    return a.output_path, name
 
 
 @dataclass(frozen=True)
@@ -241,7 +215,6 @@ class Planner:
     ) -> None:
         #: offload as a block option of the MILP (None: keep and recompute only)
         self.offload = offload
-        self.block_options = (*BLOCK_OPTIONS, *offloading.OPTIONS) if offload else BLOCK_OPTIONS
         #: the timeline the block models read from a simulation (`remat fit --offload`: per rank)
         self.timeline_of: Callable[[Simulation], Sequence[int]] = lambda sim: sim.timeline
         self.graph = graph
@@ -267,6 +240,7 @@ class Planner:
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
         #: `make_plan`'s plans by (regions, offloaded blocks): the rest of a call only labels it
         self._judged: dict[tuple[tuple[Region, ...], tuple[int, ...]], Plan] = {}
+        self._replayed: dict[tuple[int, int], list[Op]] = {}
 
     # -- the user's API ------------------------------------------------------------------------
     @property
@@ -585,8 +559,14 @@ class Planner:
             keep: set[str] = set()
             if option.startswith("selective:"):
                 ops = self.graph.ops[first.first_op : last.last_op + 1]
-                policy = POLICIES[option.split(":", 1)[1]]
-                keep = without_mutated(self.graph, ops, policy(self.graph, ops))
+                reached = self.replayed(first.first_op, last.last_op)
+                name = option.split(":", 1)[1]
+                if name.startswith(DEAREST):
+                    dearest = dearest_first(self.graph, reached, self.op_seconds)
+                    keep = {op.name for op in dearest[: int(name.removeprefix(DEAREST))]}
+                else:
+                    keep = POLICIES[name](self.graph, ops) & {op.name for op in reached}
+                keep = without_mutated(self.graph, ops, keep)
             modules = tuple(self.blocks[i].path for i in group)
             link = self.links[group[0]] if len(group) > 1 else None
             region = make_region(self.graph, modules, first.first_op, last.last_op, keep)
@@ -594,6 +574,14 @@ class Planner:
                 region = replace(region, carry_output=link[0], carry_argument=link[1])
             out.append(region)
         return tuple(out)
+
+    def replayed(self, first_op: int, last_op: int) -> list[Op]:
+        """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`), found
+        once per span."""
+        span = (first_op, last_op)
+        if span not in self._replayed:
+            self._replayed[span] = replay_reach(self.graph, first_op, last_op)
+        return self._replayed[span]
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:
         """Run a model-based solver and judge its answer by the exact simulation: while the
@@ -639,6 +627,26 @@ class Planner:
         )
 
     # -- per-block models for the chain and MILP solvers ---------------------------------------
+    @cached_property
+    def block_options(self) -> tuple[str, ...]:
+        """What a block can be in the per-block models: `BLOCK_OPTIONS`, the keep ladder, and
+        with offload its options. The ladder, `selective:dearest-<n>`, keeps the n ops of the
+        block's replay dearest to recompute per byte (`dearest_first`): between torchtitan's list
+        and full checkpointing's nothing, the named policies leave gaps of 20 MiB and more a
+        GPT-2 block (d 768, 1024 tokens); a budget in one recomputed a whole block where keeping
+        the Linear layers' outputs and recomputing the attention would do. Offered for n up to
+        one less than every op, `LADDER` of them at most, spread evenly over the ladder;
+        those that keep what a named policy keeps are left out."""
+        options = (*BLOCK_OPTIONS, *(offloading.OPTIONS if self.offload else ()))
+        if not self.blocks:
+            return options
+        first = self.blocks[0]
+        named = [self.block_regions([[0]], o)[0].keep for o in BLOCK_OPTIONS if ":" in o]
+        reached = self.replayed(first.first_op, first.last_op)
+        ladder = dearest_first(self.graph, reached, self.op_seconds)
+        sizes = ladder_sizes([op.name for op in ladder], named, LADDER)
+        return (*options, *(f"selective:{DEAREST}{n}" for n in sizes))
+
     @cached_property
     def option_simulations(self) -> dict[str, tuple[tuple[Region, ...], Simulation]]:
         """Each of `block_options` applied to every block: its regions and exact simulation."""
@@ -738,7 +746,7 @@ class Planner:
         return milp.BlockProblem(
             options=((tail,), *options),
             fixed_bytes=self.base_bytes,
-            forward_extra_bytes=max(max(m[o].pre for o in BLOCK_OPTIONS), 0),
+            forward_extra_bytes=max(max(m[o].pre for o in m if o not in offloading.OPTIONS), 0),
             host_budget_bytes=self.offload.host_budget_bytes if self.offload else None,
         )
 

@@ -8,7 +8,7 @@ keep (torchtitan marks every mm output MUST_SAVE, needed or not).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from remat.device.cost import TORCHTITAN_MM_OPS, is_matmul, torchtitan_saves
 from remat.graph import Graph, Op
@@ -110,3 +110,21 @@ def without_mutated(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
         for op in ops
         if op.name in keep and not any(graph.tensors[t].storage in written for t in op.outputs)
     }
+
+
+def dearest_first(graph: Graph, ops: Sequence[Op], seconds: Sequence[float]) -> list[Op]:
+    """The ops of `ops` that make new bytes, dearest to recompute per byte they make first (ties in
+    forward order): keeping the first n of them is the greedy answer to "least recompute for n
+    ops' bytes", so their prefixes are a region's keep sets from a few bytes at a high price per
+    byte (a Linear's output) to many at a low one (a GELU's)."""
+    priced = []
+    for op in ops:
+        made = {
+            graph.tensors[t].storage
+            for t in op.outputs
+            if graph.storages[graph.tensors[t].storage].allocated_at == op.index
+        }
+        nbytes = sum(graph.storages[sid].nbytes for sid in made)
+        if nbytes and seconds[op.index] > 0:
+            priced.append((-seconds[op.index] / nbytes, op.index, op))
+    return [op for *_, op in sorted(priced, key=lambda x: x[:2])]
