@@ -239,3 +239,40 @@ def test_torchtitan_policy_saves_what_torchtitans_save_list_saves(recipe):
     compiled = [forward.policy_fn(context, f).name == "MUST_SAVE" for f in funcs]
     assert compiled == want
     assert torchtitan(graph, ops) == {op.name for op, w in zip(ops, want, strict=True) if w}
+
+
+class _AsksItsLayers(nn.Module):
+    """A model that asks its first layer something in its forward, as torchtune's decoder asks
+    `self.layers[0].caches_are_enabled()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        if self.layers[0].out_features != 8:
+            raise AssertionError("the first layer answered wrongly")
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().sum()
+
+
+@pytest.mark.parametrize("ac", ["full", "selective:torchtitan"])
+def test_a_wrapped_block_answers_what_the_block_has(ac):
+    """torch's CheckpointWrapper forwards attributes to the block it wraps; remat's wrapper does
+    too, so a model that asks its layers (torchtune's decoder) runs wrapped, with the same loss
+    and gradients. Before: AttributeError: 'Checkpointed' object has no attribute ..."""
+    torch.manual_seed(0)
+    model = _AsksItsLayers()
+    x = torch.randn(4, 8)
+    graph = remat.trace(model, x)
+    wrapped = wrap_blocks(copy.deepcopy(model), graph, ac)
+    assert [type(layer).__name__ for layer in wrapped.layers] == ["Checkpointed"] * 3
+    loss, wrapped_loss = model(x), wrapped(x)
+    loss.backward()
+    wrapped_loss.backward()
+    assert torch.equal(loss, wrapped_loss)
+    for (name, p), q in zip(model.named_parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        _ = wrapped.layers[0].no_such_thing

@@ -114,6 +114,16 @@ class Checkpointed(nn.Module):
         saves = _SAVES.get(ac)
         self.context_fn = functools.partial(_context_fn, saves) if saves else None
 
+    def __getattr__(self, name: str) -> Any:
+        """What the block has, as torch's `CheckpointWrapper` forwards it: a model that asks its
+        layers something (torchtune's `self.layers[0].caches_are_enabled()`) asks the block."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "block":
+                raise
+            return getattr(self.block, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         extra = {"context_fn": self.context_fn} if self.context_fn else {}
         return torch.utils.checkpoint.checkpoint(
