@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,13 @@ from remat.answers.cli import main
 from remat.units import format_bytes
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "remat.answers.cli", *args],
         capture_output=True,
         text=True,
         timeout=900,
+        env=env,
     )
 
 
@@ -88,10 +90,14 @@ def test_data_dependent_model_exits_2_and_suggests_a_cpu_trace(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_demo_runs():
-    result = run("demo")
+def test_demo_runs(tmp_path):
+    """Every step of the demo, on its own model; REMAT_QUICK=1: 2 timing rounds, not 5, and the
+    auto row tuned on 1 round of first steps (the same code; its memory pass, five profiled
+    steps, is most of its time either way)."""
+    result = run("demo", "--out", str(tmp_path / "demo"), env={**os.environ, "REMAT_QUICK": "1"})
     assert result.returncode == 0, result.stderr
     assert "peak of the step" in result.stdout
+    assert "round 2/2" in result.stderr  # the progress lines on a pipe: quick's 2 rounds
 
 
 def test_plan_json_has_the_documented_fields(capsys, tmp_path):

@@ -204,6 +204,35 @@ def test_an_unreadable_inductor_plan_falls_back_to_the_op_by_op_count(monkeypatc
     assert [s.name for s in plan.saved] == ["add_2"]
 
 
+@needs_cxx
+def test_a_save_sets_inductor_plan_is_read_once_a_process_for_the_same_graphs(monkeypatch):
+    """Each reading is a code generation: the store-all set every compile prices and a choice
+    made again (another row of bench --compile, another budget) are read once for the process;
+    the same model at another size is read anew, its peak still the measured one."""
+    from remat.prediction import inductor_plan
+
+    monkeypatch.setattr(inductor_plan, "_READINGS", {})
+    generated = []
+    original = inductor_plan.wrapper_source
+    monkeypatch.setattr(
+        inductor_plan, "wrapper_source", lambda *a, **k: generated.append(1) or original(*a, **k)
+    )
+    counts, peaks = [], []
+    for size in (48, 48, 40):
+        torch._dynamo.reset()
+        leaves = [torch.randn(size, size, requires_grad=True) for _ in range(4)]
+        before = len(generated)
+        compiled = remat.compile(_Article(), budget="100%", strategy="mincut")
+        measured = remat.measure(compiled, *leaves)
+        (plan,) = plans_of(compiled)
+        assert plan.details["peak_model"] == "inductor"
+        assert measured.peak_bytes == plan.predicted_peak_bytes
+        counts.append(len(generated) - before)
+        peaks.append(plan.predicted_peak_bytes)
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] == counts[0]
+    assert peaks[0] == peaks[1] > peaks[2]
+
+
 # -- the same decisions, op by op (aot_eager): fast, and the peak model is exact there --------------
 @pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b", "megatron-gpt", "mlp-chain-16"])
 @pytest.mark.parametrize("strategy", ["mincut", "milp", "auto"])

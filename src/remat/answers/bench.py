@@ -212,11 +212,15 @@ def _regions(plan: Plan) -> tuple:
 
 
 def auto_as_installed(
-    model: nn.Module, inputs: tuple, planner: Planner, budget_bytes: int
+    model: nn.Module,
+    inputs: tuple,
+    planner: Planner,
+    budget_bytes: int,
+    rounds: int = tune_steps.ROUNDS,
 ) -> tuple[Plan, str]:
     """The plan `remat.auto(model, *inputs, budget=budget_bytes)` leaves installed once its first
-    training steps are tuned (`remat.applying.tune_steps`; these steps run here, on `inputs`),
-    and what it tried and kept, said in a few words. A result kept from an earlier run (the
+    training steps are tuned (`remat.applying.tune_steps`, `rounds` timed rounds as auto's; these
+    steps run here, on `inputs`), and what it tried and kept, said in a few words. A result kept from an earlier run (the
     cache) is used as `auto` would, and said so. With offload (`planner.offload`), the cost
     model's plan, untimed, as `remat.auto(offload=...)` installs it."""
     if planner.offload:
@@ -239,7 +243,7 @@ def auto_as_installed(
         return chosen, kept
     apply(model, chosen)
     try:
-        tuner = tune_steps.install(model, trials, key)
+        tuner = tune_steps.install(model, trials, key, rounds)
         for _ in range(len(tuner.schedule) + 2 if tuner is not None else 0):
             if not tune_steps.tuning(model):
                 break
@@ -354,6 +358,7 @@ def bench(
     budget: int | str = DEFAULT_BUDGET,
     steps: int = ROUNDS,
     progress: Callable[[str], None] | None = None,
+    tune_rounds: int = tune_steps.ROUNDS,
 ) -> list[BenchRow]:
     """Measure store_all, each named strategy's plan (made by `planner`, on the same model's
     trace) and the baselines on `model` (real tensors), in that order. A budgeted strategy that
@@ -364,7 +369,9 @@ def bench(
     its time from `steps` interleaved rounds (see the module docstring), each timing one step of
     every row. `progress(text)` is called with each row's name in the memory pass, then with
     "round i/steps" at the start of each round (`progress_total` counts the calls).
-    Interrupted (Ctrl-C), it raises `BenchInterrupted` with the rows measured so far."""
+    `tune_rounds`: the timed rounds of the `auto` row's first-steps tuning (`remat.auto`'s 5;
+    fewer is a quicker, noisier pick, as `REMAT_QUICK=1` runs the CLI's). Interrupted (Ctrl-C),
+    it raises `BenchInterrupted` with the rows measured so far."""
     _check_rounds(steps)
     budget_bytes = planner.budget_bytes(budget)
     paths = [b.path for b in planner.blocks]
@@ -374,7 +381,7 @@ def bench(
 
     try:
         _memory_pass(model, inputs, planner, names, budget_bytes, paths, reference, rows, timed,
-                     progress)  # fmt: skip
+                     progress, tune_rounds)  # fmt: skip
     except KeyboardInterrupt:
         raise BenchInterrupted(rows, 0) from None
     try:
@@ -411,6 +418,7 @@ def _memory_pass(
     rows: list[BenchRow],
     timed: list[tuple[int, Setup]],
     progress: Callable[[str], None] | None,
+    tune_rounds: int = tune_steps.ROUNDS,
 ) -> None:
     """Each row's plan, memory and gradients, appended to `rows` as it is measured (the rows
     that run also to `timed`, with their setup)."""
@@ -429,7 +437,7 @@ def _memory_pass(
             tried = ""
             try:
                 if name == "auto":  # as users get it: tuned on its first training steps
-                    p, tried = auto_as_installed(model, inputs, planner, budget_bytes)
+                    p, tried = auto_as_installed(model, inputs, planner, budget_bytes, tune_rounds)
                     auto_regions = _regions(p)
                 elif (
                     name == TUNED

@@ -182,6 +182,7 @@ def fit(
     layout: Layout = ONE_RANK,
     loop: Loop | None = None,
     full_trace: bool = False,
+    compiled_maxima: bool = True,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -194,8 +195,8 @@ def fit(
 
     `compile` (`whole` or `blocks`): one more row, `compile:<mode>`, the step under torch.compile
     with no recomputation of remat's (`remat.prediction.compiled_estimate`), judged as the eager
-    rows are, its largest batch and sequence searched on compiled sizes (`compiled_row`). On one
-    rank.
+    rows are, its largest batch and sequence searched on compiled sizes (`compiled_row`; not
+    with `compiled_maxima=False`: the asked size only, one compilation). On one rank.
     `ac` (`full` or a selective op policy, `remat.prediction.compiled_ac`): each block
     checkpointed before it is compiled, as torchtitan's apply_ac wraps it.
 
@@ -281,7 +282,11 @@ def fit(
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
     if compile is not None:
-        rows.append(compiled_row(steps, compile, ac, batch, seq, usable, max_batch, max_seq))
+        rows.append(
+            compiled_row(
+                steps, compile, ac, batch, seq, usable, max_batch, max_seq, compiled_maxima
+            )
+        )
     extra: dict[str, Any] = {}
     depth = next((g.info["depth"] for g in steps.traced.values() if "depth" in g.info), None)
     if depth is not None:  # how the steps were traced (`remat.tracing.depth`)

@@ -319,15 +319,17 @@ def compiled_row(
     usable: int,
     max_batch: int = 4096,
     max_seq: int = 1 << 20,
+    search: bool = True,
 ) -> FitRow:
     """The step under torch.compile (`mode`, `ac`) at (batch, seq), from its traced eager step,
-    and the largest batch and sequence that fit. Judged by the caching allocator as eager rows
+    and (`search`) the largest batch and sequence that fit. Judged by the caching allocator as eager rows
     are (reserved bytes within the limit, `remat.prediction.compiled_events`) where it is
     simulated, else by live bytes; the largest sizes by the same rule as eager rows': a line
     (batch) or parabola (sequence) through compiled sizes guesses where the live bytes reach
     the asked size's live limit, and the allocator's judgement of compiled steps confirms it.
     Each size is one compilation; a step that does not grow with the sequence (an image model)
-    is not searched along it."""
+    is not searched along it. Without `search`, the asked size is the one compilation and the
+    largest sizes are None."""
     from remat.prediction.compiled_estimate import estimate_compiled
 
     compiled_at: dict[tuple[int, int], Any] = {}
@@ -373,6 +375,28 @@ def compiled_row(
         live = live + room if row_fits else min(live + room, live - 1)
     else:
         live = usable
+
+    def row(best_batch: int | None, best_seq: int | None) -> FitRow:
+        name = f"{mode}+{compiled.ac} AC" if compiled.ac else mode
+        return FitRow(
+            strategy=f"compile:{name}",
+            plan=f"torch.compile ({name}), torch's partitioner",
+            # under --shard the rank's live peak, by the event walk (requested less workspaces)
+            peak_bytes=compiled.peak_bytes
+            if fsdp is None
+            else memories[0]["requested_bytes"] - memories[0]["blas_workspace_bytes"],
+            fits=row_fits,
+            overhead=None,
+            max_batch=best_batch,
+            max_seq=None if best_seq is None else best_seq * SEQ_STEP,
+            note=f"{compiled.backend}; {len(compiled_at)} sizes compiled"
+            + ("" if search else "; largest sizes not searched")
+            + (f"; max seq: {limits[-1]}" if limits else ""),
+            gpu_memory=memories,
+        )
+
+    if not search:
+        return row(None, None)
 
     def guess(xs: list[int], ys: list[int], size: Callable[[int], tuple[int, int]]) -> int:
         """Where the line or parabola through the compiled sizes reaches the live limit,
@@ -420,22 +444,7 @@ def compiled_row(
             else units
         )
         best_seq = _largest(lambda u: fits(batch, u * SEQ_STEP), u_guess, low, high)
-    name = f"{mode}+{compiled.ac} AC" if compiled.ac else mode
-    return FitRow(
-        strategy=f"compile:{name}",
-        plan=f"torch.compile ({name}), torch's partitioner",
-        # under --shard the rank's live peak, by the event walk (requested less the workspaces)
-        peak_bytes=compiled.peak_bytes
-        if fsdp is None
-        else memories[0]["requested_bytes"] - memories[0]["blas_workspace_bytes"],
-        fits=row_fits,
-        overhead=None,
-        max_batch=best_batch,
-        max_seq=None if best_seq is None else best_seq * SEQ_STEP,
-        note=f"{compiled.backend}; {len(compiled_at)} sizes compiled"
-        + (f"; max seq: {limits[-1]}" if limits else ""),
-        gpu_memory=memories,
-    )
+    return row(best_batch, best_seq)
 
 
 def _apply_line(p: Any, steps: FitSteps, planner: Any, usable: int) -> str:

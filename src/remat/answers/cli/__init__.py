@@ -363,14 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Set to 1 to run every command at its preset's tiny size with at most 2 timed steps: how the
-#: README's own commands are tested in minutes (tests/test_readme.py).
+#: Set to 1 to run every command at its preset's tiny size with at most 2 timed steps (`demo`:
+#: its own model, 2 rounds), bench's `auto` row tuned on 1 round of first steps, not 5, and
+#: fit's compiled row read at the asked size only (its largest sizes not searched, one
+#: compilation a size): how the README's and docs' commands are tested in minutes
+#: (tests/test_readme.py, tests/test_doc_commands.py).
 QUICK_ENV = "REMAT_QUICK"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if os.environ.get(QUICK_ENV) == "1" and hasattr(args, "tiny"):
+    args.quick = os.environ.get(QUICK_ENV) == "1"
+    if args.quick and hasattr(args, "tiny"):
         args.tiny = args.tiny or ":" not in args.model or args.model.startswith("hf:")
         if hasattr(args, "steps"):
             args.steps = min(args.steps, 2)

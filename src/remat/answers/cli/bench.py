@@ -45,6 +45,7 @@ def show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> 
     )
     from remat.answers.plots import plot_bench
     from remat.answers.report import bench_table
+    from remat.applying import tune_steps
     from remat.planning.plans import describe_budget
     from remat.units import format_bytes
 
@@ -72,7 +73,7 @@ def show_bench(planner: Planner, args: argparse.Namespace, console: Console) -> 
         with _progress(console, progress_total(names, args.steps, args.compile)) as advance:
             rows = bench(
                 model, inputs, planner, names, budget=budget_bytes, steps=args.steps,
-                progress=advance,
+                progress=advance, tune_rounds=1 if getattr(args, "quick", False) else tune_steps.ROUNDS,
             )  # fmt: skip
             if args.compile:
                 base = next(r for r in rows if r.strategy == "store_all")

@@ -45,7 +45,8 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
         plot=str(out / "pareto.png"),
         strategies=DEMO_STRATEGIES,
         device="cpu",
-        steps=5,
+        steps=2 if args.quick else 5,  # REMAT_QUICK=1 (QUICK_ENV), as tests run it
+        quick=args.quick,
         compile=False,
         compiler="inductor",
         html=None,

@@ -165,6 +165,7 @@ def fit_report(
             layout=layout_of(args),
             loop=loop_of(args),
             full_trace=getattr(args, "full_trace", False),
+            compiled_maxima=not getattr(args, "quick", False),  # REMAT_QUICK=1: the asked size
         )
 
 
