@@ -91,9 +91,9 @@ def test_data_dependent_model_exits_2_and_suggests_a_cpu_trace(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_demo_runs(tmp_path):
-    """Every step of the demo, on its own model; REMAT_QUICK=1: 2 timing rounds, not 5, and the
-    auto row tuned on 1 round of first steps (the same code; its memory pass, five profiled
-    steps, is most of its time either way)."""
+    """Every step of the demo, on its own architecture; REMAT_QUICK=1: half as wide and long
+    (its memory pass, five profiled steps, was most of its time), 2 timing rounds, not 5, and the
+    auto row tuned on 1 round of first steps."""
     result = run("demo", "--out", str(tmp_path / "demo"), env={**os.environ, "REMAT_QUICK": "1"})
     assert result.returncode == 0, result.stderr
     assert "peak of the step" in result.stdout

@@ -364,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Set to 1 to run every command at its preset's tiny size with at most 2 timed steps (`demo`:
-#: its own model, 2 rounds), bench's `auto` row tuned on 1 round of first steps, not 5, and
-#: fit's compiled row read at the asked size only (its largest sizes not searched, one
+#: its own model at half its width and length, 2 rounds), bench's `auto` row tuned on 1 round
+#: of first steps, not 5, and fit's compiled row read at the asked size only (its largest sizes not searched, one
 #: compilation a size): how the README's and docs' commands are tested in minutes
 #: (tests/test_readme.py, tests/test_doc_commands.py).
 QUICK_ENV = "REMAT_QUICK"

@@ -302,7 +302,10 @@ def trace_model(args: argparse.Namespace, console: Console):
 
 def precision_of(args: argparse.Namespace) -> Any:
     """estimate's --precision as fit's `PrecisionSetup`, or None (--dtype, no autocast)."""
-    precision = getattr(args, "precision", None) if args.command == "estimate" else None
+    # fit judges each precision itself; demo's namespace is built, not parsed: it has no command
+    precision = (
+        getattr(args, "precision", None) if getattr(args, "command", None) == "estimate" else None
+    )
     if precision is None:
         return None
     from remat.answers.fit_steps import PRECISIONS

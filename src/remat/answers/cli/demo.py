@@ -22,6 +22,10 @@ DEMO = {
     "dtype": "fp32",
     "set": ["n_layer=6", "n_embd=256", "n_head=8", "vocab_size=4096"],
 }
+#: REMAT_QUICK=1 (QUICK_ENV, as tests run it): every step on the same architecture, half as wide
+#: and half as long, so its profiled steps take a fraction of the time and activations still
+#: dominate.
+QUICK_DEMO = {"seq": 128, "set": ["n_layer=6", "n_embd=128", "n_head=4", "vocab_size=2048"]}
 DEMO_STRATEGIES = "store_all,full,sqrt,auto,torch:checkpoint-per-block"
 
 
@@ -31,7 +35,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     demo = argparse.Namespace(
-        **DEMO,
+        **{**DEMO, **QUICK_DEMO} if args.quick else DEMO,
         tiny=False,
         trace_device="meta",
         optimizer=None,
