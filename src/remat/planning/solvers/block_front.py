@@ -33,13 +33,39 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from remat.planning.solvers.milp import BlockProblem
+
+class Option(Protocol):
+    """What the search reads of a block's option (`remat.planning.solvers.milp.BlockOption`)."""
+
+    @property
+    def kept_bytes(self) -> int: ...
+    @property
+    def backward_bytes(self) -> int: ...
+    @property
+    def prefetch_bytes(self) -> int: ...
+    @property
+    def host_bytes(self) -> int: ...
+    @property
+    def recompute_seconds(self) -> float: ...
+
+
+class Problem(Protocol):
+    """What the search reads of a problem (`remat.planning.solvers.milp.BlockProblem`, which
+    imports this module, so it is named here by its fields)."""
+
+    @property
+    def options(self) -> Sequence[Sequence[Option]]: ...
+    @property
+    def forward_extra_bytes(self) -> int: ...
+    @property
+    def host_budget_bytes(self) -> int | None: ...
+
 
 #: How many labels the search may make in all (about a second of work on this 2-core machine);
 #: 8B at seq 8192 makes 10,000-100,000, 126 identical blocks of 5 options up to 1,300,000.
@@ -89,7 +115,7 @@ class Front:
         return int(np.lexsort((self.low, self.high, self.peak))[0])
 
 
-def front(problem: BlockProblem, max_labels: int = MAX_LABELS) -> Front | None:
+def front(problem: Problem, max_labels: int = MAX_LABELS) -> Front | None:
     """The front of `problem` (its fixed bytes left out), or None past `max_labels` labels made or
     where its seconds cannot be summed exactly in two limbs (see the module docstring)."""
     seconds = [o.recompute_seconds for block in problem.options for o in block]
