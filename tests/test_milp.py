@@ -323,6 +323,22 @@ def test_repeated_blocks_are_solved_exactly_without_highs_or_the_clock():
     assert runs[0] == 0
 
 
+def test_seconds_too_far_apart_to_add_exactly_are_left_to_highs():
+    """A subnormal option beside a 1 s one needs over a thousand bits to add exactly: the front
+    declines (rather than round), and HiGHS's answer still matches enumeration's."""
+    block = (
+        BlockOption("store", 100, 200, 0.0),
+        BlockOption("full", 10, 200, 1.0),
+        BlockOption("tiny", 50, 200, 5e-324),
+    )
+    problem = BlockProblem((block,) * 3, forward_extra_bytes=20)
+    assert block_front.front(problem) is None
+    for budget in (230, 320, 400):
+        expected, result = blocks_brute_force(problem, budget), milp(problem, budget)
+        assert same_seconds(result.recompute_seconds, expected.recompute_seconds, problem)
+        assert result.peak_bytes <= budget
+
+
 def test_no_plan_in_time_falls_back_to_the_lowest_peak_or_raises():
     problem = near_identical_blocks()
     low = min_peak(problem)
