@@ -14,6 +14,7 @@ from remat import models
 from remat.answers import fit_rows, fit_steps
 from remat.errors import InfeasibleBudget
 from remat.planning import planner as planner_module
+from remat.planning.solvers import block_front
 from remat.planning.solvers import milp as milp_module
 from remat.planning.solvers.milp import BlockOption, BlockProblem, milp
 
@@ -35,28 +36,41 @@ def _problem(fixed: int) -> BlockProblem:
     return BlockProblem((block,) * 6, fixed_bytes=fixed, forward_extra_bytes=20)
 
 
-def test_the_milp_answers_a_program_shifted_by_its_fixed_bytes_as_if_solved_afresh(monkeypatch):
-    """Two optimizers' planners of one step pose the same program on other fixed bytes: the
-    kept answer, asked at the same room, is what solving the shifted program gives."""
+def _solving_with(monkeypatch, cache: str) -> None:
+    """Empty caches; where `cache` is HiGHS's (`_solved`), the front gives up so HiGHS answers."""
+    monkeypatch.setattr(milp_module, "_fronts", OrderedDict())
     monkeypatch.setattr(milp_module, "_solved", OrderedDict())
+    if cache == "_solved":
+        monkeypatch.setattr(block_front, "MAX_LABELS", 0)
+
+
+@pytest.mark.parametrize("cache", ["_fronts", "_solved"])
+def test_the_milp_answers_a_program_shifted_by_its_fixed_bytes_as_if_solved_afresh(
+    monkeypatch, cache
+):
+    """Two optimizers' planners of one step pose the same program on other fixed bytes: the
+    kept answer (the front, or HiGHS's answer at that room), asked at the same room, is what
+    solving the shifted program gives."""
+    _solving_with(monkeypatch, cache)
     first = milp(_problem(1_000), 1_000 + 400)
-    assert len(milp_module._solved) == 1
+    assert len(getattr(milp_module, cache)) == 1
     kept = milp(_problem(7_777), 7_777 + 400)
-    assert len(milp_module._solved) == 1  # answered from what was kept
-    monkeypatch.setattr(milp_module, "_solved", _Forgetful())
+    assert len(getattr(milp_module, cache)) == 1  # answered from what was kept
+    monkeypatch.setattr(milp_module, cache, _Forgetful())
     fresh = milp(_problem(7_777), 7_777 + 400)
     assert kept == fresh
     assert kept.peak_bytes == first.peak_bytes + 6_777
 
 
-def test_the_milp_refuses_a_shifted_program_with_its_own_bytes(monkeypatch):
+@pytest.mark.parametrize("cache", ["_fronts", "_solved"])
+def test_the_milp_refuses_a_shifted_program_with_its_own_bytes(monkeypatch, cache):
     """An infeasible room is kept too; the refusal names the asked program's budget and peak."""
-    monkeypatch.setattr(milp_module, "_solved", OrderedDict())
+    _solving_with(monkeypatch, cache)
     with pytest.raises(InfeasibleBudget):
         milp(_problem(0), 100)
     with pytest.raises(InfeasibleBudget) as kept:
         milp(_problem(5_000), 5_100)
-    monkeypatch.setattr(milp_module, "_solved", _Forgetful())
+    monkeypatch.setattr(milp_module, cache, _Forgetful())
     with pytest.raises(InfeasibleBudget) as fresh:
         milp(_problem(5_000), 5_100)
     assert str(kept.value) == str(fresh.value)

@@ -4,14 +4,18 @@ it returns fits exactly, and it says how sure it is when the time limit cuts it 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import blocks_brute_force
+from scipy import optimize
 
 from remat.errors import InfeasibleBudget
+from remat.planning.solvers import block_front
+from remat.planning.solvers import milp as milp_module
 from remat.planning.solvers.milp import (
     BlockOption,
     BlockProblem,
@@ -22,6 +26,38 @@ from remat.planning.solvers.milp import (
 )
 
 GB = 10**9
+SOLVERS = ("front", "highs")
+
+
+@contextmanager
+def solved_by(solver: str):
+    """Answer with the exact front, or with HiGHS alone (the front gives up at once)."""
+    saved = block_front.MAX_LABELS
+    milp_module._fronts.clear()
+    if solver == "highs":
+        block_front.MAX_LABELS = 0
+    try:
+        yield
+    finally:
+        block_front.MAX_LABELS = saved
+        milp_module._fronts.clear()
+
+
+@contextmanager
+def counting_highs_runs():
+    """The number of HiGHS runs made inside, as a one-element list."""
+    runs = [0]
+    solve = optimize.milp
+
+    def counted(*args, **kwargs):
+        runs[0] += 1
+        return solve(*args, **kwargs)
+
+    optimize.milp = counted
+    try:
+        yield runs
+    finally:
+        optimize.milp = solve
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -147,20 +183,22 @@ def test_invalid_inputs_are_refused_with_the_reason():
 
 
 # -- optimality -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("solver", SOLVERS)
 @settings(max_examples=250, deadline=None)
 @given(problem=problems(), data=st.data())
-def test_milp_matches_enumeration(problem, data):
+def test_milp_matches_enumeration(solver, problem, data):
     low, high = lowest_peak(problem), highest_peak(problem)
     budget = data.draw(st.integers(low - (high - low) // 10 - 1, high), label="budget")
     if budget < low:
-        with pytest.raises(InfeasibleBudget) as info:
+        with solved_by(solver), pytest.raises(InfeasibleBudget) as info:
             milp(problem, budget)
         assert info.value.min_feasible_bytes == low
         assert info.value.budget_bytes == budget
         assert f"({budget} bytes)" in str(info.value) and f"({low} bytes)" in str(info.value)
         return
     expected = blocks_brute_force(problem, budget)
-    result = milp(problem, budget)
+    with solved_by(solver):
+        result = milp(problem, budget)
     assert same_seconds(result.recompute_seconds, expected.recompute_seconds, problem)
     assert result.peak_bytes == block_peak_bytes(problem, result.choice) <= budget
     assert result.recompute_seconds == block_recompute_seconds(problem, result.choice)
@@ -172,24 +210,28 @@ def test_milp_matches_enumeration(problem, data):
     assert "of recompute a step (not the step's time)" in result.reason
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
 @settings(max_examples=100, deadline=None)
 @given(
     problem=problems(seconds=st.integers(0, 4).map(lambda quarters: quarters / 4)), data=st.data()
 )
-def test_equal_recompute_ties_go_to_the_lower_peak(problem, data):
+def test_equal_recompute_ties_go_to_the_lower_peak(solver, problem, data):
     """Quarter seconds add exactly, so ties are real and the peak must match enumeration's."""
     budget = data.draw(st.integers(lowest_peak(problem), highest_peak(problem)), label="budget")
-    expected, result = blocks_brute_force(problem, budget), milp(problem, budget)
+    with solved_by(solver):
+        expected, result = blocks_brute_force(problem, budget), milp(problem, budget)
     assert (result.recompute_seconds, result.peak_bytes) == (
         expected.recompute_seconds,
         expected.peak_bytes,
     )
 
 
+@pytest.mark.parametrize("solver", SOLVERS)
 @settings(max_examples=50, deadline=None)
 @given(problem=problems())
-def test_min_peak_is_the_least_peak_of_any_choice(problem):
-    assert min_peak(problem) == lowest_peak(problem)
+def test_min_peak_is_the_least_peak_of_any_choice(solver, problem):
+    with solved_by(solver):
+        assert min_peak(problem) == lowest_peak(problem)
 
 
 def test_plans_fit_and_recompute_never_decreases_as_the_budget_shrinks():
@@ -208,13 +250,15 @@ def test_plans_fit_and_recompute_never_decreases_as_the_budget_shrinks():
     assert info.value.min_feasible_bytes == low
 
 
-def test_a_plan_over_budget_by_solver_rounding_is_cut_off_and_resolved():
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_a_plan_over_budget_by_solver_rounding_is_cut_off_and_resolved(solver):
     """1 byte over a 1e12-byte budget is within HiGHS's feasibility tolerance, so HiGHS picks the
     free option first; the exact check rejects it and the re-solve takes the one that fits."""
     problem = BlockProblem(
         ((BlockOption("store", 10**12, 10**12, 0.0), BlockOption("full", 0, 1, 1.0)),)
     )
-    result = milp(problem, 10**12 - 1)
+    with solved_by(solver):
+        result = milp(problem, 10**12 - 1)
     assert result.option_names == ("full",)
     assert result.peak_bytes == 1
 
@@ -224,11 +268,75 @@ def test_a_time_limited_hard_instance_reports_its_gap_and_still_fits():
     problem = near_identical_blocks()
     low, high = min_peak(problem), block_peak_bytes(problem, (0,) * 128)
     budget = int(low + 0.7 * (high - low))
-    result = milp(problem, budget, time_limit_s=1.0)
+    result = milp(problem, budget, time_limit_s=1.0, node_limit=10**9)
     assert result.status == "time_limit"
     assert 0 < result.mip_gap < 0.1
     assert result.peak_bytes == block_peak_bytes(problem, result.choice) <= budget
     assert "time limit" in result.reason
+
+
+@pytest.mark.slow
+def test_a_node_limit_not_the_clock_ends_a_hard_instance_so_its_answer_is_always_the_same():
+    """The front gives up on noisy near-identical blocks (a subset-sum); HiGHS then stops at its
+    node limit, which makes the answer a function of the problem: the same plan and gap again."""
+    problem = near_identical_blocks()
+    assert block_front.front(problem) is None
+    low, high = min_peak(problem), block_peak_bytes(problem, (0,) * 128)
+    budget = int(low + 0.7 * (high - low))
+    first = milp(problem, budget, node_limit=5)
+    milp_module._solved.clear()
+    again = milp(problem, budget, node_limit=5)
+    assert first == again
+    assert first.status == "node_limit" and 0 < first.mip_gap < 0.1
+    assert first.peak_bytes == block_peak_bytes(problem, first.choice) <= budget
+    assert "limit of 5 branch-and-bound nodes" in first.reason
+
+
+#: One Llama 3.1 8B block at seq 8192 on an H100 (bf16-mixed): store, full and three selective
+#: policies, as `Planner.block_problem` measured them (kept, backward bytes, recompute seconds).
+LLAMA_BLOCK = (
+    BlockOption("store", 2517696536, 31513919520, 0.0),
+    BlockOption("full", 134217728, 31513919520, 0.005788054758273669),
+    BlockOption("selective:megatron", 2449539072, 31648137248, 0.0024001099471842808),
+    BlockOption("selective:save-matmuls", 907018264, 31581028384, 0.002035929638208955),
+    BlockOption("selective:torchtitan", 588251160, 31581028384, 0.003356121810083576),
+)
+
+
+def test_repeated_blocks_are_solved_exactly_without_highs_or_the_clock():
+    """Seven identical gigabyte blocks: HiGHS's row tolerance let over-budget arrangements of one
+    mix through, one exact re-check and HiGHS run per arrangement (9-26 runs a budget on 8B), and
+    its wall-clock limit made the answer depend on load. The front answers every budget exactly,
+    with no HiGHS run, and without looking at the clock."""
+    problem = BlockProblem((LLAMA_BLOCK,) * 7, fixed_bytes=40 * GB, forward_extra_bytes=23 * GB)
+    low, high = lowest_peak(problem), highest_peak(problem)
+    with counting_highs_runs() as runs:
+        for budget in np.linspace(low, high, 6).round().astype(int):
+            result = milp(problem, int(budget), time_limit_s=0.0)
+            expected = blocks_brute_force(problem, int(budget))
+            assert (result.recompute_seconds, result.peak_bytes) == (
+                expected.recompute_seconds,
+                expected.peak_bytes,
+            )
+            assert (result.status, result.mip_gap) == ("optimal", 0.0)
+        assert min_peak(problem) == low
+    assert runs[0] == 0
+
+
+def test_seconds_too_far_apart_to_add_exactly_are_left_to_highs():
+    """A subnormal option beside a 1 s one needs over a thousand bits to add exactly: the front
+    declines (rather than round), and HiGHS's answer still matches enumeration's."""
+    block = (
+        BlockOption("store", 100, 200, 0.0),
+        BlockOption("full", 10, 200, 1.0),
+        BlockOption("tiny", 50, 200, 5e-324),
+    )
+    problem = BlockProblem((block,) * 3, forward_extra_bytes=20)
+    assert block_front.front(problem) is None
+    for budget in (230, 320, 400):
+        expected, result = blocks_brute_force(problem, budget), milp(problem, budget)
+        assert same_seconds(result.recompute_seconds, expected.recompute_seconds, problem)
+        assert result.peak_bytes <= budget
 
 
 def test_no_plan_in_time_falls_back_to_the_lowest_peak_or_raises():

@@ -7,6 +7,13 @@ a small integer program that HiGHS (through `scipy.optimize.milp`) solves to pro
 under a second for a hundred-odd blocks, and it stays the same program whatever options a block
 offers, where a dynamic program over byte counts would grow with the bytes.
 
+Who answers. First the exact front (`remat.planning.solvers.block_front`): a search over the
+blocks in forward order that keeps every prefix no other beats on kept bytes, peak and recompute,
+and so answers every budget of one problem at once, exactly, in integer bytes, with no tolerance
+and no clock (8B at seq 8192: ~20 ms a problem, where HiGHS took 9-26 runs of ~0.1 s a budget).
+Repeated blocks keep that front small. Blocks identical up to noise make it a subset-sum: the
+front gives up after a fixed number of labels, and HiGHS answers as below.
+
 The model (`block_peak_bytes` is its single definition; everything here is checked against it):
 blocks run forward 0..n-1 and backward n-1..0; block b's option keeps `kept_bytes` from the end of
 its forward until its backward, and `backward_bytes` are live during its own backward on top of
@@ -36,7 +43,7 @@ sum_{b' < b, k} kept * y + sum_k backward(b, k) * y[b, k] <= budget - fixed. The
 (`min_peak`, and the tie-break below) adds a continuous Q >= 0 with "row - Q <= -constant" for
 every row and minimises Q, so Q is the largest peak expression, i.e. the peak minus `fixed`.
 
-Scaling and exactness. Byte rows are divided by S, the largest value any row can take, so every
+Scaling and exactness (HiGHS). Byte rows are divided by S, the largest value any row can take, so every
 coefficient lies in [0, 1] whatever the model size; seconds are divided by the largest option's
 seconds and multiplied by 1e6, as is Q's cost. That factor matters: HiGHS calls a plan optimal
 when its objective is within 1e-6 (absolute) of the proven bound, and scipy exposes no option for
@@ -55,17 +62,21 @@ Ties. Among plans with equal recompute (as `math.fsum` adds it), the lower peak 
 secondary cost term cannot express that without either being lost in HiGHS's gap or outweighing
 real recompute differences, so a second program minimises Q among plans whose recompute is at
 most the first plan's; its answer replaces the first only if it is exactly verified to fit and to
-be strictly better by (recompute, peak). That pass gets what is left of the time limit and is
+be strictly better by (recompute, peak). That pass runs under what is left of the limits and is
 best-effort: `status` and `mip_gap` describe the recompute, the primary objective.
 
-Time limit. `time_limit_s` bounds all HiGHS runs of one `milp` call together. When it expires
-with a plan, `status` is "time_limit" and `mip_gap` is HiGHS's relative gap. When it expires
-before HiGHS has any plan (or HiGHS reports none), the lowest-peak plan is computed without a time
-limit (one continuous objective: HiGHS solves it at the root in every instance we tried): if it
+Limits: a count first, the clock only as a safety net. Each HiGHS run stops after `node_limit`
+branch-and-bound nodes (`NODE_LIMIT`), so its answer is a function of the problem, not of the
+machine's load (before, a 10 s wall-clock limit was the only one, and under load the same `fit`
+got other plans). `time_limit_s` (60 s) bounds all HiGHS runs of one call together as a safety
+net; an answer it cut short is returned but not kept in `_solved`. When a limit stops HiGHS with a
+plan, `status` is "node_limit" or "time_limit" and `mip_gap` is HiGHS's relative gap. When it
+stops before HiGHS has any plan (or HiGHS reports none), the lowest-peak plan is computed without
+a limit (one continuous objective: HiGHS solves it at the root in every instance we tried): if it
 does not fit the budget, no plan does and `InfeasibleBudget` is raised with its peak as
-`min_feasible_bytes`; if it fits, it is returned with status "time_limit" and an infinite gap.
+`min_feasible_bytes`; if it fits, it is returned with an infinite gap.
 
-Measured on 2 cores, both passes together: 128 blocks x 4 options (random, or 128 identical
+Measured on 2 cores, HiGHS's passes together: 128 blocks x 4 options (random, or 128 identical
 transformer-like blocks) solve to proven optimality in 0.1-0.8 s. The prefix rows hold O(n^2)
 nonzeros, so 256 blocks take 2-4 s and 512 take 8-12 s. Not every instance is easy: blocks that
 are identical up to measurement noise in bytes and seconds make a subset-sum in disguise, on
@@ -87,6 +98,7 @@ from scipy import optimize
 from scipy.sparse import csr_matrix, hstack
 
 from remat.errors import InfeasibleBudget, RematError
+from remat.planning.solvers import block_front
 from remat.units import format_bytes
 
 __all__ = [
@@ -164,8 +176,8 @@ class BlockProblem:
 @dataclass(frozen=True)
 class MilpResult:
     """A plan: the option index and name per block, its exact peak and recompute, how sure the
-    solver is (`status` "optimal" or "time_limit"; `mip_gap` the relative gap on recompute HiGHS
-    reported, 0.0 when optimal), and a sentence saying why."""
+    solver is (`status` "optimal", "node_limit" or "time_limit"; `mip_gap` the relative gap on
+    recompute HiGHS reported, 0.0 when optimal), and a sentence saying why."""
 
     choice: tuple[int, ...]
     option_names: tuple[str, ...]
@@ -337,6 +349,7 @@ def _highs(
     constraints: list[optimize.LinearConstraint],
     q_upper: float,
     time_limit_s: float,
+    node_limit: int | None,
 ) -> _Run | None:
     """Solve over the y columns and Q; None when HiGHS has no plan (infeasible or out of time)."""
     integrality = np.ones(model.columns)
@@ -348,7 +361,7 @@ def _highs(
         integrality=integrality,
         bounds=optimize.Bounds(0, upper),
         constraints=[model.one_hot, *model.host, *constraints],
-        options={"time_limit": time_limit_s, "mip_rel_gap": 0.0},
+        options={"time_limit": time_limit_s, "node_limit": node_limit, "mip_rel_gap": 0.0},
     )
     if res.x is None:
         return None
@@ -360,7 +373,7 @@ def _highs(
 
 
 def _cheapest(
-    problem: BlockProblem, model: _Model, budget_bytes: int, deadline: float
+    problem: BlockProblem, model: _Model, budget_bytes: int, node_limit: int, deadline: float
 ) -> tuple[_Run | None, list[tuple[int, ...]]]:
     """Least recompute within the budget, exactly verified; None if HiGHS found no plan that fits
     in time. Also returns the no-good cuts added on the way (plans HiGHS's tolerances let over)."""
@@ -374,6 +387,7 @@ def _cheapest(
             [fits, *_no_good(model, cuts)],
             q_upper=0.0,
             time_limit_s=max(deadline - time.monotonic(), 0.0),
+            node_limit=node_limit,
         )
         if run is None:
             return None, cuts
@@ -386,6 +400,7 @@ def _lowest_peak(
     model: _Model,
     *,
     time_limit_s: float = math.inf,
+    node_limit: int | None = None,
     q_upper: float = math.inf,
     extra: list[optimize.LinearConstraint] | None = None,
 ) -> _Run | None:
@@ -396,7 +411,7 @@ def _lowest_peak(
     )
     cost = np.zeros(model.columns)
     cost[-1] = _COST_SCALE
-    return _highs(model, cost, [below_q, *(extra or [])], q_upper, time_limit_s)
+    return _highs(model, cost, [below_q, *(extra or [])], q_upper, time_limit_s, node_limit)
 
 
 def _tie_break(
@@ -405,6 +420,7 @@ def _tie_break(
     budget_bytes: int,
     best: tuple[int, ...],
     cuts: list[tuple[int, ...]],
+    node_limit: int,
     deadline: float,
 ) -> tuple[int, ...]:
     """The lowest-peak plan among those recomputing no more than `best`, if one verifiably beats
@@ -415,6 +431,7 @@ def _tie_break(
     run = _lowest_peak(
         model,
         time_limit_s=max(deadline - time.monotonic(), 0.0),
+        node_limit=node_limit,
         q_upper=(budget_bytes - problem.fixed_bytes) / model.scale,
         extra=[no_costlier, *_no_good(model, cuts)],
     )
@@ -431,35 +448,49 @@ def _tie_break(
 
 
 # -- the public solvers -------------------------------------------------------------------------
-#: `milp`'s answers by (the problem less its fixed bytes, the room above them, the time limit),
-#: for those found within the time limit (a deterministic program, so the same answer): the
-#: program sees only the room (`_cheapest`, `_tie_break` and `_fits` all subtract the fixed
-#: bytes first), so the planners of one step under two optimizers, or of one step asked again,
-#: pose the same one. Oldest dropped past `SOLVED_KEPT`.
-_solved: OrderedDict[tuple[BlockProblem, int, float], tuple[tuple[int, ...], bool, float] | int]
+#: The front of each problem less its fixed bytes (`block_front.front`; None where it gave up):
+#: the planners of one step under two optimizers, or one step asked at 32 budgets, share it.
+_fronts: OrderedDict[BlockProblem, block_front.Front | None] = OrderedDict()
+FRONTS_KEPT = 64
+
+#: HiGHS's answers by (the problem less its fixed bytes, the room above them, the node limit),
+#: for those the wall clock did not cut short (the rest is deterministic: the same program gives
+#: the same answer): the program sees only the room (`_cheapest`, `_tie_break` and `_fits` all
+#: subtract the fixed bytes first). Oldest dropped past `SOLVED_KEPT`.
+_solved: OrderedDict[tuple[BlockProblem, int, int], tuple[tuple[int, ...], str, float] | int]
 _solved = OrderedDict()
 SOLVED_KEPT = 512
 
+#: Branch-and-bound nodes per HiGHS run: the deterministic bound on its work (about a second on
+#: the near-identical 128-block instance of the tests, where it stops with a gap under 1%).
+NODE_LIMIT = 200
 
-def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -> MilpResult:
+
+def milp(
+    problem: BlockProblem,
+    budget_bytes: int,
+    time_limit_s: float = 60.0,
+    node_limit: int = NODE_LIMIT,
+) -> MilpResult:
     """The plan with the least recompute whose peak fits `budget_bytes`, lowest peak among ties.
 
-    `time_limit_s` bounds the search (see the module docstring for what is returned when it runs
-    out). The returned `peak_bytes` is always exact and within the budget. Raises
-    `InfeasibleBudget`, with the smallest achievable peak as `min_feasible_bytes`, when no choice
-    fits. Solved once per program and room (`_solved`).
+    Exact from the problem's front (`block_front`) where that search answers; else HiGHS with
+    `node_limit` nodes per run, and `time_limit_s` of wall clock for all its runs together as a
+    safety net only (an answer it cuts short depends on the machine's load and is not kept). See
+    the module docstring for what is returned at a limit. The returned `peak_bytes` is always
+    exact and within the budget. Raises `InfeasibleBudget`, with the smallest achievable peak as
+    `min_feasible_bytes`, when no choice fits.
     """
-    key = (replace(problem, fixed_bytes=0), budget_bytes - problem.fixed_bytes, time_limit_s)
-    found = _solved.get(key)
-    if found is None:
-        deadline = time.monotonic() + time_limit_s
-        found = _solve(problem, budget_bytes, time_limit_s, deadline)
-        if isinstance(found, int) or time.monotonic() < deadline:  # no time limit reached
-            _solved[key] = found
-            if len(_solved) > SOLVED_KEPT:
-                _solved.popitem(last=False)
+    exact = _front(problem)
+    if exact is not None:
+        label = exact.cheapest(budget_bytes - problem.fixed_bytes)
+        found = (exact.choice(label), "optimal", 0.0) if label is not None else None
+        if found is None:
+            found = int(exact.peak[exact.lowest()])
+        solver = "an exact search of the blocks' front of recompute and peak"
     else:
-        _solved.move_to_end(key)
+        found = _highs_answer(problem, budget_bytes, time_limit_s, node_limit)
+        solver = "HiGHS"
     if isinstance(found, int):  # no choice fits: the smallest peak above the fixed bytes
         peak = problem.fixed_bytes + found
         raise InfeasibleBudget(
@@ -469,57 +500,91 @@ def milp(problem: BlockProblem, budget_bytes: int, time_limit_s: float = 10.0) -
             budget_bytes=budget_bytes,
             min_feasible_bytes=peak,
         )
-    choice, optimal, gap = found
+    choice, status, gap = found
     seconds = block_recompute_seconds(problem, choice)
+    limit = (
+        f"{time_limit_s:g} s time limit"
+        if status == "time_limit"
+        else f"limit of {node_limit} branch-and-bound nodes"
+    )
     if gap == math.inf:
         return _result(
             problem,
             choice,
-            "time_limit",
+            status,
             math.inf,
-            f"HiGHS found no plan within {time_limit_s:g} s; this lowest-peak plan fits but does "
-            "not minimise recompute (raise the time limit)",
+            f"HiGHS found no plan within its {limit}; this lowest-peak plan fits but does not "
+            "minimise recompute",
         )
     least, what = "recompute", "recompute"
     if block_host_bytes(problem, choice):
         least, what = "added time", "recompute and copies to host memory not hidden by compute"
-    if optimal:
+    if status == "optimal":
         why = (
-            f"the least {least} that fits, proved optimal by the MILP solver (HiGHS): "
+            f"the least {least} that fits, proved optimal by the MILP solver ({solver}): "
             f"{_time(seconds)} of {what} a step (not the step's time) within"
         )
     else:
         why = (
-            f"the MILP solver (HiGHS) stopped at its {time_limit_s:g} s time limit with "
-            f"{_time(seconds)} of {what} a step, at most {gap:.2%} above the least that fits"
+            f"the MILP solver (HiGHS) stopped at its {limit} with {_time(seconds)} of {what} a "
+            f"step, at most {gap:.2%} above the least that fits"
         )
-    return _result(
-        problem,
-        choice,
-        "optimal" if optimal else "time_limit",
-        gap,
-        f"{why} {format_bytes(budget_bytes)}",
-    )
+    return _result(problem, choice, status, gap, f"{why} {format_bytes(budget_bytes)}")
+
+
+def _front(problem: BlockProblem) -> block_front.Front | None:
+    """The problem's front, searched once per problem less its fixed bytes (`_fronts`)."""
+    key = replace(problem, fixed_bytes=0)
+    if key in _fronts:
+        _fronts.move_to_end(key)
+        return _fronts[key]
+    found = _fronts[key] = block_front.front(key, block_front.MAX_LABELS)
+    if len(_fronts) > FRONTS_KEPT:
+        _fronts.popitem(last=False)
+    return found
+
+
+def _highs_answer(
+    problem: BlockProblem, budget_bytes: int, time_limit_s: float, node_limit: int
+) -> tuple[tuple[int, ...], str, float] | int:
+    """`_solve`, once per program, room and node limit (`_solved`)."""
+    key = (replace(problem, fixed_bytes=0), budget_bytes - problem.fixed_bytes, node_limit)
+    found = _solved.get(key)
+    if found is not None:
+        _solved.move_to_end(key)
+        return found
+    deadline = time.monotonic() + time_limit_s
+    found = _solve(problem, budget_bytes, node_limit, deadline)
+    if time.monotonic() < deadline:  # no run cut short by the clock
+        _solved[key] = found
+        if len(_solved) > SOLVED_KEPT:
+            _solved.popitem(last=False)
+    return found
 
 
 def _solve(
-    problem: BlockProblem, budget_bytes: int, time_limit_s: float, deadline: float
-) -> tuple[tuple[int, ...], bool, float] | int:
-    """`milp`'s search: the choice, whether proven optimal, and HiGHS's gap (infinite: the
-    lowest-peak plan, as HiGHS found none in time); or, where no choice fits, the smallest peak
-    less the fixed bytes."""
+    problem: BlockProblem, budget_bytes: int, node_limit: int, deadline: float
+) -> tuple[tuple[int, ...], str, float] | int:
+    """HiGHS's search: the choice, its status ("optimal", "node_limit" or "time_limit") and
+    HiGHS's gap (infinite: the lowest-peak plan, as HiGHS found none within its limits); or, where
+    no choice fits, the smallest peak less the fixed bytes."""
     model = _model(problem)
-    run, cuts = _cheapest(problem, model, budget_bytes, deadline)
+    run, cuts = _cheapest(problem, model, budget_bytes, node_limit, deadline)
     if run is None:
         lowest = _lowest_peak_choice(model)
         peak = block_peak_bytes(problem, lowest)
         if peak > budget_bytes:
             return peak - problem.fixed_bytes
-        return lowest, False, math.inf
+        return lowest, _limit_hit(deadline), math.inf
     choice = run.choice
     if time.monotonic() < deadline:
-        choice = _tie_break(problem, model, budget_bytes, choice, cuts, deadline)
-    return choice, run.optimal, run.gap
+        choice = _tie_break(problem, model, budget_bytes, choice, cuts, node_limit, deadline)
+    return choice, "optimal" if run.optimal else _limit_hit(deadline), run.gap
+
+
+def _limit_hit(deadline: float) -> str:
+    """Which limit stopped HiGHS: the wall clock where it has run out, else the node limit."""
+    return "time_limit" if time.monotonic() >= deadline else "node_limit"
 
 
 def _time(seconds: float) -> str:
@@ -532,8 +597,12 @@ def _time(seconds: float) -> str:
 
 
 def min_peak(problem: BlockProblem) -> int:
-    """The smallest peak any choice achieves, in bytes (exact up to the tolerance in the module
-    docstring). Solved without a time limit: it is the easy program, one continuous objective."""
+    """The smallest peak any choice achieves, in bytes: exact from the problem's front, else from
+    HiGHS (exact up to the tolerance in the module docstring; solved without a limit: it is the
+    easy program, one continuous objective)."""
+    exact = _front(problem)
+    if exact is not None:
+        return problem.fixed_bytes + int(exact.peak[exact.lowest()])
     return block_peak_bytes(problem, _lowest_peak_choice(_model(problem)))
 
 
