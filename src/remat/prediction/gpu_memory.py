@@ -203,12 +203,15 @@ def fsdp_events(
         unit = grad_owner.get(sid, "")
         grad_frees[unit if unit in span else ""].append(Free(("life", step, k)))
     rs_held: list[str] = []
+    unit_grads: dict[str, int] = defaultdict(int)  # each unit's gradient bytes, summed once
+    for sid, u in grad_owner.items():
+        unit_grads[u] += graph.storages[sid].nbytes
 
     def reduce_scatter(unit: str) -> list[Event]:
         """A unit's post-backward: the previous reduce-scatter input freed (one kept in flight),
         the fp32 input on the compute stream, the gradients copied in and freed, the gradient
         shard on the reduce-scatter stream."""
-        grads = sum(graph.storages[sid].nbytes for sid, u in grad_owner.items() if u == unit) * m
+        grads = unit_grads.get(unit, 0) * m
         if not grads:
             return grad_frees[unit]
         events: list[Event] = [Free(("rs_in", step, u)) for u in rs_held]

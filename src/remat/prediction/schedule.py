@@ -637,6 +637,20 @@ def simulate(
     )
 
 
+def _forward_made(graph: Graph) -> dict[int, int]:
+    """Storage id -> bytes, of the storages a forward op allocated: worked out once per graph
+    (`Graph.memo`), where each simulation of a plan asked every storage's op again."""
+    kept = graph.memo.get("forward_made")
+    if kept is None or kept[0] is not graph.storages or kept[1] is not graph.ops:
+        made = {
+            s.id: s.nbytes
+            for s in graph.storages.values()
+            if s.allocated_at is not None and graph.ops[s.allocated_at].phase == "forward"
+        }
+        kept = graph.memo["forward_made"] = (graph.storages, graph.ops, made)
+    return kept[2]
+
+
 #: simulations kept per graph for `simulate` (a 70B step's timeline is 10^5 positions)
 SIMULATIONS_KEPT = 64
 
@@ -649,10 +663,9 @@ def _simulate(graph: Graph, regions: tuple[Region, ...], offload: Offload | None
     deaths, lives, _ = storage_lives(graph, analysis, schedule)
     timeline = live_bytes(graph, schedule.order, lives, base_bytes)
     end_of_forward = schedule.position_of_op[len(graph.forward_ops) - 1]
+    made = _forward_made(graph)
     held_bytes = sum(rep.overhead_bytes for rep in analysis.replays) + sum(
-        graph.storages[sid].nbytes
-        for sid, death in deaths.items()
-        if death > end_of_forward and graph.ops[graph.storages[sid].allocated_at].phase == "forward"
+        made[sid] for sid, death in deaths.items() if death > end_of_forward and sid in made
     )
     peak_position = max(range(len(timeline)), key=timeline.__getitem__)
     return Simulation(
