@@ -69,3 +69,24 @@ def test_candidate_fits_judging_one_plan_at_a_time_answers_as_judging_all(llama,
     whole = any(steps.gpu_memories(2, 64, p)[0].fits for p in steps.candidates(planner))
     assert answer == whole == (room == "roomy")
     assert list(itertools.islice(steps.fixed_plans(planner), 1))
+
+
+def test_rank_peaks_kept_per_planner_equal_a_fresh_sharding(llama):
+    """`FitSteps.rank_peak` keeps each plan's per-rank peak by planner, regions and ranks: asked
+    again (the searches return to a size), at other ranks, or of a new planner of the same
+    graph, it is what `shard_step` gives afresh."""
+    from remat.prediction.estimate import shard_step
+
+    steps = FitSteps(None, custom_gpu(1 << 40, "h100"), "bf16-fsdp", "adamw", 4, None)  # type: ignore[arg-type]
+    planner = Planner(llama, "h100", "adamw")
+    plans = list(steps.fixed_plans(planner))
+    for shard in (4, 8, 4):
+        for p in plans:
+            fresh = shard_step(llama, planner.simulate(p.regions), shard, "adamw", 2)
+            expected = max(max(fresh.timeline), fresh.optimizer_step_bytes)
+            assert steps.rank_peak(planner, p, shard) == expected
+    assert len(steps.rank_peaks) == 2 * len({p.regions for p in plans})
+    other = Planner(llama, "h100", "sgd")  # another optimizer's planner: its own peaks
+    p = plans[0]
+    fresh = shard_step(llama, other.simulate(p.regions), 4, "adamw", 2)
+    assert steps.rank_peak(other, p, 4) == max(max(fresh.timeline), fresh.optimizer_step_bytes)
