@@ -90,3 +90,17 @@ def test_rank_peaks_kept_per_planner_equal_a_fresh_sharding(llama):
     p = plans[0]
     fresh = shard_step(llama, other.simulate(p.regions), 4, "adamw", 2)
     assert steps.rank_peak(other, p, 4) == max(max(fresh.timeline), fresh.optimizer_step_bytes)
+
+
+def test_step_lives_kept_per_graph_serve_the_walk_as_fresh_ones(llama):
+    """A plan simulated, then walked by the allocator, reads the lives kept from its simulation:
+    the walk's events equal those of a graph with nothing kept."""
+    from remat.prediction.gpu_memory import Fsdp, step_events
+
+    planner = Planner(llama, "h100", "adamw")
+    regions = planner.block_regions([[0, 1], [2]])
+    planner.simulate(regions)
+    assert tuple(regions) in llama.memo["lives"][2]
+    for fsdp in (None, Fsdp(4, 2)):
+        kept = step_events(llama, regions, "adamw", fsdp=fsdp)
+        assert kept == step_events(_afresh(llama), regions, "adamw", fsdp=fsdp)

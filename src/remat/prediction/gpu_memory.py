@@ -53,7 +53,7 @@ from remat.prediction.estimate import (
     param_gather_bytes,
     resolve_optimizer,
 )
-from remat.prediction.schedule import Region, analyse_regions, build_schedule, storage_lives
+from remat.prediction.schedule import Region, step_lives
 
 Event = Alloc | Free
 
@@ -253,9 +253,7 @@ def step_events(
     `zero_grad(set_to_none=False)` (torch < 2.0's default, and Hugging Face's Trainer then): the
     first step's stay allocated, and a later step's backward makes each gradient as a temporary
     that `AccumulateGrad` adds into the kept one and frees."""
-    analysis = analyse_regions(graph, regions)
-    schedule = build_schedule(graph, analysis)
-    _, lives, owners = storage_lives(graph, analysis, schedule)
+    _, schedule, _, lives, owners = step_lives(graph, regions)  # as the plan's simulation read
     total = len(schedule.order)
     op_scratch = ops_scratch_bytes(graph)
     before = sorted(

@@ -655,12 +655,42 @@ def _forward_made(graph: Graph) -> dict[int, int]:
 SIMULATIONS_KEPT = 64
 
 
+def step_lives(
+    graph: Graph, regions: Sequence[Region]
+) -> tuple[RegionAnalysis, Schedule, dict[int, int], list[Life], list[int | None]]:
+    """The analysis, schedule and `storage_lives` of the step with `regions` checkpointed (no
+    offload), kept for the last few regions per graph (`Graph.memo`): the simulation of a plan
+    and its allocator walk (`remat.prediction.gpu_memory`) read the same. Read-only."""
+    kept = graph.memo.get("lives")
+    if kept is None or kept[0] is not graph.ops or kept[1] is not graph.storages:
+        kept = graph.memo["lives"] = (graph.ops, graph.storages, OrderedDict())
+    lives: OrderedDict[tuple[Region, ...], tuple] = kept[2]
+    key = tuple(regions)
+    found = lives.get(key)
+    if found is None:
+        analysis = analyse_regions(graph, key)
+        schedule = build_schedule(graph, analysis)
+        found = lives[key] = (analysis, schedule, *storage_lives(graph, analysis, schedule))
+        if len(lives) > LIVES_KEPT:
+            lives.popitem(last=False)
+    else:
+        lives.move_to_end(key)
+    return found
+
+
+#: `step_lives` kept per graph (a plan is simulated, then walked by the allocator)
+LIVES_KEPT = 8
+
+
 def _simulate(graph: Graph, regions: tuple[Region, ...], offload: Offload | None) -> Simulation:
     """`simulate` from no bytes before the step."""
     base_bytes = 0
-    analysis = analyse_regions(graph, regions, offload)
-    schedule = build_schedule(graph, analysis)
-    deaths, lives, _ = storage_lives(graph, analysis, schedule)
+    if offload is None:
+        analysis, schedule, deaths, lives, _ = step_lives(graph, regions)
+    else:
+        analysis = analyse_regions(graph, regions, offload)
+        schedule = build_schedule(graph, analysis)
+        deaths, lives, _ = storage_lives(graph, analysis, schedule)
     timeline = live_bytes(graph, schedule.order, lives, base_bytes)
     end_of_forward = schedule.position_of_op[len(graph.forward_ops) - 1]
     made = _forward_made(graph)
