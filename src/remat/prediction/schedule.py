@@ -659,7 +659,7 @@ def step_lives(
     graph: Graph, regions: Sequence[Region]
 ) -> tuple[RegionAnalysis, Schedule, dict[int, int], list[Life], list[int | None]]:
     """The analysis, schedule and `storage_lives` of the step with `regions` checkpointed (no
-    offload), kept for the last few regions per graph (`Graph.memo`): the simulation of a plan
+    offload), kept for the last regions asked per graph (`Graph.memo`): the simulation of a plan
     and its allocator walk (`remat.prediction.gpu_memory`) read the same. Read-only."""
     kept = graph.memo.get("lives")
     if kept is None or kept[0] is not graph.ops or kept[1] is not graph.storages:
@@ -678,8 +678,9 @@ def step_lives(
     return found
 
 
-#: `step_lives` kept per graph (a plan is simulated, then walked by the allocator)
-LIVES_KEPT = 8
+#: `step_lives` kept per graph: a plan is simulated, then walked by the allocator (a 70B step's
+#: lives are megabytes, and `fit` keeps the graph of every size it probes)
+LIVES_KEPT = 2
 
 
 def _simulate(graph: Graph, regions: tuple[Region, ...], offload: Offload | None) -> Simulation:
