@@ -527,6 +527,7 @@ def setup_that_fits(
             seen = (known or {}).get((precision, optimizer))
             if seen is not None and seen.traced is steps.traced:
                 steps.planners, steps.memories = seen.planners, seen.memories
+                steps.rank_peaks = seen.rank_peaks
             steps.simulate_allocator = reserve is None
             steps.replicate_depth = not full_trace
             combos[(precision, optimizer)] = steps

@@ -11,6 +11,7 @@ judge the steps of `remat.answers.fit_steps`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -280,7 +281,10 @@ def candidate_fits(steps: FitSteps, batch: int, seq: int) -> bool:
     fits there by `judge_step` (its own plans fit, or it falls back to the first of these that
     does), so a search that asks only whether it fits need not run auto's solvers."""
     planner = steps.planner(batch, seq)
-    return any(steps.gpu_memories(batch, seq, p)[0].fits for p in steps.candidates(planner))
+    # one at a time, the lowest-peak plan (a plan per block count, a MILP) only where no fixed
+    # plan fits: the same answer as judging `steps.candidates(planner)` whole
+    plans = itertools.chain(steps.fixed_plans(planner), (planner.lowest_peak() for _ in (0,)))
+    return any(steps.gpu_memories(batch, seq, p)[0].fits for p in plans)
 
 
 def live_limit(peak: int, memory: Any) -> int:

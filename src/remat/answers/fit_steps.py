@@ -110,6 +110,8 @@ class FitSteps:
         #: `gpu_memories` by (graph, regions, FSDP ranks): a plan judged again (auto's choice
         #: is often a fixed strategy's regions; the searches return to a size) is not walked again
         self.memories: dict[tuple[int, tuple[Any, ...], int], tuple[Graph, list[Any]]] = {}
+        #: `rank_peak` by (planner, regions, ranks), the planner kept to tell a new one at its id
+        self.rank_peaks: dict[tuple[int, tuple[Any, ...], int], tuple[Planner, int]] = {}
 
     @property
     def fsdp_ranks(self) -> int:
@@ -190,14 +192,19 @@ class FitSteps:
         shard = (self.shard if shard is None else shard) * self.layout.cp
         if shard == 1 and self.setup.master_scale == 1:
             return plan.predicted_peak_bytes
-        sharded = shard_step(
-            planner.graph,
-            planner.simulate(plan.regions),
-            shard,
-            self.optimizer,
-            self.setup.master_scale,
-        )
-        return max(max(sharded.timeline), sharded.optimizer_step_bytes)
+        key = (id(planner), tuple(plan.regions), shard)
+        kept = self.rank_peaks.get(key)
+        if kept is None or kept[0] is not planner:  # the searches ask a plan again at each size
+            sharded = shard_step(
+                planner.graph,
+                planner.simulate(plan.regions),
+                shard,
+                self.optimizer,
+                self.setup.master_scale,
+            )
+            peak = max(max(sharded.timeline), sharded.optimizer_step_bytes)
+            kept = self.rank_peaks[key] = (planner, peak)
+        return kept[1]
 
     def gpu_memories(self, batch: int, seq: int, plan: Any) -> list[Any]:
         """`plan`'s step at (batch, seq) as the GPU reports it, under each allocator setting of

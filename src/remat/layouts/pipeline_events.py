@@ -18,7 +18,7 @@ from remat.layouts.pipeline_steps import TracedStage
 from remat.layouts.pipeline_walk import Sharding
 from remat.prediction.estimate import Optimizer
 from remat.prediction.gpu_memory import BLAS_OPS, Event, optimizer_events
-from remat.prediction.schedule import Region, analyse_regions, build_schedule, storage_lives
+from remat.prediction.schedule import Region, step_lives
 
 #: One event of a stage's action, for any micro-batch: ("A" or "F", life index or a scratch's
 #: ("scratch", position), bytes)
@@ -65,9 +65,7 @@ class StageLives:
     @classmethod
     def of(cls, traced: TracedStage, regions: Sequence[Region]) -> StageLives:
         graph = traced.graph
-        analysis = analyse_regions(graph, regions)
-        schedule = build_schedule(graph, analysis)
-        _, lives, owners = storage_lives(graph, analysis, schedule)
+        _, schedule, _, lives, owners = step_lives(graph, regions)
         input_grads = set(graph.info.get("input_grad_storages", ()))
         outputs = set(graph.info.get("output_storages", ())) if traced.output_bytes else set()
 

@@ -53,7 +53,7 @@ from remat.prediction.estimate import (
     param_gather_bytes,
     resolve_optimizer,
 )
-from remat.prediction.schedule import Region, analyse_regions, build_schedule, storage_lives
+from remat.prediction.schedule import Region, step_lives
 
 Event = Alloc | Free
 
@@ -186,11 +186,16 @@ def fsdp_events(
     # backward: the span of each block's replays and backward ops
     span: dict[str, list[int]] = {}
     paths = [b.path for b in blocks]
+    units_of: dict[str, str | None] = {}  # by module path: a 70B step has 10^4 ops, 10^3 modules
     for position, (kind, i) in enumerate(schedule.order):
         op = graph.ops[i]
         if kind == "op" and op.phase == "forward":
             continue
-        unit = next((p for p in paths if op.module == p or op.module.startswith(p + ".")), None)
+        unit = units_of.get(op.module, "")
+        if unit == "":
+            unit = units_of[op.module] = next(
+                (p for p in paths if op.module == p or op.module.startswith(p + ".")), None
+            )
         if unit is not None:
             span.setdefault(unit, [position, position])[1] = position
     backward_first = min((first for first, _ in span.values()), default=len(schedule.order) - 1)
@@ -201,12 +206,15 @@ def fsdp_events(
         unit = grad_owner.get(sid, "")
         grad_frees[unit if unit in span else ""].append(Free(("life", step, k)))
     rs_held: list[str] = []
+    unit_grads: dict[str, int] = defaultdict(int)  # each unit's gradient bytes, summed once
+    for sid, u in grad_owner.items():
+        unit_grads[u] += graph.storages[sid].nbytes
 
     def reduce_scatter(unit: str) -> list[Event]:
         """A unit's post-backward: the previous reduce-scatter input freed (one kept in flight),
         the fp32 input on the compute stream, the gradients copied in and freed, the gradient
         shard on the reduce-scatter stream."""
-        grads = sum(graph.storages[sid].nbytes for sid, u in grad_owner.items() if u == unit) * m
+        grads = unit_grads.get(unit, 0) * m
         if not grads:
             return grad_frees[unit]
         events: list[Event] = [Free(("rs_in", step, u)) for u in rs_held]
@@ -248,9 +256,7 @@ def step_events(
     `zero_grad(set_to_none=False)` (torch < 2.0's default, and Hugging Face's Trainer then): the
     first step's stay allocated, and a later step's backward makes each gradient as a temporary
     that `AccumulateGrad` adds into the kept one and frees."""
-    analysis = analyse_regions(graph, regions)
-    schedule = build_schedule(graph, analysis)
-    _, lives, owners = storage_lives(graph, analysis, schedule)
+    _, schedule, _, lives, owners = step_lives(graph, regions)  # as the plan's simulation read
     total = len(schedule.order)
     op_scratch = ops_scratch_bytes(graph)
     before = sorted(

@@ -637,22 +637,66 @@ def simulate(
     )
 
 
+def _forward_made(graph: Graph) -> dict[int, int]:
+    """Storage id -> bytes, of the storages a forward op allocated: worked out once per graph
+    (`Graph.memo`), where each simulation of a plan asked every storage's op again."""
+    kept = graph.memo.get("forward_made")
+    if kept is None or kept[0] is not graph.storages or kept[1] is not graph.ops:
+        made = {
+            s.id: s.nbytes
+            for s in graph.storages.values()
+            if s.allocated_at is not None and graph.ops[s.allocated_at].phase == "forward"
+        }
+        kept = graph.memo["forward_made"] = (graph.storages, graph.ops, made)
+    return kept[2]
+
+
 #: simulations kept per graph for `simulate` (a 70B step's timeline is 10^5 positions)
 SIMULATIONS_KEPT = 64
+
+
+def step_lives(
+    graph: Graph, regions: Sequence[Region]
+) -> tuple[RegionAnalysis, Schedule, dict[int, int], list[Life], list[int | None]]:
+    """The analysis, schedule and `storage_lives` of the step with `regions` checkpointed (no
+    offload), kept for the last regions asked per graph (`Graph.memo`): the simulation of a plan
+    and its allocator walk (`remat.prediction.gpu_memory`) read the same. Read-only."""
+    kept = graph.memo.get("lives")
+    if kept is None or kept[0] is not graph.ops or kept[1] is not graph.storages:
+        kept = graph.memo["lives"] = (graph.ops, graph.storages, OrderedDict())
+    lives: OrderedDict[tuple[Region, ...], tuple] = kept[2]
+    key = tuple(regions)
+    found = lives.get(key)
+    if found is None:
+        analysis = analyse_regions(graph, key)
+        schedule = build_schedule(graph, analysis)
+        found = lives[key] = (analysis, schedule, *storage_lives(graph, analysis, schedule))
+        if len(lives) > LIVES_KEPT:
+            lives.popitem(last=False)
+    else:
+        lives.move_to_end(key)
+    return found
+
+
+#: `step_lives` kept per graph: a plan is simulated, then walked by the allocator (a 70B step's
+#: lives are megabytes, and `fit` keeps the graph of every size it probes)
+LIVES_KEPT = 2
 
 
 def _simulate(graph: Graph, regions: tuple[Region, ...], offload: Offload | None) -> Simulation:
     """`simulate` from no bytes before the step."""
     base_bytes = 0
-    analysis = analyse_regions(graph, regions, offload)
-    schedule = build_schedule(graph, analysis)
-    deaths, lives, _ = storage_lives(graph, analysis, schedule)
+    if offload is None:
+        analysis, schedule, deaths, lives, _ = step_lives(graph, regions)
+    else:
+        analysis = analyse_regions(graph, regions, offload)
+        schedule = build_schedule(graph, analysis)
+        deaths, lives, _ = storage_lives(graph, analysis, schedule)
     timeline = live_bytes(graph, schedule.order, lives, base_bytes)
     end_of_forward = schedule.position_of_op[len(graph.forward_ops) - 1]
+    made = _forward_made(graph)
     held_bytes = sum(rep.overhead_bytes for rep in analysis.replays) + sum(
-        graph.storages[sid].nbytes
-        for sid, death in deaths.items()
-        if death > end_of_forward and graph.ops[graph.storages[sid].allocated_at].phase == "forward"
+        made[sid] for sid, death in deaths.items() if death > end_of_forward and sid in made
     )
     peak_position = max(range(len(timeline)), key=timeline.__getitem__)
     return Simulation(

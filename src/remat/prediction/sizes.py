@@ -16,13 +16,13 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fractions import Fraction
 from math import lcm, prod
 
 import numpy as np
 
-from remat.graph import Graph
+from remat.graph import Graph, Op, Storage, Tensor
 
 
 def _info_numbers(graph: Graph) -> list[str]:
@@ -36,13 +36,16 @@ def _info_numbers(graph: Graph) -> list[str]:
 def _skeleton(graph: Graph) -> tuple[object, ...]:
     """Everything of `graph` but its size-dependent numbers."""
     numeric = set(_info_numbers(graph))
-    return (
-        [replace(op, flops=0) for op in graph.ops],
+    return (  # ops and storages as tuples of their other fields (compared, never used as records)
+        [
+            (op.index, op.name, op.target, op.module, op.phase, op.inputs, op.outputs, op.node)
+            for op in graph.ops
+        ],
         [
             (t.id, t.storage, t.dtype, t.producer, len(t.shape), len(t.stride))
             for t in graph.tensors.values()
         ],
-        [replace(s, nbytes=0) for s in graph.storages.values()],
+        [(s.id, s.kind, s.allocated_at, s.released_after) for s in graph.storages.values()],
         graph.saved,
         graph.nodes,
         graph.modules,
@@ -62,14 +65,21 @@ def _numbers(graph: Graph) -> list[int]:
 
 def _with_numbers(template: Graph, numbers: list[int]) -> Graph:
     it = iter(numbers)
-    ops = [replace(op, flops=next(it)) for op in template.ops]
+    # each record made by its constructor (`dataclasses.replace` was most of a 70B step's time)
+    ops = [
+        Op(op.index, op.name, op.target, op.module, op.phase, op.inputs, op.outputs, next(it), op.node)
+        for op in template.ops
+    ]  # fmt: skip
     tensors = {}
     for tid, t in template.tensors.items():
         nbytes = next(it)
         shape = tuple(next(it) for _ in t.shape)
         stride = tuple(next(it) for _ in t.stride)
-        tensors[tid] = replace(t, nbytes=nbytes, shape=shape, stride=stride)
-    storages = {sid: replace(s, nbytes=next(it)) for sid, s in template.storages.items()}
+        tensors[tid] = Tensor(t.id, t.storage, shape, t.dtype, nbytes, t.producer, stride)
+    storages = {
+        sid: Storage(s.id, next(it), s.kind, s.allocated_at, s.released_after)
+        for sid, s in template.storages.items()
+    }
     info = dict(template.info)
     info.update({k: next(it) for k in _info_numbers(template)})
     return Graph(

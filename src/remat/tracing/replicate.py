@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from remat.graph import Graph, ModuleCall, Node, Op, Saved, Storage, Tensor
 
@@ -88,6 +89,8 @@ class _Axis:
     copies: dict[Key, list[tuple[int | None, int]]] = field(default_factory=dict)
     #: (segment, context) -> how far a reference into the segment moves (`_Layout.move`)
     shifts: dict[tuple[int, tuple | None], int] = field(default_factory=dict)
+    #: position -> segment (`tabulate`)
+    table: list[int] = field(default_factory=list)
 
     def add(self, position: int, key: Key) -> None:
         if self.keys and self.keys[-1] == key:
@@ -102,7 +105,14 @@ class _Axis:
         return self.keys[i], position - self.starts[i]
 
     def segment(self, position: int) -> int:
+        if 0 <= position < len(self.table):
+            return self.table[position]
         return bisect.bisect_right(self.starts, position) - 1
+
+    def tabulate(self, end: int) -> None:
+        """Each position's segment in a list (`segment` reads it): a replicated 70B step moves
+        some 10^5 references, and a list index is cheaper than a bisection each."""
+        self.table = [i for i in range(len(self.starts)) for _ in range(self.size(i, end))]
 
     def size(self, i: int, end: int) -> int:
         return (self.starts[i + 1] if i + 1 < len(self.starts) else end) - self.starts[i]
@@ -139,6 +149,24 @@ def _anchor(kind: str, record: object) -> int | None:
     return None
 
 
+Mover = Callable[[int | None], int | None]
+
+
+class _Shifts(dict):
+    """Segment -> how far a reference into it moves, seen from one context (`_Layout.move`),
+    worked out as asked."""
+
+    def __init__(self, lay: _Layout, axis: _Axis, context: tuple | None) -> None:
+        super().__init__()
+        self.lay, self.axis, self.context = lay, axis, context
+
+    def __missing__(self, segment: int) -> int:
+        shift = self[segment] = self.lay.move(
+            self.axis, self.axis.starts[segment], self.context
+        ) - self.axis.starts[segment]  # fmt: skip
+        return shift
+
+
 class _Layout:
     """The segments of a traced graph and where each lands in the replicated one."""
 
@@ -148,19 +176,31 @@ class _Layout:
         self.graph, self.stacks, self.units = graph, stacks, units
         self.state_names, self.params = state, params
         self.paths: dict[tuple[str, tuple | None], str] = {}
+        self._movers: dict[tuple | None, tuple[Mover, Mover]] = {}
         self.patterns = [re.compile(re.escape(s.path) + r"\.(\d+)(?=[.:]|$)") for s in stacks]
+        self.prefixes = [s.path + "." for s in stacks]
         self.ops = self._op_axis()
         self.ids, self.events = self._id_axis()
         for axis, end in ((self.ops, len(graph.ops)), (self.ids, len(self.events))):
             self._emit(axis, end)
+            axis.tabulate(end)
 
     # -- segments ---------------------------------------------------------------------------------
     def layer_of(self, path: str) -> tuple[int, int] | None:
         """(stack, layer) of a module path or name under a stack's blocks."""
-        for i, pattern in enumerate(self.patterns):
-            m = pattern.match(path)
-            if m:
-                return i, int(m.group(1))
+        where = self._span(path)
+        return None if where is None else where[:2]
+
+    def _span(self, path: str) -> tuple[int, int, int, int] | None:
+        """(stack, layer, where the layer's digits begin and end in `path`): `patterns`' match,
+        by hand (every op name is asked once: a regular expression each was most of it)."""
+        for i, prefix in enumerate(self.prefixes):
+            if path.startswith(prefix):
+                begin = end = len(prefix)
+                while end < len(path) and path[end] in "0123456789":
+                    end += 1
+                if end > begin and (end == len(path) or path[end] in ".:"):
+                    return i, int(path[begin:end]), begin, end
         return None
 
     def unit_key(self, path: str, phase: str) -> Key | None:
@@ -306,6 +346,29 @@ class _Layout:
             shift = axis.shifts[(segment, context)] = landing - axis.starts[segment]
         return position + shift
 
+    def movers(self, context: tuple | None) -> tuple[Mover, Mover]:
+        """`move` along the ids and along the op indices, seen from `context`, as two functions
+        (made once per context): what `replicate` calls for each reference it renumbers."""
+        found = self._movers.get(context)
+        if found is None:
+            found = self._movers[context] = (
+                self._mover(self.ids, context),
+                self._mover(self.ops, context),
+            )
+        return found
+
+    def _mover(self, axis: _Axis, context: tuple | None) -> Mover:
+        table, last = axis.table, len(axis.starts) - 1
+        size = len(table)
+        shifts = _Shifts(self, axis, context)
+
+        def move(position: int | None) -> int | None:
+            if position is None or position < 0:
+                return position
+            return position + shifts[table[position] if position < size else last]
+
+        return move
+
     def path(self, path: str, context: tuple | None) -> str:
         """`path` (or a name that begins with one) as seen from a record emitted in `context`."""
         found = self.paths.get((path, context))
@@ -314,10 +377,10 @@ class _Layout:
         return found
 
     def _path(self, path: str, context: tuple | None) -> str:
-        where = self.layer_of(path)
+        where = self._span(path)
         if where is None:
             return path
-        si, layer = where
+        si, layer, begin, end = where
         stack = self.stacks[si]
         unit = stack.unit_of(layer)
         if unit is None:
@@ -325,7 +388,7 @@ class _Layout:
         full = self.target((si, unit, ""), context)
         assert full is not None
         new = stack.layer(full, (layer - stack.first - stack.start) % stack.period)
-        return self.patterns[si].sub(f"{stack.path}.{new}", path, count=1)
+        return f"{path[:begin]}{new}{path[end:]}"
 
 
 def replicate(
@@ -360,58 +423,70 @@ def replicate(
     def mop(values: tuple[int, ...], context: tuple | None) -> tuple[int, ...]:
         return tuple(lay.move(ops, v, context) for v in values)  # type: ignore[misc]
 
-    new_ops: dict[int, Op] = {}
+    # ops: each copy's name first (`_recount`: the call counts run over the laid-out order), then
+    # the op, made once, in its place
+    placed: list[tuple[Op, tuple | None, str] | None] = [None] * ops.new_start[("end", None)]
     for op in graph.ops:
         for index, c in copies(ops, op.index):
-            new_ops[index] = Op(
+            placed[index] = (op, c, lay.path(op.name, c))
+    names = _recount([(name, op.target) for op, _, name in placed])  # type: ignore[misc]
+    ordered_ops = []
+    for index, ((op, c, _), name) in enumerate(zip(placed, names, strict=True)):  # type: ignore[misc]
+        mi, mo = lay.movers(c)
+        ordered_ops.append(
+            Op(
                 index=index,
-                name=lay.path(op.name, c),
+                name=name,
                 target=op.target,
                 module=lay.path(op.module, c),
                 phase=op.phase,
-                inputs=mid(op.inputs, c),
-                outputs=mid(op.outputs, c),
+                inputs=tuple(mi(v) for v in op.inputs),
+                outputs=tuple(mi(v) for v in op.outputs),
                 flops=op.flops,
-                node=lay.move(ids, op.node, c),
+                node=mi(op.node),
             )
-    ordered_ops = [new_ops[i] for i in range(len(new_ops))]
-    _recount_names(ordered_ops)
+        )
 
-    tensors: dict[int, Tensor] = {}
-    storages: dict[int, Storage] = {}
-    nodes: dict[int, Node] = {}
-    saved: dict[int, Saved] = {}
+    # ids: every record in its new place, read back in order (the dicts keep ascending ids)
+    slots: list[object] = [None] * ids.new_start[("end", None)]
     new_state: dict[int, str] = {}
     for position, (kind, rec) in enumerate(lay.events):
         for new, c in copies(ids, position):
             if position < 2 * len(state) and position % 2:
                 new_state[new // 2] = lay.path(state[position // 2], c)
+            mi, mo = lay.movers(c)
             if kind == "storage":
                 s: Storage = rec  # type: ignore[assignment]
-                storages[new] = Storage(
-                    new, s.nbytes, s.kind, lay.move(ops, s.allocated_at, c),
-                    lay.move(ops, s.released_after, c),
-                )  # fmt: skip
+                slots[new] = Storage(
+                    new, s.nbytes, s.kind, mo(s.allocated_at), mo(s.released_after)
+                )
             elif kind == "tensor":
                 t: Tensor = rec  # type: ignore[assignment]
-                tensors[new] = Tensor(
-                    new, lay.move(ids, t.storage, c), t.shape, t.dtype, t.nbytes,  # type: ignore[arg-type]
-                    lay.move(ops, t.producer, c), t.stride,
+                slots[new] = Tensor(
+                    new, mi(t.storage), t.shape, t.dtype, t.nbytes, mo(t.producer), t.stride,  # type: ignore[arg-type]
                 )  # fmt: skip
             elif kind == "node":
                 n: Node = rec  # type: ignore[assignment]
-                nodes[new] = Node(
-                    new, n.name, lay.move(ops, n.forward_op, c), lay.move(ops, n.released_after, c)
-                )
+                slots[new] = Node(new, n.name, mo(n.forward_op), mo(n.released_after))
             else:
                 v: Saved = rec  # type: ignore[assignment]
-                saved[new] = Saved(
-                    lay.move(ids, v.storage, c),  # type: ignore[arg-type]
-                    lay.move(ids, v.tensor, c),  # type: ignore[arg-type]
-                    lay.move(ids, v.node, c), v.phase, lay.move(ops, v.forward_op, c),
-                    lay.move(ops, v.packed_after, c), lay.move(ops, v.released_after, c),
-                    lay.move(ops, v.unpacked_until, c),
+                slots[new] = Saved(
+                    mi(v.storage), mi(v.tensor), mi(v.node), v.phase, mo(v.forward_op),  # type: ignore[arg-type]
+                    mo(v.packed_after), mo(v.released_after), mo(v.unpacked_until),
                 )  # fmt: skip
+    tensors: dict[int, Tensor] = {}
+    storages: dict[int, Storage] = {}
+    nodes: dict[int, Node] = {}
+    saved: list[Saved] = []
+    for new, record in enumerate(slots):
+        if type(record) is Tensor:
+            tensors[new] = record
+        elif type(record) is Storage:
+            storages[new] = record
+        elif type(record) is Node:
+            nodes[new] = record
+        elif record is not None:
+            saved.append(record)  # type: ignore[arg-type]
 
     if full_state is not None and [new_state[i] for i in sorted(new_state)] != full_state:
         raise NotPeriodic("the replicated parameters are not the model's, in its order")
@@ -427,10 +502,10 @@ def replicate(
         info[name] = sorted(lay.move(ids, v, None) for v in graph.info.get(name, []))  # type: ignore[union-attr,misc]
     return Graph(
         ops=ordered_ops,
-        tensors=dict(sorted(tensors.items())),
-        storages=dict(sorted(storages.items())),
-        saved=[saved[k] for k in sorted(saved)],
-        nodes=dict(sorted(nodes.items())),
+        tensors=tensors,
+        storages=storages,
+        saved=saved,
+        nodes=nodes,
         modules=modules,
         info=info,
     )
@@ -469,15 +544,20 @@ def _modules(graph: Graph, lay: _Layout, mid, mop) -> list[ModuleCall]:  # noqa:
     return [m for _, m in sorted(emitted, key=lambda x: x[0])]
 
 
-def _recount_names(ops: list[Op]) -> None:
-    """Op names' call counts as the tracer counts them: per scope and op, in order. Scopes in a
-    block count afresh in each copy; scopes outside the blocks (the root, `<backward>`) go on."""
+def _recount(named: list[tuple[str, str]]) -> list[str]:
+    """Op names (each with its op's target, in order) with their call counts as the tracer
+    counts them: per scope and op. Scopes in a block count afresh in each copy; scopes outside
+    the blocks (the root, `<backward>`) go on."""
     counts: dict[tuple[str, str], int] = {}
-    for i, op in enumerate(ops):
-        short = op.target.split(".")[1] if "." in op.target else op.target
-        tail = f"{short}_"
-        head, _, _ = op.name.rpartition(tail)
+    shorts: dict[str, str] = {}
+    out = []
+    for name, target in named:
+        short = shorts.get(target)
+        if short is None:
+            short = shorts[target] = target.split(".")[1] if "." in target else target
+        head, _, _ = name.rpartition(f"{short}_")
         prefix = head[:-1] if head.endswith(".") else head
         count = counts.get((prefix, short), 0)
         counts[(prefix, short)] = count + 1
-        ops[i] = replace(op, name=f"{head}{short}_{count}")
+        out.append(f"{head}{short}_{count}")
+    return out

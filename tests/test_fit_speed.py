@@ -1,0 +1,106 @@
+"""Shortcuts that make `fit` at 70B scale faster (issue 35): figures kept per graph, the search's
+shortcut past auto's solvers judging one candidate plan at a time. Each must give what working
+everything out afresh gives."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from remat import models
+from remat.answers import fit_rows
+from remat.answers.fit_steps import FitSteps
+from remat.device.gpus import custom_gpu
+from remat.graph import Graph
+from remat.planning.planner import Planner
+from remat.prediction import estimate as estimate_module
+from remat.prediction import schedule as schedule_module
+
+
+@pytest.fixture(scope="module")
+def llama() -> Graph:
+    from remat.tracing.trace import trace
+
+    model, inputs = models.build("llama-2-7b", batch=2, seq=64, tiny=True, n_layers=4)
+    return trace(model, *inputs)
+
+
+def _afresh(graph: Graph) -> Graph:
+    """The same graph with nothing kept (`Graph.memo` empty)."""
+    return Graph(
+        graph.ops, graph.tensors, graph.storages, graph.saved, graph.nodes, graph.modules,
+        dict(graph.info),
+    )  # fmt: skip
+
+
+def test_param_dtypes_kept_per_graph_equal_a_fresh_reading(llama):
+    kept = estimate_module.param_dtypes(llama)
+    kept["spoilt"] = "float8"  # a caller's change does not reach what is kept
+    again = estimate_module.param_dtypes(llama)
+    assert "param_dtypes" in llama.memo
+    assert again == estimate_module.param_dtypes(_afresh(llama))
+    assert "spoilt" not in again and again
+
+
+def test_simulations_with_the_forward_storages_kept_equal_fresh_ones(llama):
+    planner = Planner(llama, "h100", "adamw")
+    for regions in ((), planner.every_block("full"), planner.block_regions([[0], [1]])):
+        kept = schedule_module._simulate(llama, tuple(regions), None)
+        assert "forward_made" in llama.memo
+        assert kept == schedule_module._simulate(_afresh(llama), tuple(regions), None)
+    assert kept.held_bytes > 0
+
+
+@pytest.mark.parametrize("room", ["roomy", "tight"])
+def test_candidate_fits_judging_one_plan_at_a_time_answers_as_judging_all(llama, room):
+    """Where a fixed plan's reserved bytes fit, the lowest-peak plan (a plan per block count and
+    a MILP) is not worked out; the answer is the one judging every candidate gives, with a GPU
+    where store-all fits and with one where nothing does."""
+    capacity = 1 << 40 if room == "roomy" else 1 << 20
+    steps = FitSteps(
+        lambda b, s: models.build("llama-2-7b", batch=b, seq=s, tiny=True, n_layers=4),
+        custom_gpu(capacity, "h100"), "fp32", "adamw", 1, None,
+    )  # fmt: skip
+    steps.traced[(2, 64)] = llama
+    answer = fit_rows.candidate_fits(steps, 2, 64)
+    planner = steps.planner(2, 64)
+    assert (planner._lowest is None) == (room == "roomy")
+    whole = any(steps.gpu_memories(2, 64, p)[0].fits for p in steps.candidates(planner))
+    assert answer == whole == (room == "roomy")
+    assert list(itertools.islice(steps.fixed_plans(planner), 1))
+
+
+def test_rank_peaks_kept_per_planner_equal_a_fresh_sharding(llama):
+    """`FitSteps.rank_peak` keeps each plan's per-rank peak by planner, regions and ranks: asked
+    again (the searches return to a size), at other ranks, or of a new planner of the same
+    graph, it is what `shard_step` gives afresh."""
+    from remat.prediction.estimate import shard_step
+
+    steps = FitSteps(None, custom_gpu(1 << 40, "h100"), "bf16-fsdp", "adamw", 4, None)  # type: ignore[arg-type]
+    planner = Planner(llama, "h100", "adamw")
+    plans = list(steps.fixed_plans(planner))
+    for shard in (4, 8, 4):
+        for p in plans:
+            fresh = shard_step(llama, planner.simulate(p.regions), shard, "adamw", 2)
+            expected = max(max(fresh.timeline), fresh.optimizer_step_bytes)
+            assert steps.rank_peak(planner, p, shard) == expected
+    assert len(steps.rank_peaks) == 2 * len({p.regions for p in plans})
+    other = Planner(llama, "h100", "sgd")  # another optimizer's planner: its own peaks
+    p = plans[0]
+    fresh = shard_step(llama, other.simulate(p.regions), 4, "adamw", 2)
+    assert steps.rank_peak(other, p, 4) == max(max(fresh.timeline), fresh.optimizer_step_bytes)
+
+
+def test_step_lives_kept_per_graph_serve_the_walk_as_fresh_ones(llama):
+    """A plan simulated, then walked by the allocator, reads the lives kept from its simulation:
+    the walk's events equal those of a graph with nothing kept."""
+    from remat.prediction.gpu_memory import Fsdp, step_events
+
+    planner = Planner(llama, "h100", "adamw")
+    regions = planner.block_regions([[0, 1], [2]])
+    planner.simulate(regions)
+    assert tuple(regions) in llama.memo["lives"][2]
+    for fsdp in (None, Fsdp(4, 2)):
+        kept = step_events(llama, regions, "adamw", fsdp=fsdp)
+        assert kept == step_events(_afresh(llama), regions, "adamw", fsdp=fsdp)
