@@ -462,7 +462,10 @@ def _apply_line(p: Any, steps: FitSteps, planner: Any, usable: int) -> str:
     # what sharding takes off a rank: of this plan's step, or of store-all's (as auto is solved)
     judged = p if fixed else planner.solve(strategies.get("store_all"), planner.estimate.peak_bytes)
     moved = judged.predicted_peak_bytes - steps.rank_peak(planner, judged)
-    budget = max(usable + moved, p.predicted_peak_bytes) if fixed else p.budget_bytes
+    if fixed:
+        budget = max(usable + moved, p.predicted_peak_bytes)
+    else:  # a lowest-peak plan (judge_step's fallback) was solved at no budget: its own peak
+        budget = p.predicted_peak_bytes if p.budget_bytes is None else p.budget_bytes
     rank = budget - moved
     code = (
         "remat.auto(model, *inputs, "
