@@ -51,7 +51,7 @@ from remat.planning.plans import (
     resolve_budget,
 )
 from remat.planning.solvers import chain as chain_model
-from remat.planning.solvers.selective import POLICIES, dearest_first, without_mutated
+from remat.planning.solvers.selective import POLICIES, dearest_first, keep_of, without_mutated
 from remat.prediction.estimate import MemoryEstimate, Optimizer, estimate, optimizer_step_bytes
 from remat.prediction.schedule import Region, Simulation, analyse_regions, make_region, simulate
 from remat.units import format_bytes
@@ -565,7 +565,7 @@ class Planner:
                     dearest = dearest_first(self.graph, reached, self.op_seconds)
                     keep = {op.name for op in dearest[: int(name.removeprefix(DEAREST))]}
                 else:
-                    keep = POLICIES[name](self.graph, ops) & {op.name for op in reached}
+                    keep = keep_of(name, self.graph, ops, reached)
                 keep = without_mutated(self.graph, ops, keep)
             modules = tuple(self.blocks[i].path for i in group)
             link = self.links[group[0]] if len(group) > 1 else None

@@ -93,6 +93,19 @@ POLICIES: dict[str, Policy] = {
     "torchtitan": torchtitan,
 }
 
+#: The policies that stand for a peer's own op list, kept whole as torch's selective
+#: checkpointing runs it: its cache holds a MUST_SAVE output until the region's backward even
+#: where the replay stops before reading it (a Llama block's last mm under torchtitan: 4.0 GiB
+#: of the published P2 run, docs/accuracy.md). The others keep only what their replay reads.
+AS_PEERS_RUN = frozenset({"torchtitan"})
+
+
+def keep_of(name: str, graph: Graph, ops: list[Op], reached: Sequence[Op]) -> set[str]:
+    """Policy `name`'s keep set over a region's `ops`: a peer's list whole (`AS_PEERS_RUN`), the
+    others only what the region's replay reaches (`reached`, `remat.planning.blocks.replay_reach`)."""
+    keep = POLICIES[name](graph, ops)
+    return keep if name in AS_PEERS_RUN else keep & {op.name for op in reached}
+
 
 def without_mutated(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
     """Selective checkpointing caches a kept op's output tensor and refuses it when the region
