@@ -10,10 +10,12 @@ so views and in-place results share the bytes of the storage they alias.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
+
+_T = TypeVar("_T")
 
 Phase = Literal["forward", "backward"]
 StorageKind = Literal["param", "buffer", "input", "constant", "activation", "grad"]
@@ -179,6 +181,18 @@ class Graph:
     #: what later stages derive from the graph and keep with it (each op's kernel scratch, which
     #: every simulation adds): not part of the graph's identity, equality or JSON, nor copied
     memo: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def derived(self, name: str, compute: Callable[[], _T], *reads: object) -> _T:
+        """`compute()`, kept in `memo` under `name` while the parts of the graph it `reads` (its
+        lists, by identity) are the same objects: worked out once per graph, not per plan."""
+        kept = self.memo.get(name)
+        if (
+            kept is None
+            or len(kept[0]) != len(reads)
+            or any(a is not b for a, b in zip(kept[0], reads, strict=True))
+        ):
+            kept = self.memo[name] = (reads, compute())
+        return kept[1]
 
     # -- views -----------------------------------------------------------------------------------
     @cached_property

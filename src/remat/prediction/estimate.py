@@ -300,11 +300,11 @@ def dtype_bytes(dtype: str) -> int:
 def param_dtypes(graph: Graph) -> dict[int, str]:
     """Parameter storage id -> the dtype of the parameter on it (the tensor that no op produced;
     any tensor of the storage if there is none; `float32` for a storage no tensor names). Read
-    from every tensor once per graph (`Graph.memo`): each plan's per-rank figures ask again."""
-    kept = graph.memo.get("param_dtypes")
-    if kept is None or kept[0] is not graph.tensors or kept[1] is not graph.storages:
-        kept = graph.memo["param_dtypes"] = (graph.tensors, graph.storages, _param_dtypes(graph))
-    return dict(kept[2])
+    from every tensor once per graph (`Graph.derived`): each plan's per-rank figures ask again."""
+    found = graph.derived(
+        "param_dtypes", lambda: _param_dtypes(graph), graph.tensors, graph.storages
+    )
+    return dict(found)
 
 
 def _param_dtypes(graph: Graph) -> dict[int, str]:

@@ -616,10 +616,9 @@ def simulate(
     else:
         # kept while the ops' scratch is (`ops_scratch_bytes`: the same list until what it is
         # read from changes)
-        scratch = ops_scratch_bytes(graph)
-        if graph.memo.get("simulations", (None,))[0] is not scratch:
-            graph.memo["simulations"] = (scratch, OrderedDict())
-        kept: OrderedDict[tuple[Region, ...], Simulation] = graph.memo["simulations"][1]
+        kept: OrderedDict[tuple[Region, ...], Simulation] = graph.derived(
+            "simulations", OrderedDict, ops_scratch_bytes(graph)
+        )
         key = tuple(regions)
         found = kept.get(key)
         if found is None:
@@ -639,16 +638,17 @@ def simulate(
 
 def _forward_made(graph: Graph) -> dict[int, int]:
     """Storage id -> bytes, of the storages a forward op allocated: worked out once per graph
-    (`Graph.memo`), where each simulation of a plan asked every storage's op again."""
-    kept = graph.memo.get("forward_made")
-    if kept is None or kept[0] is not graph.storages or kept[1] is not graph.ops:
-        made = {
+    (`Graph.derived`), where each simulation of a plan asked every storage's op again."""
+    return graph.derived(
+        "forward_made",
+        lambda: {
             s.id: s.nbytes
             for s in graph.storages.values()
             if s.allocated_at is not None and graph.ops[s.allocated_at].phase == "forward"
-        }
-        kept = graph.memo["forward_made"] = (graph.storages, graph.ops, made)
-    return kept[2]
+        },
+        graph.storages,
+        graph.ops,
+    )
 
 
 #: simulations kept per graph for `simulate` (a 70B step's timeline is 10^5 positions)
@@ -659,12 +659,11 @@ def step_lives(
     graph: Graph, regions: Sequence[Region]
 ) -> tuple[RegionAnalysis, Schedule, dict[int, int], list[Life], list[int | None]]:
     """The analysis, schedule and `storage_lives` of the step with `regions` checkpointed (no
-    offload), kept for the last regions asked per graph (`Graph.memo`): the simulation of a plan
+    offload), kept for the last regions asked per graph (`Graph.derived`): the simulation of a plan
     and its allocator walk (`remat.prediction.gpu_memory`) read the same. Read-only."""
-    kept = graph.memo.get("lives")
-    if kept is None or kept[0] is not graph.ops or kept[1] is not graph.storages:
-        kept = graph.memo["lives"] = (graph.ops, graph.storages, OrderedDict())
-    lives: OrderedDict[tuple[Region, ...], tuple] = kept[2]
+    lives: OrderedDict[tuple[Region, ...], tuple] = graph.derived(
+        "lives", OrderedDict, graph.ops, graph.storages
+    )
     key = tuple(regions)
     found = lives.get(key)
     if found is None:
