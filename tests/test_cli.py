@@ -19,7 +19,7 @@ from remat.units import format_bytes
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "remat.answers.cli", *args],
+        [sys.executable, "-m", "remat", *args],
         capture_output=True,
         text=True,
         timeout=900,

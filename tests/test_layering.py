@@ -28,7 +28,7 @@ STAGES = (
     "layouts",
     "answers",
     "integrations",
-    "api",  # remat/__init__.py
+    "api",  # remat/__init__.py, remat/__main__.py (`python -m remat`)
 )
 MAX_LINES = 800
 
@@ -48,7 +48,7 @@ MODULES = _modules()
 
 def stage_of(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1:
+    if len(parts) == 1 or module == "remat.__main__":
         return "api"
     return parts[1] if parts[1] in STAGES else "base"
 

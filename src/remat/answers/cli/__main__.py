@@ -1,4 +1,4 @@
-"""`python -m remat.answers.cli`: the `remat` command."""
+"""`python -m remat.answers.cli`: the `remat` command (`python -m remat` is the short spelling)."""
 
 import sys
 
