@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 import torch
@@ -7,11 +8,19 @@ import torch
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Test models are tiny: intra-op threads gain nothing, and on a small VM handing each op to the
-    thread pool costs ~10 ms, which turns a millisecond step into a second."""
+    thread pool costs ~10 ms, which turns a millisecond step into a second. The commands tests run
+    as subprocesses (the README's and docs' lines, torchrun) inherit OMP_NUM_THREADS=1: two pytest
+    workers each running a two-thread `remat bench` on two cores spent most of a step waiting."""
     threads = torch.get_num_threads()
+    omp = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
 
 
 @pytest.fixture(autouse=True)
