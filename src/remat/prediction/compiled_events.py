@@ -31,7 +31,14 @@ from remat.device.allocator import Alloc, Free
 from remat.device.targets import ops_scratch_bytes
 from remat.graph import Graph
 from remat.prediction.estimate import Optimizer
-from remat.prediction.gpu_memory import BLAS_OPS, Fsdp, Positions, fsdp_events, optimizer_events
+from remat.prediction.gpu_memory import (
+    BLAS_OPS,
+    Fsdp,
+    Positions,
+    fsdp_events,
+    grad_shard_frees,
+    optimizer_events,
+)
 from remat.prediction.inductor_plan import StepPeak
 from remat.prediction.schedule import analyse_regions, build_schedule, storage_lives
 
@@ -187,8 +194,7 @@ def blocks_step_events(
         events += after.get(total, ())
         events += at.after.get(total, ())
         if fsdp is not None:
-            units = {"", *(b.path for b in graph.blocks)}
-            events += [Free(("grad_shard", k, u)) for u in units]
+            events += grad_shard_frees(graph, fsdp, k)
         events += [Free(key) for key in live]
         events += [Free(("input", k, s.id)) for s in inputs]
     return events
