@@ -124,13 +124,17 @@ _TITAN_7B = Source(
 _LLAMA2_7B = Source("remat preset", "llama-2-7b")
 # torchtitan at 6fc499f6 (the B200 table's) projected q, k and v by three matmuls
 # torchtitan 6fc499f6's apply_fsdp: fully_shard on tok_embeddings (resharded after forward), on
-# each block, on [norm, output] (not resharded after forward), then on the model (nothing left)
+# each block, on [norm, output] (not resharded after forward), then on the model (nothing left);
+# the output head is `output` at 6fc499f6, `lm_head` in the torchtitan 0.3 traced here
 _TITAN_8B = Source(
     "torchtitan (Llama 3 8B)",
     "torchtitan:llama3:8B",
     {"fuse_qkv": False},
     "torchtitan",
-    (FsdpUnit(("model.tok_embeddings",)), FsdpUnit(("model.norm", "model.output"), False)),
+    (
+        FsdpUnit(("model.tok_embeddings",)),
+        FsdpUnit(("model.norm", "model.output", "model.lm_head"), False),
+    ),
 )
 _LLAMA31_8B = Source(
     "remat preset",
