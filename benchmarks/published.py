@@ -34,7 +34,7 @@ from remat.errors import RematError
 from remat.models.float8 import convert_to_float8
 from remat.planning import strategies
 from remat.planning.planner import Planner
-from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, gpu_memory
+from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, Fsdp, FsdpUnit, gpu_memory
 from remat.prediction.loop import Loop
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -52,6 +52,7 @@ class Source:
     model: str
     overrides: dict[str, Any] = field(default_factory=dict)
     needs: str | None = None  # the package the source imports, if any
+    fsdp_units: tuple[FsdpUnit, ...] = ()  # modules outside the blocks FSDP wraps on their own
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,27 @@ _TITAN_7B = Source(
 )
 _LLAMA2_7B = Source("remat preset", "llama-2-7b")
 # torchtitan at 6fc499f6 (the B200 table's) projected q, k and v by three matmuls
+# torchtitan 6fc499f6's apply_fsdp: fully_shard on tok_embeddings (resharded after forward), on
+# each block, on [norm, output] (not resharded after forward), then on the model (nothing left);
+# the output head is `output` at 6fc499f6, `lm_head` in the torchtitan 0.3 traced here
 _TITAN_8B = Source(
-    "torchtitan (Llama 3 8B)", "torchtitan:llama3:8B", {"fuse_qkv": False}, "torchtitan"
+    "torchtitan (Llama 3 8B)",
+    "torchtitan:llama3:8B",
+    {"fuse_qkv": False},
+    "torchtitan",
+    (
+        FsdpUnit(("model.tok_embeddings",)),
+        FsdpUnit(("model.norm", "model.output", "model.lm_head"), False),
+    ),
 )
-_LLAMA31_8B = Source("remat preset", "llama-3.1-8b")
-_B200_SETUP = "Llama 3 8B, local 1 x 8192, FSDP2 x 8 (bf16 params, fp32 reduce), AdamW, per-op SAC"
+_LLAMA31_8B = Source(
+    "remat preset",
+    "llama-3.1-8b",
+    fsdp_units=(FsdpUnit(("embed_tokens",)), FsdpUnit(("norm", "lm_head"), False)),
+)
+_B200_SETUP = (
+    "Llama 3 8B, local 1 x 8192, FSDP2 x 8 (bf16 params, fp32 reduce), fused AdamW, per-op SAC"
+)
 _BERT = Source(
     "transformers (shipped config)",
     "hf:google-bert/bert-large-uncased",
@@ -238,6 +255,25 @@ POINTS: tuple[Point, ...] = (
         strategy="full",
         compile="blocks+loss",
         optimizer_in_backward=True,
+        note="the model torchtune builds (0.6.1, installed apart) predicts above the preset's in "
+        "every row, for two reasons found by comparing the two traces' saved tensors op by op. "
+        "(1) Its RMSNorm is not the publication's (commit 1814feb1): since pytorch/torchtune "
+        "#2054 (2024-11-25) it calls F.rms_norm on x.float() with the bf16 scale, which torch's "
+        "rms_norm_symint (layer_norm.cpp) sends to its composite path (the weight's dtype is not "
+        "the input's), whose multiplication by the scale saves the fp32 normalized tensor: 96 "
+        "MiB a norm here where 1814feb1's `(x_fp32 * rsqrt(...)).type_as(x) * scale` saves it "
+        "in bf16, 48 MiB, as the preset does: 2 norms x 28 layers x 48 MiB = 2.63 GiB, and the "
+        "final norm's 0.05 (T1: 62.41 against the preset's 59.67 GiB). With 1814feb1's forward "
+        "put back in torchtune 0.6.1 (for this check only), T1 is 59.73 GiB (0.996), T2 50.97 "
+        "(0.999); under full AC only the final norm and the replayed layer keep it (T5 -0.05 "
+        "GiB). (2) torch 2.13's partitioner saves two fp32 `exp`s (501 MiB each) of torchtune's "
+        "compiled chunked loss in place of two of its bf16 logits chunks (250.5 MiB each; the "
+        "same loss code at 1814feb1 and 0.6.1, its graph ordered otherwise than the preset's "
+        "loss, which saves its eight chunks): +0.49 GiB at the loss's backward (T3, T4f, T5), "
+        "torch's own choice on this code (which the publication's torch of November 2024 is not "
+        "known to share). remat held the two unsaved chunks as well (a compiled unit kept every "
+        "input of a layout it saves), 0.49 GiB more: fixed in issue 37, T3 from torchtune 44.16 "
+        "-> 43.68 GiB (1.029 -> 1.018), T5 24.46 -> 23.97 (1.059 -> 1.037)",
     ),
     Point(
         "P1",
@@ -418,13 +454,16 @@ POINTS: tuple[Point, ...] = (
             1,
             8192,
             "bf16",
-            "adamw",
+            # torchtitan 6fc499f6: [optimizer] implementation defaults to "fused" (job_config.py)
+            "adamw-fused",
             strategy="selective:torchtitan",
             shard=8,
             master_scale=2,
             float8=recipe,
             compile="blocks+loss",
             expandable=True,  # torchtitan's run_train.sh sets it
+            unexpressed="torchtitan's FSDP units of the embedding and of the final norm with the "
+            "output head (`--shard` leaves them to the root unit, gathered all step)",
             note=note,
         )
         for id, what, gib, recipe, note in (
@@ -440,15 +479,33 @@ POINTS: tuple[Point, ...] = (
                 "llama3.sh passes --training.compile, which compiles each TransformerBlock and "
                 "the loss function (components/loss.py build_cross_entropy_loss: `--compile "
                 "blocks+loss`); llama3_8b.toml: per-op SAC (`--ac selective:torchtitan`, its "
-                "_save_list). Requested 31.34 GiB from both sources (0.930 of the published "
-                "reserved): where the run's allocator held 2.37 GiB over that (if it is the run's), the "
-                "allocator model holds 6.37 GiB (37.71 reserved, remat preset; 42.66 under "
-                "torch's default settings): the first step's AdamW state (7.49 GiB a rank) is made "
-                "in the activation space its backward freed, so the second step's forward maps "
-                "new pages (reserved 30.23 -> 37.71 GiB over blocks 24-31 and the loss). That "
-                "overhead is the 11-12% left. Before (the loss eager: three fp32 8192 x 128256 "
-                "tensors, 11.99 GiB, in its backward; compiled blocks without their saved inputs; "
-                "torch's default allocator): 1.42 (torchtitan), 1.37 (preset)",
+                "_save_list), the optimizer's default implementation, fused (`adamw-fused`); "
+                "apply_fsdp wraps tok_embeddings in an FSDP unit of its own and norm + output in "
+                "another, not resharded after forward (Source.fsdp_units, "
+                "remat.prediction.gpu_memory.FsdpUnit; `--shard` keeps them in the root unit, "
+                "gathered all step: 37.51 GiB, 1.113, remat preset). Requested 30.36 GiB (remat "
+                "preset), 0.90 of the published reserved; the allocator model holds 5.20 GiB over "
+                "it, by torch's rules (checked in issue 37 against CUDACachingAllocator.cpp, "
+                "torch.optim and torchtitan 6fc499f6): AdamW's _init_group makes the state (7.49 "
+                "GiB a rank, torch.zeros_like) in the first step, in the activation space its "
+                "backward freed, so the second step's forward maps new pages at the segment's end "
+                "(try_allocate_expandable_block maps only what its free tail lacks; nothing is "
+                "unmapped short of an out-of-memory retry or empty_cache, which torchtitan calls "
+                "once, before training, in DeviceMemoryMonitor; its gc handler only collects "
+                "Python objects). The overhead is per stream: at the second step's peak the "
+                "compute stream maps 0.4 GiB over what it holds, while the reduce-scatter stream "
+                "keeps 3.75 GiB of blocks for the gradient shards (FSDP2 allocates the "
+                "reduce-scatter output in that stream, _fsdp_collectives.foreach_reduce; freed at "
+                "zero_grad, cached there) and the all-gather stream its own, which the compute "
+                "stream cannot take (a block is never given to another stream). Issue 37 (remat "
+                "preset, reserved): 37.71 (1.119) -> 37.51 (an expandable segment's free tail is "
+                "taken after a larger free block: get_free_block's expandable_size) -> 35.56 "
+                "(torchtitan's FSDP units); fused AdamW moved nothing. Before that (the loss eager: "
+                "three fp32 8192 x 128256 tensors, 11.99 GiB, in its backward; compiled blocks "
+                "without their saved inputs; torch's default allocator): 1.42 (torchtitan), 1.37 "
+                "(preset). The F rows are traced without torchao (remat.models.float8's "
+                "stand-in): with torchao 0.10.0 importable (installed apart for the torchtune "
+                "rows) F3 came out at 143.6 GiB (4.26), not looked into",
             ),
             (
                 "F2",
@@ -650,7 +707,7 @@ def predict(point: Point, source: Source) -> Prediction:
     if point.strategy != "store_all":
         plan = planner.solve(strategies.get(point.strategy, "eager"), planner.estimate.peak_bytes)
         regions = plan.regions
-    fsdp = Fsdp(point.shard, point.master_scale) if point.shard > 1 else None
+    fsdp = Fsdp(point.shard, point.master_scale, source.fsdp_units) if point.shard > 1 else None
     if point.compile is not None:
         from remat.prediction.compiled_estimate import estimate_compiled
 

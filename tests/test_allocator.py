@@ -131,6 +131,31 @@ def test_expandable_segments_grow_where_fixed_segments_fragment():
     assert expandable.allocated_bytes == 90 * MiB
 
 
+def test_an_expandable_segments_free_tail_is_taken_after_a_larger_free_block():
+    # get_free_block under expandable segments: a free tail counts as its size plus the
+    # unmapped address space after it (expandable_size), so a larger free block before it wins.
+    # a, b, c: 200 MiB in 10 pages; a and c freed: a 100 MiB hole and a 60 MiB free tail.
+    # 50 MiB goes in the hole (by size alone it went in the tail), leaving 50 MiB there, so the
+    # 100 MiB after it finds no block: the 60 MiB tail grows by two pages, 240 MiB reserved
+    # (by size alone the 100 MiB took the whole hole: 200 MiB)
+    events = [
+        Alloc("a", 100 * MiB),
+        Alloc("b", 40 * MiB),
+        Alloc("c", 60 * MiB),
+        Free("a"),
+        Free("c"),
+        Alloc("d", 50 * MiB),
+        Alloc("e", 100 * MiB),
+    ]
+    peaks = _run(*events, expandable_segments=True)
+    assert peaks.reserved_bytes == 240 * MiB
+    assert peaks.current_allocated_bytes == 190 * MiB
+    # 110 MiB: no free block holds it, the tail grows by the 50 MiB it lacks, in three pages
+    assert _run(*events[:5], Alloc("d", 110 * MiB), expandable_segments=True).reserved_bytes == (
+        260 * MiB
+    )
+
+
 def test_a_free_of_an_unknown_key_is_an_error():
     with pytest.raises(ValueError, match="not allocated"):
         _run(Free("nobody"))

@@ -22,6 +22,7 @@ from remat.prediction.gpu_memory import (
     ALL_GATHER_STREAM,
     REDUCE_SCATTER_STREAM,
     Fsdp,
+    FsdpUnit,
     gpu_memory,
     step_events,
 )
@@ -146,3 +147,42 @@ def test_fsdp_events_of_a_checkpointed_run_of_several_blocks_free_what_they_allo
     _, end, _ = _replay(step_events(graph, regions, "adamw-foreach", fsdp=Fsdp(2)))
     plain = _replay(step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2)))[1]
     assert end == plain  # the same shards and state persist
+
+
+def test_fsdp_units_outside_the_blocks_are_gathered_as_torchtitan_wraps_them():
+    """torchtitan (6fc499f6) wraps the embedding in an FSDP unit of its own, resharded after its
+    forward, and the final norm with the output head in another, kept gathered from its forward
+    to its post-backward; the root unit held both gathered from the forward's start to the
+    backward's end. The embedding's gathered weight is now freed before the first block and
+    gathered again in backward, the head's gathered at its forward and not again."""
+    model, inputs = models.build("llama-3.1-8b", batch=1, seq=32, tiny=True, vocab_size=4096)
+    graph = remat.trace(model, *inputs, target="cuda")
+
+    def param_of(module: str) -> int:
+        return next(
+            graph.tensors[t].storage
+            for op in graph.forward_ops
+            if op.module == module
+            for t in op.inputs
+            if graph.storages[graph.tensors[t].storage].kind == "param"
+        )
+
+    embedding, head = param_of("embed_tokens"), param_of("lm_head")
+    units = (FsdpUnit(("embed_tokens",)), FsdpUnit(("norm", "lm_head"), False))
+    root = step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2))
+    split = step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2, units=units))
+    peak_root, end_root, _ = _replay(root)
+    peak_split, end_split, _ = _replay(split)  # every free matches an allocation
+    assert end_split == end_root  # the same shards and state persist
+    keys = [(type(e).__name__, e.key) for e in split]
+    first_block, last_block = graph.blocks[0].path, graph.blocks[-1].path
+    assert keys.index(("Free", ("unsharded", 0, "fwd", embedding))) < keys.index(
+        ("Alloc", ("ag", 0, "fwd", first_block))
+    )
+    assert ("Alloc", ("unsharded", 0, "bwd", embedding)) in keys
+    assert keys.index(("Alloc", ("unsharded", 0, "fwd", head))) > keys.index(
+        ("Alloc", ("ag", 0, "fwd", last_block))
+    )
+    assert ("Alloc", ("unsharded", 0, "bwd", head)) not in keys
+    # the root unit held the embedding's gathered weight through the peak; these units do not
+    assert peak_split <= peak_root - graph.storages[embedding].nbytes

@@ -9,7 +9,9 @@ caching allocator's (c10/cuda/CUDACachingAllocator.cpp, torch 2.13), whose rules
   blocks belong to the stream that allocated them and are never handed to another stream;
 - `get_free_block`: the smallest cached block of the pool and stream that holds the request
   (best fit, then lowest address); with `max_split_size`, a small request does not take an
-  oversize block, and an oversize request not one more than 20 MiB larger than itself;
+  oversize block, and an oversize request not one more than 20 MiB larger than itself; under
+  expandable segments a segment's free tail counts as the size it can expand to, so the next
+  larger free block of the stream, if there is one, is taken before it;
 - `get_allocation_size`: without a fitting block, a new segment is cudaMalloc'd: 2 MiB
   (kSmallBuffer) for a small request, 20 MiB (kLargeBuffer) for one under 10 MiB (kMinLargeAlloc),
   else the request rounded up to 2 MiB (kRoundLarge);
@@ -173,6 +175,11 @@ class _Allocator:
         if i == len(pool) or pool[i][0] != stream:
             return None
         block = self.by_key[(small, pool[i])]
+        # `get_free_block`'s expandable_size: a free tail counts as its size plus the unmapped
+        # address space after it, so the next larger free block of the stream wins over it
+        tail = block.segment.expandable and block.segment.tail is block
+        if tail and i + 1 < len(pool) and pool[i + 1][0] == stream:
+            block = self.by_key[(small, pool[i + 1])]
         limit = self.settings.max_split_size
         if limit is not None and not small:
             if size < limit <= block.size:

@@ -31,7 +31,14 @@ from remat.device.allocator import Alloc, Free
 from remat.device.targets import ops_scratch_bytes
 from remat.graph import Graph
 from remat.prediction.estimate import Optimizer
-from remat.prediction.gpu_memory import BLAS_OPS, Fsdp, Positions, fsdp_events, optimizer_events
+from remat.prediction.gpu_memory import (
+    BLAS_OPS,
+    Fsdp,
+    Positions,
+    fsdp_events,
+    grad_shard_frees,
+    optimizer_events,
+)
 from remat.prediction.inductor_plan import StepPeak
 from remat.prediction.schedule import analyse_regions, build_schedule, storage_lives
 
@@ -187,8 +194,7 @@ def blocks_step_events(
         events += after.get(total, ())
         events += at.after.get(total, ())
         if fsdp is not None:
-            units = {"", *(b.path for b in graph.blocks)}
-            events += [Free(("grad_shard", k, u)) for u in units]
+            events += grad_shard_frees(graph, fsdp, k)
         events += [Free(key) for key in live]
         events += [Free(("input", k, s.id)) for s in inputs]
     return events
@@ -196,16 +202,27 @@ def blocks_step_events(
 
 def saved_inputs(graph: Graph, first: int, last: int, step: StepPeak) -> set[int]:
     """The storages of `graph` made before forward op `first` and read by ops `first..last` (a
-    compiled unit's inputs, its parameters and the step's inputs aside) whose layout is one of
-    those the unit's compiled forward saves (`StepPeak.saved_inputs`)."""
-    wanted = set(step.saved_inputs)
+    compiled unit's inputs, its parameters and the step's inputs aside) that the unit's compiled
+    forward saves (`StepPeak.saved_inputs`): of the inputs of one layout, in the order the span
+    first reads them (dynamo makes a graph input where the code first touches it, so the
+    compiled unit's inputs come in that order), those at the ranks it saves."""
+    wanted = {(shape, dtype): set() for shape, dtype, _ in step.saved_inputs}
+    for shape, dtype, rank in step.saved_inputs:
+        wanted[(shape, dtype)].add(rank)
+    alike: dict[tuple[tuple[int, ...], str], list[int]] = {layout: [] for layout in wanted}
+    for op in graph.ops[first : last + 1]:
+        for t in op.inputs:
+            tensor = graph.tensors[t]
+            made = graph.storages[tensor.storage].allocated_at
+            seen = alike.get((tensor.shape, tensor.dtype))
+            if seen is None or made is None or made >= first or tensor.storage in seen:
+                continue
+            seen.append(tensor.storage)
     return {
-        graph.tensors[t].storage
-        for op in graph.ops[first : last + 1]
-        for t in op.inputs
-        if (graph.tensors[t].shape, graph.tensors[t].dtype) in wanted
-        and graph.storages[graph.tensors[t].storage].allocated_at is not None
-        and graph.storages[graph.tensors[t].storage].allocated_at < first
+        sid
+        for layout, ranks in wanted.items()
+        for rank, sid in enumerate(alike[layout])
+        if rank in ranks
     }
 
 

@@ -67,13 +67,32 @@ COMPUTE_STREAM, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 0, 1, 2
 
 
 @dataclass(frozen=True)
+class FsdpUnit:
+    """`fully_shard` on the modules at `paths` together (outside the blocks), as torchtitan
+    wraps its embedding, and its final norm with the output head; `reshard_after_forward`
+    False keeps the unit's parameters gathered from its forward to its post-backward."""
+
+    paths: tuple[str, ...]
+    reshard_after_forward: bool = True
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.paths)
+
+    def holds(self, module: str) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in self.paths)
+
+
+@dataclass(frozen=True)
 class Fsdp:
-    """FSDP2 over `shard` ranks, `fully_shard` on each of `graph.blocks` and then on the model;
-    `master_scale` as `remat.prediction.estimate.shard_step` takes it (2: bf16 traced parameters over fp32
-    shards, reduce-scatter in fp32)."""
+    """FSDP2 over `shard` ranks, `fully_shard` on each of `graph.blocks`, on each of `units`
+    (modules outside the blocks wrapped on their own), and then on the model (the root unit: the
+    parameters left); `master_scale` as `remat.prediction.estimate.shard_step` takes it (2: bf16
+    traced parameters over fp32 shards, reduce-scatter in fp32)."""
 
     shard: int
     master_scale: int = 1
+    units: tuple[FsdpUnit, ...] = ()
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -155,15 +174,24 @@ def fsdp_events(
     the backward, and each trainable parameter's shard bytes. Mutates `at` and ends the block
     gradients' lives (`grad_lives`: life index -> storage) at their unit's post-backward."""
     n, m = fsdp.shard, fsdp.master_scale
-    owner = param_blocks(graph)
+    owner, grad_owner = _unit_owners(graph, fsdp.units)
     units: dict[str, list[int]] = defaultdict(list)
     for sid in sorted(owner):
         units[owner[sid]].append(sid)
-    blocks = [b for b in graph.blocks if b.path in units]
+    # the units of the forward in order: (path, first op, last op, resharded after forward)
+    forward_units = [(b.path, b.first_op, b.last_op, True) for b in graph.blocks if b.path in units]
+    kept: set[str] = set()  # not resharded after forward: no second all-gather in backward
+    for unit in fsdp.units:
+        calls = [c for c in graph.modules if unit.holds(c.path)]
+        if unit.name in units and calls:
+            first, last = min(c.first_op for c in calls), max(c.last_op for c in calls)
+            forward_units.append((unit.name, first, last, unit.reshard_after_forward))
+            if not unit.reshard_after_forward:
+                kept.add(unit.name)
+    forward_units.sort(key=lambda u: u[1])
     gathered = param_gather_bytes(graph)  # float8 all-gather: a byte an element
     unit_bytes = {u: sum(gathered[sid] for sid in sids) for u, sids in units.items()}
     shard_bytes = {sid: _ceil_div(graph.storages[sid].nbytes * m, n) for sid in owner}
-    grad_owner = grad_blocks(graph)
 
     def gather(unit: str, phase: str) -> list[Event]:
         return [Alloc(("ag", step, phase, unit), unit_bytes[unit], ALL_GATHER_STREAM)]
@@ -175,17 +203,20 @@ def fsdp_events(
         return [Free(("unsharded", step, phase, sid)) for sid in units[unit]]
 
     # forward: unit k's copy-out frees unit k-1's all-gather output
-    before_step = gather("", "fwd") + unsharded("", "fwd")
-    previous = ""
-    for b in blocks:
-        first, last = schedule.position_of_op[b.first_op], schedule.position_of_op[b.last_op]
-        at.before[first] += gather(b.path, "fwd") + [Free(("ag", step, "fwd", previous))]
-        at.before[first] += unsharded(b.path, "fwd")
-        at.after[last] += reshard(b.path, "fwd")
-        previous = b.path
-    # backward: the span of each block's replays and backward ops
+    root = "" in units
+    before_step = gather("", "fwd") + unsharded("", "fwd") if root else []
+    previous: str | None = "" if root else None
+    for path, first_op, last_op, resharded in forward_units:
+        first, last = schedule.position_of_op[first_op], schedule.position_of_op[last_op]
+        at.before[first] += gather(path, "fwd")
+        at.before[first] += [Free(("ag", step, "fwd", previous))] if previous is not None else []
+        at.before[first] += unsharded(path, "fwd")
+        at.after[last] += reshard(path, "fwd") if resharded else []
+        previous = path
+    # backward: the span of each unit's replays and backward ops
     span: dict[str, list[int]] = {}
-    paths = [b.path for b in blocks]
+    paths = [(path, path) for path, *_ in forward_units if path not in {u.name for u in fsdp.units}]
+    paths += [(p, u.name) for u in fsdp.units if u.name in units for p in u.paths]
     units_of: dict[str, str | None] = {}  # by module path: a 70B step has 10^4 ops, 10^3 modules
     for position, (kind, i) in enumerate(schedule.order):
         op = graph.ops[i]
@@ -194,12 +225,13 @@ def fsdp_events(
         unit = units_of.get(op.module, "")
         if unit == "":
             unit = units_of[op.module] = next(
-                (p for p in paths if op.module == p or op.module.startswith(p + ".")), None
+                (u for p, u in paths if op.module == p or op.module.startswith(p + ".")), None
             )
         if unit is not None:
             span.setdefault(unit, [position, position])[1] = position
     backward_first = min((first for first, _ in span.values()), default=len(schedule.order) - 1)
-    at.before[backward_first].insert(0, Free(("ag", step, "fwd", previous)))
+    if previous is not None:
+        at.before[backward_first].insert(0, Free(("ag", step, "fwd", previous)))
     ordered = sorted(span, key=lambda u: span[u][0])
     grad_frees: dict[str, list[Event]] = defaultdict(list)
     for k, sid in grad_lives.items():  # gradients die in their unit's reduce-scatter copy-in
@@ -226,18 +258,50 @@ def fsdp_events(
 
     for k, unit in enumerate(ordered):
         first = span[unit][0]
-        events = [] if k else gather(unit, "bwd")  # later units were prefetched
-        events += unsharded(unit, "bwd") + [Free(("ag", step, "bwd", unit))]
-        if k + 1 < len(ordered):
+        events = []
+        if unit not in kept:  # a kept unit is still gathered from its forward
+            events += [] if k else gather(unit, "bwd")  # later units were prefetched
+            events += unsharded(unit, "bwd") + [Free(("ag", step, "bwd", unit))]
+        if k + 1 < len(ordered) and ordered[k + 1] not in kept:
             events += gather(ordered[k + 1], "bwd")
         at.before[first] += events
     # post-backward in the order the units' backward ends: a checkpointed run of several blocks
     # replays them all before the last one's backward, so their spans nest, not follow
     for unit in sorted(span, key=lambda u: span[u][1]):
-        at.after[span[unit][1]] += reduce_scatter(unit) + reshard(unit, "bwd")
-    after_backward = reduce_scatter("") + reshard("", "fwd")
+        held = "fwd" if unit in kept else "bwd"
+        at.after[span[unit][1]] += reduce_scatter(unit) + reshard(unit, held)
+    after_backward = reduce_scatter("") + (reshard("", "fwd") if root else [])
     after_backward += [Free(("rs_in", step, u)) for u in rs_held]
     return before_step, after_backward, shard_bytes
+
+
+def _unit_owners(graph: Graph, extra: Sequence[FsdpUnit]) -> tuple[dict[int, str], dict[int, str]]:
+    """Each parameter's and each gradient's FSDP unit: its block (`param_blocks`,
+    `grad_blocks`), else the unit of `extra` holding the module that first reads the parameter
+    (makes the gradient), else the root ("")."""
+    params, grads = param_blocks(graph), grad_blocks(graph)
+    if not extra:
+        return params, grads
+    for op in graph.forward_ops:
+        for tid in op.inputs:
+            sid = graph.tensors[tid].storage
+            if params.get(sid) == "":
+                unit = next((u for u in extra if u.holds(op.module)), None)
+                params[sid] = unit.name if unit is not None else "\0root"
+    for sid, unit in params.items():
+        params[sid] = "" if unit == "\0root" else unit
+    for sid, unit in grads.items():
+        made = graph.storages[sid].allocated_at
+        module = graph.ops[made].module if unit == "" and made is not None else ""
+        grads[sid] = next((u.name for u in extra if module and u.holds(module)), unit)
+    return params, grads
+
+
+def grad_shard_frees(graph: Graph, fsdp: Fsdp, step: int) -> list[Event]:
+    """`zero_grad(set_to_none=True)` under FSDP: each unit's gradient shard freed (the units
+    whose parameters take gradients)."""
+    _, grads = _unit_owners(graph, fsdp.units)
+    return [Free(("grad_shard", step, u)) for u in sorted(set(grads.values()))]
 
 
 def step_events(
@@ -324,7 +388,7 @@ def step_events(
         events += optimizer_events(graph, optimizer, step, sizes, create_state=step == 0)
         events += at.after.get(total, ())  # zero_grad(set_to_none), the outputs and loss dropped
         if fsdp is not None:
-            events += [Free(("grad_shard", step, u)) for u in {"", *(b.path for b in graph.blocks)}]
+            events += grad_shard_frees(graph, fsdp, step)
         events += [Free(("input", step, s.id)) for s in inputs]
     return events
 

@@ -352,9 +352,10 @@ class StepPeak:
     #: how many of `events` are the forward's (the rest: tangents, loss, backward)
     forward_event_count: int = 0
     #: the inputs (neither parameters nor buffers) the forward saves for backward, by (shape,
-    #: dtype name): a compiled unit keeps them from its forward to its backward, whenever the
-    #: eager step would have dropped them (a compiled loss keeps the logits it was given)
-    saved_inputs: tuple[tuple[tuple[int, ...], str], ...] = ()
+    #: dtype name, which of the inputs of that layout in argument order): a compiled unit keeps
+    #: them from its forward to its backward, whenever the eager step would have dropped them
+    #: (a compiled loss keeps the logits it was given; of eight chunks alike, those it saves)
+    saved_inputs: tuple[tuple[tuple[int, ...], str, int], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -555,11 +556,16 @@ def _replay_step(
     held: list[Any] = list(args)  # parameters and inputs outlive the step
     static = {storage_key(held[i]) for i in static_input_idxs if isinstance(held[i], torch.Tensor)}
     arg_keys = {storage_key(a) for a in held if isinstance(a, torch.Tensor)}
-    inputs = {  # the inputs by storage, as the caller gave them (the replay empties `args`)
-        storage_key(a): (tuple(a.shape), dtype_name(a.dtype))
-        for i, a in enumerate(args)
-        if isinstance(a, torch.Tensor) and i not in static_input_idxs
-    }
+    # the inputs by storage, as the caller gave them (the replay empties `args`): layout, and
+    # the input's rank among those of its layout
+    inputs: dict[Any, tuple[tuple[int, ...], str, int]] = {}
+    alike: dict[tuple[tuple[int, ...], str], int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and i not in static_input_idxs:
+            layout = (tuple(a.shape), dtype_name(a.dtype))
+            if storage_key(a) not in inputs:
+                inputs[storage_key(a)] = (*layout, alike.get(layout, 0))
+                alike[layout] = alike.get(layout, 0) + 1
     fw = replay(fw_source, args, on_cpu)
     saved = {
         s for s in fw.output_storages[num_fwd_outputs:] if s is not None and s[0] not in static
