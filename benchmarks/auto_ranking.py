@@ -1,16 +1,19 @@
 """Untuned auto's pick against the peers at their peaks, in the thread's CPU time (issue 38, item 2).
 
-    OMP_NUM_THREADS=1 python benchmarks/auto_ranking.py [--model zoo|harness|resmlp] [--rounds 6]
+    OMP_NUM_THREADS=1 python benchmarks/auto_ranking.py [--model zoo|harness|resmlp|encoder]
+        [--rounds 6]
 
 For the zoo's GPT-2 of benchmarks/eager_equal_peak.py (12 layers, d 768, vocab 8192, seq 256,
 batch 4, tied head), the independent harness GPT-2 of benchmarks/harness_gpt2.py (untied head) or
-a residual MLP (8 blocks `x + Linear(GELU(Linear(LayerNorm(x))))`, d 512, 16 x 128 tokens), auto's
+a residual MLP (8 blocks `x + Linear(GELU(Linear(LayerNorm(x))))`, d 512, 16 x 128 tokens) or the
+issue's encoder (4 `nn.TransformerEncoderLayer(128, 4, 512, batch_first=True)`, dropout 0.1,
+batch 16, seq 128), auto's
 untuned pick is planned at each peer's peak twice: ranked as before issue 38's calibration (the
 shipped `cpu` profile plus checkpointing's measured host cost: `with_measured_overheads`) and as
 `remat.auto` ranks now (`measured_profile`: the op rates measured too). Peers: torch's full and
 torchtitan-style selective checkpointing (the zoo's as remat's plans, whose predicted peaks equal
-their measured ones there; the harness's written by hand, at their measured peaks); the MLP's at
-60% of store-all. Every row is then timed in interleaved rounds (each round one step of every
+their measured ones there; the harness's written by hand, at their measured peaks); the MLP's and
+the encoder's: full, chain_dp, first_k, sqrt and milp at 60% of store-all. Every row is then timed in interleaved rounds (each round one step of every
 row, starting one row later each round, a warm-up step each in the first), each step's
 `time.thread_time()`: on the 2 cores other sessions share, wall-clock rounds spread 0.5-2.3x, the
 thread's CPU time +-5%. Prints each row's median and its per-round ratio to store_all; writes
@@ -68,12 +71,16 @@ def _build(name: str, device: str) -> tuple[nn.Module, tuple]:
 
         return build(device)
     with torch.device(device):
+        if name == "encoder":
+            layer = nn.TransformerEncoderLayer(128, 4, 512, batch_first=True)
+            model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+            return model, (torch.randn(16, 128, 128),)
         return ResMLP(), (torch.randn(16, 128, 512),)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("zoo", "harness", "resmlp"), default="zoo")
+    parser.add_argument("--model", choices=("zoo", "harness", "resmlp", "encoder"), default="zoo")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[peer] = functools.partial(plan_applied, model, plan)
     else:
         peaks = {"60%": shipped.budget_bytes("60%")}
-        for peer in ("full", "chain_dp", "first_k"):
+        for peer in ("full", "chain_dp", "first_k", "sqrt", "milp"):
             rows[peer] = functools.partial(plan_applied, model, shipped.plan(peaks["60%"], peer))
     picks: dict[str, str] = {}
     seen: dict[tuple, str] = {}
