@@ -35,12 +35,14 @@ def checkpointing_overheads_pinned(monkeypatch):
     """`remat.auto` ranks plans with checkpointing's host cost measured on this machine, which
     a loaded CI runner measures differently each time: tests plan as if it were free (the shipped
     profiles' figure), so that their plans do not depend on the machine's load. Tests of the
-    measurement set their own (`remat.applying.tune._OVERHEADS`). Each test starts with no tuned
+    measurement set their own (`remat.applying.tune._OVERHEADS`); the same for the CPU's op rates
+    (`_RATES`: None, the shipped profile's). Each test starts with no tuned
     plan kept in the process either (a test that trained past `remat.auto`'s first-steps tuning
     would hand its winner to the next test's `auto`)."""
     from remat.applying import tune
 
     monkeypatch.setattr(tune, "_OVERHEADS", {"cpu": (0.0, 0.0)})
+    monkeypatch.setattr(tune, "_RATES", {tune.rates_key(): None})
     tune._CACHE.clear()
 
 

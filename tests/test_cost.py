@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 from torch import nn
 
 import remat
+from remat import models
 from remat.device.cost import (
+    ATTENTION_PREFIXES,
     PROFILES,
     DeviceProfile,
     fused_op_seconds_all,
@@ -138,8 +141,94 @@ def test_the_a100_40gb_differs_from_the_80gb_only_in_bandwidth():
 
 
 def test_calibrate_profile_measures_plausible_rates():
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
     p = calibrate_profile()
-    rates = (p.peak_flops, p.vector_flops, p.bandwidth)
+    assert torch.equal(torch.rand(3), expected)  # the script's random stream did not move
+    rates = (p.peak_flops, p.vector_flops, p.bandwidth, p.attention_flops)
     assert all(math.isfinite(r) and r > 0 for r in rates)
     assert p.peak_flops > p.vector_flops
     assert p.transcendental_ops > 1.5  # sin/exp/tanh cost more than an add, on any machine
+    measured = dict(p.element_ops)
+    assert set(measured) == {
+        "gelu",
+        "silu",
+        "_softmax",
+        "_log_softmax",
+        "_safe_softmax",
+        "bernoulli_",
+    }
+    assert all(math.isfinite(v) and v >= 1.0 for v in measured.values())
+
+
+def _attention_graph() -> remat.Graph:
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.empty(2, 4, 128, 32, device="meta", requires_grad=True)
+    return remat.trace(Attention(), q, q.clone(), q.clone())
+
+
+def test_attention_is_priced_at_the_profiles_measured_attention_rate():
+    """SDPA ran at ~0.45 of the CPU's matmul rate by torch's FLOP count (causal: the kernel
+    skips the masked half the count includes, and its softmax is no matmul); priced at the
+    matmul rate it looked 2x cheaper to recompute than it was. A profile's `attention_flops`
+    prices the attention kernels; 0 keeps `peak_flops` (the shipped profiles)."""
+    graph = _attention_graph()
+    sdpa = next(op for op in graph.forward_ops if op.short.startswith(ATTENTION_PREFIXES))
+    cpu = PROFILES["cpu"]
+    assert cpu.attention_flops == 0 and cpu.attention_rate == cpu.peak_flops
+    slow = dataclasses.replace(cpu, attention_flops=cpu.peak_flops / 8)
+    assert op_seconds(graph, sdpa, cpu) == pytest.approx(sdpa.flops / cpu.peak_flops)
+    assert op_seconds(graph, sdpa, slow) == pytest.approx(8 * sdpa.flops / cpu.peak_flops)
+    assert op_seconds_all(graph, slow)[sdpa.index] == op_seconds(graph, sdpa, slow)
+
+
+def test_a_measured_element_cost_prices_its_op_kind():
+    """GELU costs ~20 vector operations an element on this project's CPU where sin, exp and tanh
+    cost ~4.5, and softmax counted no arithmetic at all: `element_ops` (measured by
+    `calibrate_profile`) prices the kinds it names; the others keep `transcendental_ops`."""
+    meta = {"device": "meta"}
+    model = nn.Sequential(nn.Linear(64, 256, **meta), nn.GELU(), nn.Softmax(-1), nn.SiLU())
+    graph = remat.trace(model, torch.empty(512, 64, **meta))
+    elements = 512 * 256
+    cpu = dataclasses.replace(PROFILES["cpu"], element_ops=(("gelu", 30.0), ("_softmax", 12.0)))
+    gelu, softmax, silu = (_op(graph, name) for name in ("gelu", "_softmax", "silu"))
+    assert op_seconds(graph, gelu, cpu) == pytest.approx(elements * 30 / cpu.vector_flops)
+    assert op_seconds(graph, softmax, cpu) == pytest.approx(elements * 12 / cpu.vector_flops)
+    assert op_seconds(graph, silu, cpu) == pytest.approx(
+        elements * cpu.transcendental_ops / cpu.vector_flops
+    )
+    assert op_seconds(graph, softmax, PROFILES["cpu"]) < op_seconds(graph, softmax, cpu)
+    every = op_seconds_all(graph, cpu)
+    assert [every[op.index] for op in (gelu, softmax, silu)] == [
+        op_seconds(graph, op, cpu) for op in (gelu, softmax, silu)
+    ]
+
+
+def test_the_price_of_attention_decides_whether_auto_recomputes_it():
+    """The ranking the measured attention rate changes: at torch full checkpointing's peak of a
+    small GPT-2, auto keeps SDPA's output in every block where attention is dear, and recomputes
+    it in most where it is cheap."""
+    from remat.planning.planner import Planner
+    from remat.planning.strategies import get
+
+    model, inputs = models.build(
+        "gpt2", device="meta", batch=2, seq=64, n_layer=4, n_embd=64, n_head=4, vocab_size=256
+    )
+    graph = remat.trace(model, *inputs)
+    cpu = PROFILES["cpu"]
+    peak = Planner(graph, cpu).solve(get("full"), 0).predicted_peak_bytes
+
+    def regions_keeping_attention(attention_flops: float) -> int:
+        plan = Planner(graph, dataclasses.replace(cpu, attention_flops=attention_flops)).plan(
+            peak, "auto"
+        )
+        assert plan.predicted_peak_bytes <= peak
+        return sum(any("attention" in k for k in r.keep) for r in plan.regions)
+
+    dear, cheap = cpu.peak_flops / 30, cpu.peak_flops * 100
+    assert regions_keeping_attention(dear) == 4
+    assert regions_keeping_attention(cheap) < 4

@@ -162,3 +162,49 @@ def test_candidates_are_ranked_with_checkpointings_cost_measured_on_this_device(
     assert measured.region_seconds > 0 and measured.policy_op_seconds > 0
     assert (measured.peak_flops, measured.bandwidth) == (shipped.peak_flops, shipped.bandwidth)
     assert with_measured_overheads(measured, torch.device("cpu")) is measured  # given: kept
+
+
+def test_untuned_auto_prices_ops_at_the_cpus_rates_measured_once_and_kept_on_disk(monkeypatch):
+    """The shipped `cpu` profile's rates are placeholders that priced GPT-2's matmuls 1.6x dear
+    against its layer norms and adds, and its attention 1.7x cheap, on this project's VM: auto
+    ranks with the CPU's rates measured (`calibrate_rates`), once a machine (kept on disk under
+    `$REMAT_CACHE_DIR/profile`, read by the next process) and once a process. A profile of other
+    rates, or a model on a GPU, keeps what it was given."""
+    from dataclasses import replace
+
+    from remat.applying import tune
+    from remat.applying.tune import measured_profile
+    from remat.device.cost import get_profile
+
+    fake = {
+        "peak_flops": 2e11,
+        "vector_flops": 1.5e10,
+        "bandwidth": 1.3e10,
+        "transcendental_ops": 4.5,
+        "attention_flops": 9e10,
+        "element_ops": (("gelu", 20.0), ("_softmax", 9.0)),
+    }
+    calls = []
+
+    def calibrate(device):
+        calls.append(device)
+        return dict(fake)
+
+    monkeypatch.setattr(tune, "calibrate_rates", calibrate)
+    monkeypatch.setattr(tune, "_RATES", {})
+    cpu = torch.device("cpu")
+    shipped = get_profile("cpu")
+    measured = measured_profile(shipped, cpu)
+    assert [getattr(measured, k) for k in fake] == list(fake.values())
+    assert measured.name == "cpu"  # tuned plans stay keyed by the profile's name
+    assert measured_profile(shipped, cpu) == measured and len(calls) == 1  # once a process
+    tune._RATES.clear()  # the next process: read from disk, not measured
+    assert measured_profile(shipped, cpu) == measured and len(calls) == 1
+    files = list((tune.cache_dir().parent / "profile").glob("cpu-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["rates"]["attention_flops"] == 9e10
+
+    mine = replace(shipped, name="mine", peak_flops=3e11)
+    assert measured_profile(mine, cpu).peak_flops == 3e11
+    on_gpu = replace(shipped, region_seconds=1e-3)  # overheads given: nothing measured on a GPU
+    assert measured_profile(on_gpu, torch.device("cuda")) is on_gpu
+    assert len(calls) == 1

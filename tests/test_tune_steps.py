@@ -176,12 +176,13 @@ def test_auto_draws_no_random_numbers_from_the_training_scripts_stream(monkeypat
     from remat.applying import tune
 
     monkeypatch.setattr(tune, "_OVERHEADS", {})  # measured now, inside the seeded script
+    monkeypatch.setattr(tune, "_RATES", {})  # the CPU's op rates too
     model, x = _encoder()
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
     remat.auto(model, x, budget=BUDGET)
-    assert tune._OVERHEADS and torch.equal(torch.rand(4), expected)
+    assert tune._OVERHEADS and tune._RATES and torch.equal(torch.rand(4), expected)
 
 
 def test_untuned_auto_ranks_plans_with_the_measured_cost_of_checkpointing(monkeypatch):

@@ -17,8 +17,8 @@ from remat.applying.tune import (
     cached,
     candidate_plans,
     describes,
+    measured_profile,
     tuning_key,
-    with_measured_overheads,
 )
 from remat.applying.tune import tune as fastest
 from remat.device.cost import DeviceProfile, get_profile
@@ -183,7 +183,7 @@ def plan_for_training(
         )
     device = _device(model)
     if tune is True:
-        planner = Planner(graph, with_measured_overheads(get_profile(profile), device), optimizer)
+        planner = Planner(graph, measured_profile(get_profile(profile), device), optimizer)
         tuning = fastest(
             model, *inputs, planner=planner, budget_bytes=planner.budget_bytes(budget), **kwargs
         )
@@ -195,10 +195,10 @@ def plan_for_training(
         return tuning.chosen, [], None
     planner = Planner(graph, profile, optimizer)
     if strategy == "auto" and describes(planner.profile, device):
-        # the plans are ranked with what checkpointing itself costs on this device, measured
-        # (`with_measured_overheads`), within the budget the plain profile sets
+        # the plans are ranked with what checkpointing itself costs on this device and, on the
+        # CPU, the op rates, measured (`measured_profile`), within the budget the plain profile sets
         budget = planner.budget_bytes(budget)
-        planner = Planner(graph, with_measured_overheads(planner.profile, device), optimizer)
+        planner = Planner(graph, measured_profile(planner.profile, device), optimizer)
     chosen = planner.plan(budget, strategy)
     if tune == "steps" and strategy == "auto":
         return _first_steps_candidates(model, inputs, kwargs, planner, budget, chosen)

@@ -34,9 +34,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from remat.applying.eager import apply, remove
-from remat.device.cost import DeviceProfile
+from remat.device.cost import PROFILES, DeviceProfile
 from remat.errors import PlanFormatError, RematError, warn
-from remat.measuring.measure import checkpoint_overheads, time_steps
+from remat.measuring.calibrate import calibrate_rates, checkpoint_overheads
+from remat.measuring.measure import time_steps
 from remat.planning.planner import Planner
 from remat.planning.plans import Plan
 from remat.planning.strategies import available
@@ -68,6 +69,73 @@ class Tuning:
 
 _CACHE: dict[tuple[Any, ...], Tuning] = {}
 _OVERHEADS: dict[str, tuple[float, float]] = {}
+#: The roofline's rates measured on the CPU (`calibrate_rates`), by `rates_key`; None: the
+#: shipped profile's (tests pin that, so that their plans do not depend on the machine).
+_RATES: dict[tuple, dict[str, Any] | None] = {}
+
+
+def measured_profile(profile: DeviceProfile, device: torch.device) -> DeviceProfile:
+    """What untuned `auto` ranks plans with on the model's device: `profile` with checkpointing's
+    host cost measured there (`with_measured_overheads`), and, where `profile` is the shipped `cpu`
+    one and the model runs on the CPU, the roofline's rates measured too (`calibrate_rates`:
+    matmul, vector, transcendental, bandwidth and SDPA; ~1 s once a machine, kept on disk under
+    `$REMAT_CACHE_DIR/profile` and for the process). The shipped `cpu` figures are placeholders
+    that price a matmul 1.6x dear against GPT-2's layer norms, adds and GELU and its attention
+    1.7x cheap, on this project's VM, so that auto recomputed the wrong ops (docs/benchmarks.md,
+    issue 38). A GPU keeps its datasheet rates: the calibration's cache-resident vector loop is
+    launch-bound there. A profile given as a `DeviceProfile` of other rates is kept as given."""
+    profile = with_measured_overheads(profile, device)
+    shipped = PROFILES["cpu"]
+    rates = (profile.peak_flops, profile.vector_flops, profile.bandwidth)
+    if torch.device(device).type != "cpu" or rates != (
+        shipped.peak_flops,
+        shipped.vector_flops,
+        shipped.bandwidth,
+    ):
+        return profile
+    key = rates_key()
+    if key not in _RATES:
+        _RATES[key] = _measured_rates(key)
+    measured = _RATES[key]
+    return profile if measured is None else replace(profile, **measured)
+
+
+def rates_key() -> tuple:
+    """The CPU the rates were measured on, with its intra-op threads, and the torch running."""
+    return (
+        f"cpu:{platform.machine()}:{platform.processor()}:{os.cpu_count()}",
+        torch.get_num_threads(),
+        torch.__version__,
+    )
+
+
+def _measured_rates(key: tuple) -> dict[str, Any]:
+    """The rates kept on disk under `key`, else measured now and kept."""
+    where = cache_dir()
+    path = None
+    if where is not None:
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        path = where.parent / "profile" / f"cpu-{digest}.json"
+        try:
+            record = json.loads(path.read_text())
+            if record.get("key") == repr(key):
+                rates = record["rates"]
+                return {
+                    **{str(k): float(v) for k, v in rates.items() if k != "element_ops"},
+                    "element_ops": tuple((str(k), float(v)) for k, v in rates["element_ops"]),
+                }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # none kept, or not one this remat wrote: measured again
+    rates = calibrate_rates(torch.device("cpu"))
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": repr(key), "rates": rates}, indent=1))
+            tmp.replace(path)
+        except OSError as err:
+            warn(f"remat: could not keep the measured CPU rates in {path} ({err})")
+    return rates
 
 
 def with_measured_overheads(profile: DeviceProfile, device: torch.device) -> DeviceProfile:

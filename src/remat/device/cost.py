@@ -13,6 +13,7 @@ measure the machine at hand instead of trusting `PROFILES`, use `remat.measuring
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 
 from remat.errors import UnknownProfileError
@@ -41,7 +42,19 @@ class DeviceProfile:
 
     `link_bandwidth`: bytes/s a rank sends over the interconnect of its tensor-parallel group,
     which prices the collectives a tensor-parallel step runs (`collective_seconds`): recomputing
-    a region replays its all-gathers and all-reduces."""
+    a region replays its all-gathers and all-reduces.
+
+    `attention_flops`: FLOP/s of the fused attention kernels (SDPA and its flash, memory-efficient
+    and CPU backends) per FLOP torch's counter gives them (both matmuls of the full score matrix,
+    a causal mask's skipped half included); 0 means `peak_flops`. On this project's 2-core CPU a
+    causal SDPA ran at ~0.45 of the matmul rate by that count, and priced at `peak_flops` it looked
+    2x cheaper to recompute than it was (`calibrate_profile` measures it).
+
+    `element_ops`: (op short name, vector operations an element) for the pointwise kinds measured
+    on the device (`calibrate_profile`: GELU, SiLU, softmax, log-softmax), in place of
+    `transcendental_ops` for them: on this project's CPU GELU costs ~12 vector operations an
+    element where sin, exp and tanh cost ~4.5, and a softmax's exp, max and sum are no
+    transcendental by name at all."""
 
     name: str
     peak_flops: float
@@ -51,6 +64,13 @@ class DeviceProfile:
     policy_op_seconds: float = 0.0
     transcendental_ops: float = 4.0
     link_bandwidth: float = 450e9
+    attention_flops: float = 0.0
+    element_ops: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def attention_rate(self) -> float:
+        """FLOP/s of the fused attention kernels, per FLOP torch's counter gives them."""
+        return self.attention_flops or self.peak_flops
 
 
 #: Checkpointing's own host cost (`DeviceProfile.region_seconds`, `policy_op_seconds`) is left at 0
@@ -357,9 +377,19 @@ def op_seconds(graph: Graph, op: Op, profile: DeviceProfile | str) -> float:
     p = get_profile(profile)
     if op.target.startswith(COLLECTIVE_PREFIX):
         return collective_seconds(graph, op, p)
-    rate = p.peak_flops if is_matmul(op) else p.vector_flops
+    rate = matmul_rate(op, p) if is_matmul(op) else p.vector_flops
     flops = max(op.flops, elementwise_flops(graph, op, p))
     return max(flops / rate, op_bytes_moved(graph, op) / p.bandwidth)
+
+
+def matmul_rate(op: Op, profile: DeviceProfile) -> float:
+    """FLOP/s of a matmul-class op: the attention kernels' own rate where the profile has one."""
+    return profile.attention_rate if op.short.startswith(ATTENTION_PREFIXES) else profile.peak_flops
+
+
+@lru_cache(maxsize=16)
+def _element_ops(pairs: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    return dict(pairs)
 
 
 def elementwise_flops(graph: Graph, op: Op, profile: DeviceProfile) -> float:
@@ -368,33 +398,38 @@ def elementwise_flops(graph: Graph, op: Op, profile: DeviceProfile) -> float:
     operations for each element of its largest tensor; 0 for any other op. Eager on this
     project's 2-core CPU, one thread: tanh-GELU of 3.1M floats 6.3 ms, priced 1.26 ms by its
     memory traffic alone, which is all the roofline saw of it (its FLOPs count 0); a GPU's
-    pointwise ops stay memory-bound (4 operations an element against HBM's bytes)."""
-    if not (op.short in TRANSCENDENTAL_OPS or op.random) or is_matmul(op):
-        return 0.0
+    pointwise ops stay memory-bound (4 operations an element against HBM's bytes). An op kind the
+    profile measured (`element_ops`) costs what was measured of it."""
+    measured = _element_ops(profile.element_ops).get(op.short) if profile.element_ops else None
+    if measured is None:
+        if not (op.short in TRANSCENDENTAL_OPS or op.random) or is_matmul(op):
+            return 0.0
+        measured = profile.transcendental_ops
     tensors = graph.tensors
     elements = max((prod(tensors[t].shape) for t in (*op.inputs, *op.outputs)), default=0)
-    return elements * profile.transcendental_ops
+    return elements * measured
 
 
 def op_seconds_all(graph: Graph, profile: DeviceProfile | str) -> list[float]:
     """`op_seconds` of every op, indexed by op index; one pass, with the op kind looked up once per
     distinct target, for graphs of tens of thousands of ops."""
     p = get_profile(profile)
-    kinds: dict[str, tuple[bool, bool]] = {}
+    kinds: dict[str, tuple[bool, bool, float]] = {}
     nbytes = {tid: t.nbytes for tid, t in graph.tensors.items()}
     out = [0.0] * len(graph.ops)
     for op in graph.ops:
         kind = kinds.get(op.target)
         if kind is None:
-            kind = kinds[op.target] = (is_view(op), is_matmul(op))
-        view, matmul = kind
+            matmul = is_matmul(op)
+            rate = matmul_rate(op, p) if matmul else p.vector_flops
+            kind = kinds[op.target] = (is_view(op), matmul, rate)
+        view, matmul, rate = kind
         if view:
             continue
         if op.target.startswith(COLLECTIVE_PREFIX):
             out[op.index] = collective_seconds(graph, op, p)
             continue
         moved = sum(nbytes[t] for t in set(op.inputs) | set(op.outputs))
-        rate = p.peak_flops if matmul else p.vector_flops
         flops = op.flops if matmul else max(op.flops, elementwise_flops(graph, op, p))
         out[op.index] = max(flops / rate, moved / p.bandwidth)
     return out

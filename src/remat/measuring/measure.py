@@ -11,8 +11,9 @@ storages on a real device, with three instruments that do not depend on each oth
 * live bytes on CUDA: the caching allocator's own counters (`memory_allocated`,
   `max_memory_allocated`).
 
-`calibrate_profile` times real kernels the same way, to give the roofline cost model
-(`remat.device.cost`, which imports no torch) a `DeviceProfile` of the machine at hand.
+`calibrate_profile` (`remat.measuring.calibrate`, re-exported here) times real kernels the same
+way, to give the roofline cost model (`remat.device.cost`, which imports no torch) a
+`DeviceProfile` of the machine at hand.
 
 One training step is `out = model(*inputs, **kwargs)`, `loss = loss_fn(out)` (default: the model's
 own 0-dim loss if it returns one, else the sum of every floating tensor in `out`, each summed in its
@@ -25,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,17 +39,17 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from remat.errors import RematError
+from remat.measuring.calibrate import calibrate_profile, calibrate_rates, checkpoint_overheads
 from remat.quiet import quiet_fd
 from remat.tracing.draws import Draws, ForcedDraws
 from remat.tracing.trace import is_own_loss
-
-if TYPE_CHECKING:
-    from remat.device.cost import DeviceProfile
 
 __all__ = [
     "Measurement",
     "SavedStorages",
     "calibrate_profile",
+    "calibrate_rates",
+    "checkpoint_overheads",
     "cpu_peak_bytes",
     "measure",
     "saved_tensor_bytes",
@@ -270,170 +270,6 @@ def saved_tensor_bytes(
     with torch.enable_grad(), saved.hooks():
         _forward(model, inputs, kwargs, loss_fn)
     return saved.nbytes
-
-
-def calibrate_profile(device: str = "cpu") -> DeviceProfile:
-    """Measure `device` instead of trusting `remat.device.cost.PROFILES`: the median of a few runs of a
-    square matmul (fp32 1024^3 on CPU, bf16 4096^3 on a GPU), of a cache-resident `addcmul`
-    (2 FLOPs an element) for the vector rate, of `sin`, `exp` and `tanh` on the same data for
-    what a transcendental element costs in vector operations, of a 64 MiB copy (bytes read +
-    written) for the bandwidth, and of a checkpointed chain of tiny ops for what checkpointing
-    itself costs on the host (`checkpoint_overheads`). Takes well under 3 s on a 2-core CPU."""
-    # Imported here, not at the top: the measurement of a training step shares no code with the
-    # graph side of remat, and only this function needs the profile type.
-    from remat.device.cost import PROFILES, DeviceProfile
-
-    dev = torch.device(device)
-    n, dtype = (4096, torch.bfloat16) if dev.type == "cuda" else (1024, torch.float32)
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    c = torch.empty(n, n, device=dev, dtype=dtype)
-    peak = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b, out=c), dev, reps=5)
-
-    m = 1 << 16  # 3 x 256 KiB: stays in cache, so arithmetic rather than memory bounds it
-    x, y, z, w = (torch.rand(m, device=dev) for _ in range(4))
-    loops = 50
-
-    def pointwise() -> None:
-        for _ in range(loops):
-            torch.addcmul(x, y, z, out=w)
-
-    vector = 2 * m * loops / _median_seconds(pointwise, dev, reps=5)
-
-    def transcendental() -> None:
-        for _ in range(loops):
-            torch.sin(x, out=w)
-            torch.exp(x, out=w)
-            torch.tanh(x, out=w)
-
-    transcendental_ops = vector * _median_seconds(transcendental, dev, reps=5) / (3 * m * loops)
-
-    src = torch.rand(1 << 24, device=dev)
-    dst = torch.empty_like(src)
-    moved = 2 * src.numel() * src.element_size()
-    bandwidth = moved / _median_seconds(lambda: dst.copy_(src), dev, reps=5)
-    region, per_op = checkpoint_overheads(dev)
-    return DeviceProfile(
-        f"{device} (calibrated)",
-        peak_flops=peak,
-        vector_flops=vector,
-        bandwidth=bandwidth,
-        region_seconds=region,
-        policy_op_seconds=per_op,
-        transcendental_ops=max(transcendental_ops, 1.0),
-        # the interconnect is not timed here (no process group): the shipped CPU profile's gloo
-        # figure on CPU, NVLink 4's on a GPU
-        link_bandwidth=PROFILES["cpu"].link_bandwidth if dev.type == "cpu" else 450e9,
-    )
-
-
-class _Sin(nn.Module):
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.sin(t)
-
-
-def checkpoint_overheads(dev: torch.device, ops: int = 48, reps: int = 15) -> tuple[float, float]:
-    """Host seconds that non-reentrant `checkpoint` adds per region, and that a selective policy
-    as `remat.applying.eager` runs it adds per op, beyond the ops' own work: a chain of `ops`
-    modules each running one `sin` on 16 elements (each saves its input, as a transformer block's
-    ops do; their arithmetic is negligible) is timed forward and backward plain, forward alone,
-    under `checkpoint`, and under `checkpoint` with what a selective region adds: a policy that
-    finds each op by (module, op, occurrence) in a set and recomputes it, and the module-scope
-    hooks that tell it the module (a forward pre-hook and hook on every module, run in the
-    forward and again in the replay). The region costs what checkpointing adds beyond one more
-    forward; the policy, per op it sees (every op in the forward and again in the replay), what it
-    adds beyond plain checkpointing: measured so, not with a bare policy, because the hooks and
-    the lookup cost as much again as torch's policy mode (39 us an op against 22 on this project's
-    2-core VM). Rounds are interleaved; each figure is a median, at least 0; on the CPU, of the
-    thread's CPU time (below)."""
-    from torch.utils.checkpoint import (
-        CheckpointPolicy,
-        checkpoint,
-        create_selective_checkpoint_contexts,
-    )
-
-    # no random numbers: this runs inside training scripts (remat.auto), whose random stream
-    # (dropout masks, shuffling) must not move
-    x = torch.linspace(0.1, 1.0, 16, device=dev, requires_grad=True)
-    plain_chain = nn.Sequential(*(_Sin() for _ in range(ops)))
-    scoped_chain = nn.Sequential(*(_Sin() for _ in range(ops)))
-    scope = [""]
-
-    def enter(module: nn.Module, args: Any) -> None:
-        scope.append(paths[module])
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        scope.pop()
-
-    paths = {module: path for path, module in scoped_chain.named_modules()}
-    for module in paths:
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
-    keep = frozenset({("no such module", "aten.sin.default", 0)})
-
-    def contexts():
-        counts: tuple[dict, dict] = ({}, {})
-
-        def policy(ctx, func, *args, **kwargs):  # remat.applying.eager's: a key, a count, a set
-            at = (scope[-1], str(func))
-            seen = counts[ctx.is_recompute]
-            n = seen.get(at, 0)
-            seen[at] = n + 1
-            if (*at, n) in keep:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    runs: dict[str, Callable[[], object]] = {
-        "plain": lambda: plain_chain(x).sum().backward(),
-        "forward": lambda: plain_chain(x),
-        "checkpoint": lambda: (
-            checkpoint(plain_chain, x, use_reentrant=False, preserve_rng_state=False)
-            .sum()
-            .backward()
-        ),
-        "policy": lambda: (
-            checkpoint(
-                scoped_chain, x, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
-            )
-            .sum()
-            .backward()
-        ),
-    }
-    # On the CPU, this thread's CPU time: what the Python costs, as the profile's roofline prices
-    # the ops' work, whatever else the machine runs. Wall time on a CPU that other processes
-    # share counts their turns too: at load 13 on 2 cores it read 67 us an op of torch's policy
-    # mode where the thread worked 12, and the planner, its ops priced unloaded, ranked
-    # selective regions 5x too dear (full checkpointing over them). A GPU's host overhead is
-    # wall time: the kernels it waits for are not the thread's.
-    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    with torch.enable_grad():
-        for _ in range(reps):
-            for name, fn in runs.items():
-                times[name].append(_median_seconds(fn, dev, reps=3, clock=clock))
-    med = {name: statistics.median(t) for name, t in times.items()}
-    region = med["checkpoint"] - med["plain"] - med["forward"]
-    per_op = (med["policy"] - med["checkpoint"]) / (2 * ops)
-    return max(region, 0.0), max(per_op, 0.0)
-
-
-def _median_seconds(
-    fn: Callable[[], object],
-    device: torch.device,
-    reps: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    fn()  # warm-up: first-call dispatch, allocator, thread pool
-    _synchronize(device)
-    times = []
-    for _ in range(reps):
-        start = clock()
-        fn()
-        _synchronize(device)
-        times.append(clock() - start)
-    return statistics.median(times)
 
 
 @dataclass
