@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     graph = remat.trace(meta_model, *meta_inputs)
     if args.profile == "calibrated":
-        from remat.measuring.measure import calibrate_profile
+        from remat.measuring.calibrate import calibrate_profile
 
         profile = calibrate_profile()
     else:

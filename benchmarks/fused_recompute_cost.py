@@ -14,7 +14,7 @@ This measures both premises on the machine at hand under inductor:
 - a square matmul compiled by inductor against the profile's roofline (`peak_flops`).
 
 Each point is the median of `--reps` timed calls after a warm-up, the chains interleaved in every
-round. Prints a markdown table and compares with `remat.measuring.measure.calibrate_profile()` and the
+round. Prints a markdown table and compares with `remat.measuring.calibrate.calibrate_profile()` and the
 shipped cpu profile; writes benchmarks/results/fused-recompute-cost.json.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from remat.device.cost import get_profile
-from remat.measuring.measure import calibrate_profile
+from remat.measuring.calibrate import calibrate_profile
 
 CHEAP = (lambda y: y * 1.0001, lambda y: y + 0.5)
 TRANSCENDENTAL = (torch.sin, torch.exp, torch.tanh)

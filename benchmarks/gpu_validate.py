@@ -65,7 +65,8 @@ from remat.applying.compiled import plans_of
 from remat.device.cost import DeviceProfile
 from remat.errors import InfeasibleBudget, NoBlocksError, RematError
 from remat.graph import Graph
-from remat.measuring.measure import Measurement, calibrate_profile, measure, time_steps
+from remat.measuring.calibrate import calibrate_profile
+from remat.measuring.measure import Measurement, measure, time_steps
 from remat.planning import strategies
 from remat.tracing.trace import default_loss
 from remat.units import format_bytes

@@ -23,7 +23,7 @@ from remat.device.cost import (
     op_seconds_all,
 )
 from remat.errors import UnknownProfileError
-from remat.measuring.measure import calibrate_profile
+from remat.measuring.calibrate import calibrate_profile
 
 
 @pytest.fixture(scope="module")

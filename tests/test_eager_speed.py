@@ -122,7 +122,7 @@ def test_checkpointing_overheads_on_the_cpu_are_the_threads_own_work(monkeypatch
 
     import torch
 
-    from remat.measuring.measure import checkpoint_overheads
+    from remat.measuring.calibrate import checkpoint_overheads
 
     monkeypatch.setattr(time, "thread_time", lambda: 0.0)
     assert checkpoint_overheads(torch.device("cpu"), ops=4, reps=2) == (0.0, 0.0)

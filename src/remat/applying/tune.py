@@ -142,7 +142,7 @@ def with_measured_overheads(profile: DeviceProfile, device: torch.device) -> Dev
     """`profile` with checkpointing's own host cost (`region_seconds`, `policy_op_seconds`)
     measured on `device` where the profile has none (the shipped ones: their rooflines have no
     launch cost), so that plans are ranked with it; measured once per device and process
-    (`remat.measuring.measure.checkpoint_overheads`, well under a second on a 2-core CPU)."""
+    (`remat.measuring.calibrate.checkpoint_overheads`, well under a second on a 2-core CPU)."""
     if profile.region_seconds or profile.policy_op_seconds:
         return profile
     key = str(device)

@@ -7,7 +7,7 @@ planners price recomputation with; it ignores launch overhead, caches and fusion
 only a ranking device and `measure` stays the ground truth.
 
 Nothing here imports torch, so the planners can price a saved graph on a machine without it: to
-measure the machine at hand instead of trusting `PROFILES`, use `remat.measuring.measure.calibrate_profile`.
+measure the machine at hand instead of trusting `PROFILES`, use `remat.measuring.calibrate.calibrate_profile`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DeviceProfile:
 #: Checkpointing's own host cost (`DeviceProfile.region_seconds`, `policy_op_seconds`) is left at 0
 #: in the shipped profiles: their op times are rooflines without per-op launch cost, so a small
 #: model's predicted step is microseconds and a fixed host cost would swamp it (the `+10%` budget
-#: would always mean store_all). `remat.measuring.measure.calibrate_profile()` measures both on the machine at
+#: would always mean store_all). `remat.measuring.calibrate.calibrate_profile()` measures both on the machine at
 #: hand; this project's shared 2-core VM measured ~1.0-1.1 ms per region and 22 us per op for
 #: torch's selective-checkpoint mode alone, 39 us with remat's policy and module-scope hooks
 #: (docs/benchmarks.md, issue 11 item 7). A GPU host runs the same Python on a faster core, partly
@@ -86,7 +86,7 @@ class DeviceProfile:
 #: without a bridge) 64, PCIe Gen4 x16 (L4, RTX 4090) 32, MI300X's seven Infinity Fabric links 448.
 PROFILES: dict[str, DeviceProfile] = {
     # Placeholders for a modest 2-core CPU, in the right order of magnitude only: run
-    # `remat.measuring.measure.calibrate_profile()` to measure the machine at hand.
+    # `remat.measuring.calibrate.calibrate_profile()` to measure the machine at hand.
     # transcendental_ops: 10, measured on this project's 2-core VM: calibrate_profile's eager
     # sin/exp/tanh cost 8.4-9.8 vector operations an element, one more sin/exp/tanh in a chain
     # inductor fused cost 1.36 ns an element against 0.113 ns a vector operation, i.e. 12
@@ -324,7 +324,7 @@ def get_profile(name_or_profile: str | DeviceProfile) -> DeviceProfile:
         raise UnknownProfileError(
             f"unknown device profile {name_or_profile!r}: choose one of "
             f"{', '.join(sorted(PROFILES))}, or pass a DeviceProfile "
-            "(remat.measuring.measure.calibrate_profile() measures one)"
+            "(remat.measuring.calibrate.calibrate_profile() measures one)"
         ) from None
 
 

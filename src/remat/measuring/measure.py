@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from remat.errors import RematError
-from remat.measuring.calibrate import calibrate_profile, calibrate_rates, checkpoint_overheads
+from remat.measuring.calibrate import calibrate_profile, checkpoint_overheads  # their old home
 from remat.quiet import quiet_fd
 from remat.tracing.draws import Draws, ForcedDraws
 from remat.tracing.trace import is_own_loss
@@ -48,7 +48,6 @@ __all__ = [
     "Measurement",
     "SavedStorages",
     "calibrate_profile",
-    "calibrate_rates",
     "checkpoint_overheads",
     "cpu_peak_bytes",
     "measure",
