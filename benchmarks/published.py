@@ -82,7 +82,6 @@ class Point:
     expandable: bool = False  # the run set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     torch_version: tuple[int, int] | None = None  # an older torch's autograd (remat.device.targets)
     float8: str | None = None  # torchao's Float8Linear recipe (remat.models.float8.RECIPES)
-    unexpressed: str = ""  # what of the run neither the CLI nor this script expresses
     note: str = ""
 
 
@@ -462,8 +461,6 @@ POINTS: tuple[Point, ...] = (
             float8=recipe,
             compile="blocks+loss",
             expandable=True,  # torchtitan's run_train.sh sets it
-            unexpressed="torchtitan's FSDP units of the embedding and of the final norm with the "
-            "output head (`--shard` leaves them to the root unit, gathered all step)",
             note=note,
         )
         for id, what, gib, recipe, note in (
@@ -482,7 +479,7 @@ POINTS: tuple[Point, ...] = (
                 "_save_list), the optimizer's default implementation, fused (`adamw-fused`); "
                 "apply_fsdp wraps tok_embeddings in an FSDP unit of its own and norm + output in "
                 "another, not resharded after forward (Source.fsdp_units, "
-                "remat.prediction.gpu_memory.FsdpUnit; `--shard` keeps them in the root unit, "
+                "remat.prediction.gpu_memory.FsdpUnit; without `--fsdp-unit` `--shard` keeps them in the root unit, "
                 "gathered all step: 37.51 GiB, 1.113, remat preset). Requested 30.36 GiB (remat "
                 "preset), 0.90 of the published reserved; the allocator model holds 5.20 GiB over "
                 "it, by torch's rules (checked in issue 37 against CUDACachingAllocator.cpp, "
@@ -765,10 +762,9 @@ def _field(point: Point) -> str:
     return _FIELD[point.statistic]
 
 
-def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
-    """The `remat fit` command that predicts `point` from `source`'s model, where in its JSON to
-    read the figure, and what of the run it cannot express ("" when nothing): the row's loop or
-    precision that no option gives."""
+def cli_command(point: Point, source: Source) -> tuple[str, str]:
+    """The `remat fit` command that predicts `point` from `source`'s model, and where in its JSON
+    to read the figure."""
     import shlex
 
     if point.float8 is not None:  # over FSDP2's mixed precision, as bf16-fsdp
@@ -789,6 +785,9 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
     parts += ["--batch", str(point.batch), "--seq", str(point.seq), "--gpu", point.gpu]
     parts += ["--precision", precision, "--optimizer", point.optimizer or "none"]
     parts += ["--shard", str(point.shard)] if point.shard > 1 else []
+    for unit in source.fsdp_units if point.shard > 1 else ():
+        keep = "" if unit.reshard_after_forward else ":keep"
+        parts += ["--fsdp-unit", ",".join(unit.paths) + keep]
     parts += ["--keep-grads"] if point.keep_grads else []  # as a micro-step of accumulation
     parts += ["--keep-logits"] if point.keep_logits else []
     parts += ["--optimizer-in-backward"] if point.optimizer_in_backward else []
@@ -804,9 +803,8 @@ def cli_command(point: Point, source: Source) -> tuple[str, str, str]:
         read = f"row {row}, {field}"
     else:
         read = f"row {_ROW[point.strategy]}, {_field(point)}"
-    missing = [point.unexpressed] if point.unexpressed else []
     parts.append("--json")
-    return " ".join(shlex.quote(p) for p in parts), read, "; ".join(missing)
+    return " ".join(shlex.quote(p) for p in parts), read
 
 
 def _cell(n: int | None, statistic: str) -> str:
@@ -829,17 +827,16 @@ def _versions() -> str:
 
 
 def cli_section() -> list[str]:
-    """Each row's `remat fit` command, and what of the run the command line cannot express."""
+    """Each row's `remat fit` command."""
     lines = [
         "CLI command of each row (`remat fit ... --json`; the figure is the named row's field; the",
-        "table's figures come from this script, which also expresses what the CLI cannot):",
+        "table's figures come from this script; a note says where the CLI's figure differs):",
         "",
     ]
     for point in POINTS:
         for source in point.sources:
-            command, read, missing = cli_command(point, source)
-            lacking = f" Not expressible: {missing}." if missing else ""
-            lines.append(f"- {point.id} ({source.label}): `{command}`, {read}.{lacking}")
+            command, read = cli_command(point, source)
+            lines.append(f"- {point.id} ({source.label}): `{command}`, {read}.")
     return lines
 
 

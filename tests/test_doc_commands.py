@@ -105,7 +105,7 @@ def test_accuracy_doc_lists_each_rows_command_as_remat_fit_reads_it():
     parser = build_parser()
     for point in published.POINTS:
         for source in point.sources:
-            command, read, _ = published.cli_command(point, source)
+            command, read = published.cli_command(point, source)
             assert f"`{command}`, {read}." in text, command
             args = parser.parse_args(shlex.split(command)[1:])
             assert (args.command, args.model, args.batch, args.seq) == (

@@ -88,3 +88,39 @@ def test_context_parallel_ranks_share_fsdp_shards_as_torchtitan_meshes_them():
         return estimate(graph, optimizer="adamw", shard=ranks, master_scale=1).peak_bytes
 
     assert row.peak_bytes == peak(4) < peak(2)
+
+
+def test_fsdp_units_on_the_command_line_are_the_units_the_allocator_walks(capsys):
+    """`--fsdp-unit embed_tokens --fsdp-unit norm,lm_head:keep` (torchtitan's wrapping): the row's
+    requested bytes are the allocator walk of the traced step with those units, not the one
+    with the embedding and the head in the root unit; a path that names no module is refused."""
+    from remat.answers.cli import main
+    from remat.answers.fit_steps import FitSteps
+    from remat.prediction.gpu_memory import Fsdp, FsdpUnit, gpu_memories
+
+    gpu = get_gpu("h100")
+    units = (FsdpUnit(("embed_tokens",)), FsdpUnit(("norm", "lm_head"), False))
+
+    def build(batch: int, seq: int):
+        return models.build("llama-3.1-8b", batch=batch, seq=seq, tiny=True, dtype="bf16")
+
+    steps = FitSteps(build, gpu, "bf16-fsdp", "adamw", 2, None)
+    graph = steps.trace(1, 64)
+    walked = {
+        name: gpu_memories(graph, gpu, [], "adamw", Fsdp(2, 2, given))[0].requested_bytes
+        for name, given in (("units", units), ("root", ()))
+    }
+    assert walked["units"] != walked["root"]
+    argv = ["fit", "--model", "llama-3.1-8b", "--tiny", "--batch", "1", "--seq", "64"]
+    argv += ["--gpu", "h100", "--precision", "bf16-fsdp", "--shard", "2", "--json"]
+    for name, extra in (
+        ("units", ["--fsdp-unit", "embed_tokens", "--fsdp-unit", "norm,lm_head:keep"]),
+        ("root", []),
+    ):
+        assert main([*argv, *extra]) == 0
+        row = next(
+            r for r in json.loads(capsys.readouterr().out)["rows"] if r["strategy"] == "store_all"
+        )
+        assert row["requested_bytes"] == walked[name], name
+    assert main([*argv, "--fsdp-unit", "output"]) == 2
+    assert "'output' holds no parameter" in capsys.readouterr().err

@@ -19,7 +19,7 @@ each strategy's row and the search for the largest batch and sequence `remat.ans
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -31,6 +31,7 @@ from remat.graph import Graph
 from remat.layouts.parallel import ONE_RANK, Layout
 from remat.planning.planner import Planner
 from remat.prediction.estimate import Optimizer
+from remat.prediction.gpu_memory import FsdpUnit
 from remat.prediction.loop import Loop
 from remat.units import format_bytes
 
@@ -183,6 +184,7 @@ def fit(
     loop: Loop | None = None,
     full_trace: bool = False,
     compiled_maxima: bool = True,
+    fsdp_units: Sequence[FsdpUnit] = (),
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -216,6 +218,11 @@ def fit(
     stepped in backward, or gradients kept between steps as under gradient accumulation: on one
     rank; the logits kept through backward: on any ranks, eager and without pipeline stages).
 
+    `fsdp_units`: modules outside the blocks that FSDP2 wraps in units of their own
+    (`remat.prediction.gpu_memory.FsdpUnit`: torchtitan wraps the embedding, and the final norm
+    with the output head, not resharded after forward); without them those parameters are the
+    root unit's, gathered from the step's start to the end of its backward.
+
     Each step is traced on a few of the model's repeated blocks and laid out at its full depth
     (`remat.tracing.depth`: the same graph, byte for byte); `full_trace=True` traces every block."""
     import time
@@ -242,6 +249,11 @@ def fit(
         raise RematError(
             "compile='whole' is predicted on one rank: drop --shard, or use --compile blocks "
             "(torchtitan's per-block compile under per-block FSDP)"
+        )
+    if fsdp_units and (shard * layout.cp == 1 or layout.pp > 1):
+        raise RematError(
+            "FSDP units outside the blocks (--fsdp-unit) are one rank's of FSDP2 without pipeline "
+            "stages: give --shard 2 or more, and leave out --pp"
         )
     loop = loop or Loop()
     gradients = replace(loop, keep_logits=False)  # the loop's treatment of gradients
@@ -278,6 +290,7 @@ def fit(
     steps.simulate_allocator = steps.simulate_allocator and reserve is None
     steps.loop = loop
     steps.replicate_depth = not full_trace
+    steps.fsdp_units = tuple(fsdp_units)
     rows = [
         fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
     ]
@@ -299,7 +312,7 @@ def fit(
         found = setup_that_fits(
             build_for, batch=batch, seq=seq, gpu=gpu, asked=asked, reserve=reserve,
             progress=progress, traced={precision: steps.traced}, layout=layout,
-            full_trace=full_trace, known={(precision, optimizer): steps},
+            full_trace=full_trace, known={(precision, optimizer): steps}, fsdp_units=fsdp_units,
         )  # fmt: skip
         if found is not None:
             extra["setup_that_fits"] = asdict(found)
@@ -503,6 +516,7 @@ def setup_that_fits(
     layout: Layout = ONE_RANK,
     full_trace: bool = False,
     known: dict[tuple[str, Optimizer], FitSteps] | None = None,
+    fsdp_units: Sequence[FsdpUnit] = (),
 ) -> Setup | None:
     """The setup under which remat's plan of the step at (batch, seq) fits `gpu`, at the least
     cost: the fewest ranks first (GPUs cost more than time), then the least predicted step time,
@@ -511,8 +525,8 @@ def setup_that_fits(
     powers of two up to `max_ranks`. None when nothing up to `max_ranks` fits. `traced`:
     graphs already traced, by precision (the optimizer does not change the trace); `known`: steps
     already judged, by (precision, optimizer), whose planners and allocator walks serve again.
-    `layout` (tensor and context parallelism) stays as asked: only the data-parallel ranks
-    vary."""
+    `layout` (tensor and context parallelism) and `fsdp_units` stay as asked: only the
+    data-parallel ranks vary."""
     traced = {} if traced is None else traced
     levels = [asked.shard, *(2**k for k in range(1, 11) if asked.shard < 2**k <= max_ranks)]
     precisions = list(dict.fromkeys([asked.precision, "bf16-mixed", "bf16-fsdp", "bf16"]))
@@ -530,6 +544,7 @@ def setup_that_fits(
                 steps.rank_peaks = seen.rank_peaks
             steps.simulate_allocator = reserve is None
             steps.replicate_depth = not full_trace
+            steps.fsdp_units = tuple(fsdp_units)
             combos[(precision, optimizer)] = steps
     for ranks in levels:
         usable = _usable(gpu, ranks * layout.ranks, reserve)

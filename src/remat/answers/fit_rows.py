@@ -23,7 +23,6 @@ from remat.answers.fit_steps import FitSteps
 from remat.errors import RematError
 from remat.planning import strategies
 from remat.prediction.estimate import estimate
-from remat.prediction.gpu_memory import Fsdp
 from remat.units import format_bytes
 
 #: The sequence-length answer is a multiple of this (tokens), as sequence lengths are chosen.
@@ -340,7 +339,7 @@ def compiled_row(
     limits: list[str] = []
     # one rank's step under --shard: the allocator judges it; the search below runs on the
     # unsharded live bytes, whose growth with the size is the rank's (activations are not sharded)
-    fsdp = Fsdp(steps.fsdp_ranks, steps.setup.master_scale) if steps.fsdp_ranks > 1 else None
+    fsdp = steps.fsdp()
     judged = steps.simulate_allocator or fsdp is not None
 
     def at(b: int, s: int) -> Any:

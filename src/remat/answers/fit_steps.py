@@ -100,6 +100,8 @@ class FitSteps:
         self.layout = layout
         self.optimizer, self.shard, self.progress = optimizer, shard, progress
         self.simulate_allocator = True
+        #: modules outside the blocks FSDP2 wraps on their own (`remat.prediction.gpu_memory.FsdpUnit`)
+        self.fsdp_units: tuple[Any, ...] = ()
         #: how the loop treats gradients (`remat.prediction.loop.Loop`): applied to every trace
         self.loop = Loop()
         #: trace a few repeated blocks and lay out the full depth (`remat.tracing.depth`)
@@ -119,6 +121,14 @@ class FitSteps:
         data-parallel ranks times the context-parallel ones, as torchtitan's mesh does it
         (`fully_shard` on its `dp_shard_cp` mesh: CP ranks hold the same parameters)."""
         return self.shard * self.layout.cp
+
+    def fsdp(self) -> Any:
+        """FSDP2 over `fsdp_ranks` as the allocator walks it, with `fsdp_units`; None on one rank."""
+        from remat.prediction.gpu_memory import Fsdp
+
+        if self.fsdp_ranks == 1:
+            return None
+        return Fsdp(self.fsdp_ranks, self.setup.master_scale, self.fsdp_units)
 
     def trace(self, batch: int, seq: int) -> Graph:
         key = (batch, seq)
@@ -213,14 +223,13 @@ class FitSteps:
         allocator's judgement."""
         if not self.simulate_allocator or plan is None:
             return []
-        from remat.prediction.gpu_memory import Fsdp, gpu_memories
+        from remat.prediction.gpu_memory import gpu_memories
 
         graph = self.planner(batch, seq).graph
         key = (id(graph), tuple(plan.regions), self.fsdp_ranks)
         kept = self.memories.get(key)
         if kept is None or kept[0] is not graph:
-            fsdp = Fsdp(self.fsdp_ranks, self.setup.master_scale) if self.fsdp_ranks > 1 else None
-            found = gpu_memories(graph, self.gpu, plan.regions, self.optimizer, fsdp)
+            found = gpu_memories(graph, self.gpu, plan.regions, self.optimizer, self.fsdp())
             kept = self.memories[key] = (graph, found)
         return list(kept[1])
 

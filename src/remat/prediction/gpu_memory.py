@@ -290,6 +290,15 @@ def _unit_owners(graph: Graph, extra: Sequence[FsdpUnit]) -> tuple[dict[int, str
                 params[sid] = unit.name if unit is not None else "\0root"
     for sid, unit in params.items():
         params[sid] = "" if unit == "\0root" else unit
+    held = set(params.values())
+    for unit in extra:
+        if unit.name not in held:
+            tops = sorted({op.module.split(".")[0] for op in graph.forward_ops if op.module})
+            raise RematError(
+                f"FSDP unit {unit.name!r} holds no parameter of the model outside its blocks: "
+                "name modules by their paths in the model (its top-level modules: "
+                f"{', '.join(tops)})"
+            )
     for sid, unit in grads.items():
         made = graph.storages[sid].allocated_at
         module = graph.ops[made].module if unit == "" and made is not None else ""

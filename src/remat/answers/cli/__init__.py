@@ -18,6 +18,7 @@ from remat.answers.cli.bench import BENCH_STRATEGIES, cmd_bench
 from remat.answers.cli.common import (
     add_budget_arg,
     add_compile_arg,
+    add_fsdp_unit_arg,
     add_loop_args,
     add_model_args,
     add_offload_args,
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gradients and optimizer state sharded, each block a unit; with --compile blocks or "
         "blocks+loss, judged by the allocator on --gpu (default: %(default)s)",
     )
+    add_fsdp_unit_arg(est)
     est.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     est.add_argument(
         "--top", type=positive_int, default=12, help="rows in the by-module and by-op tables"
@@ -212,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel ranks; FSDP2 / ZeRO-3 shards parameters, gradients and optimizer "
         "state over them times --cp, as torchtitan's dp_shard_cp mesh does (default: %(default)s)",
     )
+    add_fsdp_unit_arg(ft)
     add_tp_args(ft)
     ft.add_argument(
         "--pp",

@@ -356,6 +356,35 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fsdp_unit(text: str) -> Any:
+    """argparse type of --fsdp-unit: module paths joined by commas, `:keep` for a unit not
+    resharded after its forward (`remat.prediction.gpu_memory.FsdpUnit`)."""
+    from remat.prediction.gpu_memory import FsdpUnit
+
+    paths, _, flag = text.partition(":")
+    names = tuple(p.strip() for p in paths.split(",") if p.strip())
+    if not names or flag not in ("", "keep"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give module paths joined by commas, with :keep for a unit kept gathered "
+            "from its forward to its backward (e.g. tok_embeddings, or norm,output:keep)"
+        )
+    return FsdpUnit(names, reshard_after_forward=flag != "keep")
+
+
+def add_fsdp_unit_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fsdp-unit",
+        type=fsdp_unit,
+        action="append",
+        default=[],
+        metavar="PATH[,PATH...][:keep]",
+        help="with --shard: modules outside the blocks that fully_shard wraps in a unit of their "
+        "own, once per unit; :keep when not resharded after forward. torchtitan wraps "
+        "'--fsdp-unit tok_embeddings --fsdp-unit norm,output:keep'; without it those "
+        "parameters are the root unit's, gathered all step",
+    )
+
+
 def planner_for(args: argparse.Namespace, console: Console) -> Planner:
     """Trace the model the arguments name and prepare it for planning on `--profile`."""
     from remat.planning.planner import Planner

@@ -58,6 +58,11 @@ def _fsdp(args: argparse.Namespace, setup: Any, graph: Graph) -> Fsdp | None:
     from remat.prediction.gpu_memory import Fsdp
 
     scale = setup.master_scale if setup is not None else 1
+    units = tuple(getattr(args, "fsdp_unit", []))
+    if units and args.shard == 1:
+        raise RematError(
+            "--fsdp-unit is a unit of FSDP2: give the number of ranks (--shard 2 or more)"
+        )
     if args.shard == 1:
         if scale != 1:
             raise RematError(
@@ -72,7 +77,7 @@ def _fsdp(args: argparse.Namespace, setup: Any, graph: Graph) -> Fsdp | None:
             "--shard with --compile: one rank's compiled step is judged by the allocator with "
             "each block compiled on its own: give --compile blocks (or blocks+loss) and a --gpu"
         )
-    return Fsdp(args.shard, scale)
+    return Fsdp(args.shard, scale, units)
 
 
 def _gpu_memories(graph: Graph, args: argparse.Namespace, fsdp: Fsdp | None = None) -> list[Any]:

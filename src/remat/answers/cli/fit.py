@@ -68,6 +68,11 @@ def _fit_command(args: argparse.Namespace, setup: dict[str, Any]) -> str:
     parts += ["--gpu", args.gpu] if args.gpu else []
     parts += ["--precision", setup["precision"], "--optimizer", setup["optimizer"] or "none"]
     parts += ["--shard", str(setup["shard"])] if setup["shard"] > 1 else []
+    for unit in getattr(args, "fsdp_unit", []) if setup["shard"] > 1 else []:
+        parts += [
+            "--fsdp-unit",
+            ",".join(unit.paths) + ("" if unit.reshard_after_forward else ":keep"),
+        ]
     for flag in ("tp", "cp", "pp"):  # the layout asked, or the one found
         degree = setup.get(flag, getattr(args, flag, 1))
         parts += [f"--{flag}", str(degree)] if degree > 1 else []
@@ -166,6 +171,7 @@ def fit_report(
             loop=loop_of(args),
             full_trace=getattr(args, "full_trace", False),
             compiled_maxima=not getattr(args, "quick", False),  # REMAT_QUICK=1: the asked size
+            fsdp_units=getattr(args, "fsdp_unit", []),
         )
 
 
