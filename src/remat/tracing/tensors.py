@@ -45,8 +45,12 @@ _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
 
 
 def _is_wrapper(t: Any) -> bool:
+    """A wrapper subclass, around one tensor (a DTensor) or several (torchao's float8 tensor:
+    its float8 data and its scale): its own dispatch runs the ops on what it wraps."""
     return (
-        type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor) and local_tensor(t) is not t
+        type(t) not in _PLAIN_TENSORS
+        and isinstance(t, torch.Tensor)
+        and is_traceable_wrapper_subclass(t)
     )
 
 
