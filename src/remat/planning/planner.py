@@ -438,6 +438,8 @@ class Planner:
         region runs under its policy, in the forward and in the replay up to its early stop."""
         if not regions or not (self.profile.region_seconds or self.profile.policy_op_seconds):
             return [0.0] * len(regions)
+        if not any(r.keep_keys for r in regions):  # no op runs under a policy: no analysis
+            return [checkpoint_overhead_seconds(self.profile, 1, 0)] * len(regions)
         out = []
         for replay in analyse_regions(self.graph, regions).replays:
             r = replay.region
