@@ -10,6 +10,7 @@ import torch
 import remat
 from remat import models
 from remat.errors import InfeasibleBudget
+from remat.planning.blocks import replay_reach
 from remat.planning.strategies import first_k, get
 from remat.prediction.prefix_peaks import prefixes
 from remat.prediction.schedule import simulate
@@ -64,7 +65,12 @@ def test_first_k_answers_as_simulating_every_block_count(planner):
     fewest recompute among counts tied at the lowest peak."""
     plans = _every_count(planner)
     peaks = sorted({p.predicted_peak_bytes for p in plans})
-    budgets = [peaks[0] - 1, *peaks, *(a + (b - a) // 2 for a, b in zip(peaks, peaks[1:])), 10**15]
+    budgets = [
+        peaks[0] - 1,
+        *peaks,
+        *(a + (b - a) // 2 for a, b in zip(peaks, peaks[1:], strict=False)),
+        10**15,
+    ]
     strategy = get("first_k")
     for budget in budgets:
         fits = [k for k, p in enumerate(plans) if p.predicted_peak_bytes <= budget]
@@ -96,3 +102,15 @@ def test_block_counts_tied_at_the_lowest_peak_are_told_apart_by_recompute():
     plans = _every_count(planner)
     lowest = min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
     assert first_k.lowest_peak(planner).regions == lowest.regions
+
+
+def test_every_blocks_replay_reach_from_one_analysis_equals_each_alone(planner):
+    """`Planner.replayed` analyses every block's span at once (kept per graph, shared by the
+    planners of one step): each block's reach equals its own analysis's, and a span over two
+    blocks (a multi-block region's) is analysed alone."""
+    spans = [(b.first_op, b.last_op) for b in planner.blocks]
+    spans.append((planner.blocks[0].first_op, planner.blocks[1].last_op))
+    for first, last in spans:
+        assert planner.replayed(first, last) == replay_reach(planner.graph, first, last)
+    other = remat.Planner(planner.graph)
+    assert other.replayed(*spans[0]) is planner.replayed(*spans[0])

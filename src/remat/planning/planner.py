@@ -40,7 +40,7 @@ from remat.planning.blocks import (
     ladder_sizes,
     maker_blocks,
     measure,
-    replay_reach,
+    replay_reaches,
 )
 from remat.planning.plans import (
     DEFAULT_BUDGET,
@@ -240,7 +240,6 @@ class Planner:
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
         #: `make_plan`'s plans by (regions, offloaded blocks): the rest of a call only labels it
         self._judged: dict[tuple[tuple[Region, ...], tuple[int, ...]], Plan] = {}
-        self._replayed: dict[tuple[int, int], list[Op]] = {}
 
     # -- the user's API ------------------------------------------------------------------------
     @property
@@ -579,11 +578,15 @@ class Planner:
 
     def replayed(self, first_op: int, last_op: int) -> list[Op]:
         """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`), found
-        once per span."""
+        once per graph and span: a block's with those of every block, in one analysis."""
+        kept = self.graph.derived("replayed", dict, self.graph.ops, self.graph.saved)
         span = (first_op, last_op)
-        if span not in self._replayed:
-            self._replayed[span] = replay_reach(self.graph, first_op, last_op)
-        return self._replayed[span]
+        if span not in kept:
+            blocks = sorted((b.first_op, b.last_op) for b in self.blocks)
+            apart = all(a[1] < b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+            spans = [s for s in blocks if s not in kept] if apart and span in blocks else [span]
+            kept.update(replay_reaches(self.graph, spans))
+        return kept[span]
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:
         """Run a model-based solver and judge its answer by the exact simulation: while the
