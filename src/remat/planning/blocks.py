@@ -166,6 +166,21 @@ def replay_reaches(
     return out
 
 
+def kept_replay_reach(
+    graph: Graph, blocks: Sequence[ModuleCall], first_op: int, last_op: int
+) -> list[Op]:
+    """`replay_reach`, kept per graph (`Graph.derived`: the planners of one step share it); a
+    block's span asked first is found with those of every block of `blocks`, in one analysis."""
+    kept = graph.derived("replayed", dict, graph.ops, graph.saved)
+    span = (first_op, last_op)
+    if span not in kept:
+        spans = sorted((b.first_op, b.last_op) for b in blocks)
+        apart = all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))
+        asked = [s for s in spans if s not in kept] if apart and span in spans else [span]
+        kept.update(replay_reaches(graph, asked))
+    return kept[span]
+
+
 def ladder_sizes(dearest: Sequence[str], named: Iterable[Iterable[str]], most: int) -> list[int]:
     """The rungs of a block's keep ladder to offer (`Planner.block_options`): n for keeping the
     first n of `dearest` (its ops, dearest to recompute per byte first), from 1 to one less than

@@ -37,10 +37,10 @@ from remat.planning.blocks import (
     block_seconds,
     carry,
     deciding_blocks,
+    kept_replay_reach,
     ladder_sizes,
     maker_blocks,
     measure,
-    replay_reaches,
 )
 from remat.planning.plans import (
     DEFAULT_BUDGET,
@@ -577,16 +577,8 @@ class Planner:
         return tuple(out)
 
     def replayed(self, first_op: int, last_op: int) -> list[Op]:
-        """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`), found
-        once per graph and span: a block's with those of every block, in one analysis."""
-        kept = self.graph.derived("replayed", dict, self.graph.ops, self.graph.saved)
-        span = (first_op, last_op)
-        if span not in kept:
-            blocks = sorted((b.first_op, b.last_op) for b in self.blocks)
-            apart = all(a[1] < b[0] for a, b in zip(blocks, blocks[1:], strict=False))
-            spans = [s for s in blocks if s not in kept] if apart and span in blocks else [span]
-            kept.update(replay_reaches(self.graph, spans))
-        return kept[span]
+        """The ops the replay of a region over `first_op..last_op` reaches (`kept_replay_reach`)."""
+        return kept_replay_reach(self.graph, self.blocks, first_op, last_op)
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:
         """Run a model-based solver and judge its answer by the exact simulation: while the
