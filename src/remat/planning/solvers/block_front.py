@@ -178,7 +178,7 @@ def _undominated(kept, prefetch, host, peak, high, low) -> np.ndarray:
     and recompute together (ties: the first in (recompute, kept, peak) order), in that order.
     A sweep in recompute order keeps, per (prefetch, host), the staircase of (kept, peak) seen;
     where all labels share those bytes, the labels an earlier one is known to beat are dropped
-    first, in arrays (most of them: 538,486 of 539,070 at a block of the 8B fit)."""
+    first, in arrays (most of them: 538,486 of 539,070 in a front of the 8B fit)."""
     order = np.lexsort((peak, kept, low, high))
     if order.size > 1 and (prefetch == prefetch[0]).all() and (host == host[0]).all():
         order = order[~_beaten_by_earlier(kept[order], peak[order])]
