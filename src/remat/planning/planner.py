@@ -37,10 +37,10 @@ from remat.planning.blocks import (
     block_seconds,
     carry,
     deciding_blocks,
+    kept_replay_reach,
     ladder_sizes,
     maker_blocks,
     measure,
-    replay_reach,
 )
 from remat.planning.plans import (
     DEFAULT_BUDGET,
@@ -240,7 +240,6 @@ class Planner:
         self._solved: dict[tuple[Strategy, int], Plan | InfeasibleBudget] = {}
         #: `make_plan`'s plans by (regions, offloaded blocks): the rest of a call only labels it
         self._judged: dict[tuple[tuple[Region, ...], tuple[int, ...]], Plan] = {}
-        self._replayed: dict[tuple[int, int], list[Op]] = {}
 
     # -- the user's API ------------------------------------------------------------------------
     @property
@@ -438,6 +437,8 @@ class Planner:
         region runs under its policy, in the forward and in the replay up to its early stop."""
         if not regions or not (self.profile.region_seconds or self.profile.policy_op_seconds):
             return [0.0] * len(regions)
+        if not any(r.keep_keys for r in regions):  # no op runs under a policy: no analysis
+            return [checkpoint_overhead_seconds(self.profile, 1, 0)] * len(regions)
         out = []
         for replay in analyse_regions(self.graph, regions).replays:
             r = replay.region
@@ -576,12 +577,8 @@ class Planner:
         return tuple(out)
 
     def replayed(self, first_op: int, last_op: int) -> list[Op]:
-        """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`), found
-        once per span."""
-        span = (first_op, last_op)
-        if span not in self._replayed:
-            self._replayed[span] = replay_reach(self.graph, first_op, last_op)
-        return self._replayed[span]
+        """The ops the replay of a region over `first_op..last_op` reaches (`kept_replay_reach`)."""
+        return kept_replay_reach(self.graph, self.blocks, first_op, last_op)
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:
         """Run a model-based solver and judge its answer by the exact simulation: while the

@@ -5,6 +5,7 @@ it names regions by module path and ops by their stable names."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
@@ -459,6 +460,14 @@ def resolve_budget(budget: int | str, fixed_bytes: int, store_all_peak: int) -> 
     return nbytes
 
 
+def recompute_seconds(
+    op_seconds: Sequence[float], recompute_ops: Iterable[int], overhead_seconds: float
+) -> float:
+    """A plan's predicted recompute time: its replays' ops, in replay order, and what
+    checkpointing itself costs."""
+    return sum(op_seconds[i] for i in recompute_ops) + overhead_seconds
+
+
 def build_plan(
     graph: Graph,
     regions: tuple[Region, ...],
@@ -514,7 +523,7 @@ def build_plan(
         predicted_peak_bytes=sim.peak_bytes,
         held_bytes=sim.held_bytes,
         recompute_flops=sum(graph.ops[i].flops for i in sim.recompute_ops),
-        recompute_seconds=sum(op_seconds[i] for i in sim.recompute_ops) + overhead_seconds,
+        recompute_seconds=recompute_seconds(op_seconds, sim.recompute_ops, overhead_seconds),
         forward_flops=sum(op.flops for op in graph.forward_ops),
         profile=profile,
         reason=reason,

@@ -258,16 +258,10 @@ def analyse_regions(
     kept_ops = frozenset(graph.op_by_name[name].index for reg in regions for name in reg.keep)
 
     def release(node_id: int | None) -> int:
-        node = graph.nodes.get(node_id) if node_id is not None else None
-        return end if node is None or node.released_after is None else node.released_after
+        return node_release(graph, node_id)
 
     def released(sv: Saved) -> int:
-        """When autograd lets go of a save: after its node has run; a save no node unpacked
-        when the trace saw it go (its node destroyed unrun with the forward's tensors that led
-        to it: a loop's last state update, an output the loss does not use), else at the end."""
-        if sv.node is None:
-            return end if sv.released_after is None else sv.released_after
-        return release(sv.node)
+        return save_release(graph, sv)
 
     def handed_until(sv: Saved) -> int:
         """Until when the value a replay re-made for a save lives once its node has unpacked it:
@@ -279,9 +273,7 @@ def analyse_regions(
         return sv.unpacked_until
 
     def region_of_save(sv: Saved) -> int:
-        node = graph.nodes.get(sv.node) if sv.node is not None else None
-        op = sv.forward_op if node is None else node.forward_op
-        return -1 if op is None or op >= end else region_of_op[op]
+        return save_region(graph, sv, region_of_op)
 
     # Saves made by nodes outside every region are held by autograd until it lets go of them.
     # Inside a region, checkpoint's pack hook swaps every save for a holder: the frame refills the
@@ -363,6 +355,28 @@ def analyse_regions(
     )
 
 
+def node_release(graph: Graph, node_id: int | None) -> int:
+    """The op after which autograd releases node `node_id` (the end of the step: never)."""
+    node = graph.nodes.get(node_id) if node_id is not None else None
+    return len(graph.ops) if node is None or node.released_after is None else node.released_after
+
+
+def save_release(graph: Graph, sv: Saved) -> int:
+    """When autograd lets go of a save: after its node has run; a save no node unpacked when the
+    trace saw it go (its node destroyed unrun with the forward's tensors that led to it: a
+    loop's last state update, an output the loss does not use), else at the end."""
+    if sv.node is None:
+        return len(graph.ops) if sv.released_after is None else sv.released_after
+    return node_release(graph, sv.node)
+
+
+def save_region(graph: Graph, sv: Saved, region_of_op: Sequence[int]) -> int:
+    """The index of the region whose node made save `sv` (-1: outside every region)."""
+    node = graph.nodes.get(sv.node) if sv.node is not None else None
+    op = sv.forward_op if node is None else node.forward_op
+    return -1 if op is None or op >= len(graph.ops) else region_of_op[op]
+
+
 def _reloads(
     graph, offloaded, offload, first_backward_op, release
 ) -> tuple[tuple[int, int, int], ...]:
@@ -425,10 +439,15 @@ class Schedule:
         return self.position_of_op[op_index]
 
 
-def replay_order(analysis: RegionAnalysis) -> list[RegionReplay]:
+def replay_order(replays: Iterable[RegionReplay]) -> list[RegionReplay]:
     """The regions that replay, in the order they do: by trigger, then by pack order."""
-    triggered = (rep for rep in analysis.replays if rep.trigger is not None)
+    triggered = (rep for rep in replays if rep.trigger is not None)
     return sorted(triggered, key=lambda rep: (rep.trigger, rep.first_pack))
+
+
+def recompute_ops(replays: Iterable[RegionReplay]) -> tuple[int, ...]:
+    """The forward ops the replays re-run, in the order they do (`Simulation.recompute_ops`)."""
+    return tuple(i for rep in replay_order(replays) for i in rep.ops)
 
 
 def build_schedule(graph: Graph, analysis: RegionAnalysis) -> Schedule:
@@ -436,7 +455,7 @@ def build_schedule(graph: Graph, analysis: RegionAnalysis) -> Schedule:
 
     Two regions sharing a trigger (not seen on any model we trace) are not modelled: only the
     last in `replay_order` is inserted, though both count in `Simulation.recompute_ops`."""
-    replay_before = {rep.trigger: rep.ops for rep in replay_order(analysis)}
+    replay_before = {rep.trigger: rep.ops for rep in replay_order(analysis.replays)}
     order: list[tuple[str, int]] = []
     position_of_op = []
     replay_position: dict[int, int] = {}
@@ -476,36 +495,16 @@ def storage_lives(
     deaths: dict[int, int] = {}
     lives: list[Life] = []
     owners: list[int | None] = []
+    region_of_op = analysis.region_of_op
     for s in graph.storages.values():
         if s.allocated_at is None:
             continue
-        program = end if s.released_after is None else s.released_after
-        death = max(program, held_until.get(s.id, -1))
-        region = analysis.region_of_op[s.allocated_at]
-        replay_death = -1
-        if s.allocated_at in analysis.kept_ops:
-            rep = analysis.replays[region]
-            # The policy's cache holds a kept op's outputs until the replay reaches the op and
-            # takes them back; from there they live as a replayed op's outputs would.
-            reached = rep.trigger is not None and s.allocated_at <= rep.stop_at
-            if s.id in analysis.offloaded_kept.get(region, ()):
-                # the cache holds a host copy: the device copy dies with the program's, and the
-                # one brought back when the replay reaches the op lives as the cached one would
-                if reached:
-                    lives.append(_reloaded_kept_life(s, program, rep, schedule, analysis))
-                    owners.append(s.id)
-            elif not reached:
-                death = max(death, rep.frame_until)
-            elif s.id in rep.holders:
-                death = max(death, rep.holders[s.id])
-            else:
-                replay_death = _handed_over_until(program, rep, schedule)
-        deaths[s.id] = max(schedule.after(death), replay_death)
-        lives.append((schedule.position_of_op[s.allocated_at], deaths[s.id], s.nbytes))
-        owners.append(s.id)
-        if s.allocated_at in schedule.replay_position:
-            lives.append(_replayed_life(s, program, analysis.replays[region], schedule))
-            owners.append(s.id)
+        death, found = storage_life(
+            s, held_until.get(s.id, -1), region_of_op[s.allocated_at], analysis, schedule, end
+        )
+        deaths[s.id] = death
+        lives.extend(found)
+        owners.extend([s.id] * len(found))
     for sid, first_op, last_op in analysis.reloads:
         lives.append(
             (schedule.position_of_op[first_op], schedule.after(last_op), graph.storages[sid].nbytes)
@@ -523,15 +522,61 @@ def storage_lives(
                 start = min(start, schedule.position_of_op[analysis.reload_from[sid]])
             lives.append((start, schedule.after(rep.frame_until), graph.storages[sid].nbytes))
             owners.append(sid)
+    rng_bytes = rng_state_bytes(graph)
     for rep in analysis.replays:
-        first = schedule.position_of_op[rep.region.first_op]
-        lives.append((first, schedule.after(rep.frame_until), rep.overhead_bytes))
-        owners.append(None)
-        replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
-        if rep.region.random and replayed:
-            lives.append((replayed[0], replayed[-1], rng_state_bytes(graph)))
-            owners.append(None)
+        found = frame_lives(rep, schedule, rng_bytes)
+        lives.extend(found)
+        owners.extend([None] * len(found))
     return deaths, lives, owners
+
+
+def storage_life(
+    s: Storage,
+    held: int,
+    region: int,
+    analysis: RegionAnalysis,
+    schedule: Schedule,
+    end: int,
+) -> tuple[int, list[Life]]:
+    """The position after which storage `s`'s first life ends, and its lives on `schedule`
+    (`storage_lives`' rule for one storage): `held` is the op until which autograd or a frame
+    holds it (-1: neither), `region` the index of the region its op is in (-1: none)."""
+    lives: list[Life] = []
+    program = end if s.released_after is None else s.released_after
+    death = max(program, held)
+    replay_death = -1
+    if s.allocated_at in analysis.kept_ops:
+        rep = analysis.replays[region]
+        # The policy's cache holds a kept op's outputs until the replay reaches the op and
+        # takes them back; from there they live as a replayed op's outputs would.
+        reached = rep.trigger is not None and s.allocated_at <= rep.stop_at
+        if s.id in analysis.offloaded_kept.get(region, ()):
+            # the cache holds a host copy: the device copy dies with the program's, and the
+            # one brought back when the replay reaches the op lives as the cached one would
+            if reached:
+                lives.append(_reloaded_kept_life(s, program, rep, schedule, analysis))
+        elif not reached:
+            death = max(death, rep.frame_until)
+        elif s.id in rep.holders:
+            death = max(death, rep.holders[s.id])
+        else:
+            replay_death = _handed_over_until(program, rep, schedule)
+    last = max(schedule.after(death), replay_death)
+    lives.append((schedule.position_of_op[s.allocated_at], last, s.nbytes))
+    if s.allocated_at in schedule.replay_position:
+        lives.append(_replayed_life(s, program, analysis.replays[region], schedule))
+    return last, lives
+
+
+def frame_lives(rep: RegionReplay, schedule: Schedule, rng_bytes: int) -> list[Life]:
+    """A region's frame overhead (RNG state, BatchNorm snapshot) from its first op until the
+    frame dies, and the RNG state `fork_rng` keeps while a random region's replay runs."""
+    first = schedule.position_of_op[rep.region.first_op]
+    lives = [(first, schedule.after(rep.frame_until), rep.overhead_bytes)]
+    replayed = [schedule.replay_position[i] for i in rep.ops if i in schedule.replay_position]
+    if rep.region.random and replayed:
+        lives.append((replayed[0], replayed[-1], rng_bytes))
+    return lives
 
 
 def _reloaded_kept_life(
@@ -702,7 +747,7 @@ def _simulate(graph: Graph, regions: tuple[Region, ...], offload: Offload | None
         peak_bytes=timeline[peak_position],
         peak_position=peak_position,
         held_bytes=held_bytes,
-        recompute_ops=tuple(i for rep in replay_order(analysis) for i in rep.ops),
+        recompute_ops=recompute_ops(analysis.replays),
         timeline=tuple(timeline),
         schedule=schedule.order,
         deaths=deaths,

@@ -176,8 +176,33 @@ def _units(seconds: float, unit: int) -> int:
 def _undominated(kept, prefetch, host, peak, high, low) -> np.ndarray:
     """The labels no other label with the same prefetch and host bytes beats on kept bytes, peak
     and recompute together (ties: the first in (recompute, kept, peak) order), in that order.
-    A sweep in recompute order keeps, per (prefetch, host), the staircase of (kept, peak) seen."""
+    A sweep in recompute order keeps, per (prefetch, host), the staircase of (kept, peak) seen;
+    where all labels share those bytes, the labels an earlier one is known to beat are dropped
+    first, in arrays (most of them: 538,486 of 539,070 in a front of the 8B fit)."""
     order = np.lexsort((peak, kept, low, high))
+    if order.size > 1 and (prefetch == prefetch[0]).all() and (host == host[0]).all():
+        order = order[~_beaten_by_earlier(kept[order], peak[order])]
+    return _sweep(order, kept, prefetch, host, peak)
+
+
+def _beaten_by_earlier(kept: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    """Of labels in sweep order, those that an earlier label beats (no more kept bytes, no higher
+    peak): checked against the label just before and against the earlier labels of least kept
+    bytes and of lowest peak. Not every beaten label, only labels the sweep drops too: a label
+    one of these beats, the sweep finds beaten by the staircase, which beats what it has seen."""
+    beaten = np.zeros(kept.size, dtype=bool)
+    beaten[1:] = (kept[:-1] <= kept[1:]) & (peak[:-1] <= peak[1:])
+    index = np.arange(kept.size)
+    for key, other in ((kept, peak), (peak, kept)):
+        lowest_before = np.minimum.accumulate(key)[:-1]
+        new_low = np.concatenate(([True], key[1:] < lowest_before))
+        first_lowest = np.maximum.accumulate(np.where(new_low, index, 0))[:-1]  # before each
+        beaten[1:] |= (key[first_lowest] <= key[1:]) & (other[first_lowest] <= other[1:])
+    return beaten
+
+
+def _sweep(order, kept, prefetch, host, peak) -> np.ndarray:
+    """The labels of `order` (sweep order) no earlier one beats, per (prefetch, host)."""
     stairs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     alive = []
     for i, k, p, f, h in zip(

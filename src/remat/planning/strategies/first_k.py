@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from remat.errors import InfeasibleBudget
+from remat.planning.plans import recompute_seconds
 from remat.planning.strategies import Strategy, register
+from remat.prediction.prefix_peaks import prefixes
 from remat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -28,24 +30,49 @@ def _plan(planner: Planner, k: int, budget_bytes: int | None) -> Plan:
     )
 
 
+def predicted_peaks(planner: Planner) -> list[int]:
+    """The predicted peak of `_plan(planner, k, ...)` for k = 0..n, as `make_plan` predicts it (the
+    simulation's peak over the bytes before the step, or the optimizer step's where higher), from
+    one stepping of the simulation through k (`prefixes`), not n + 1 simulations; where stepping
+    does not apply, the plans' own."""
+    found = prefixes(planner.graph, planner.every_block())
+    if found is None:
+        return [
+            _plan(planner, k, None).predicted_peak_bytes for k in range(len(planner.blocks) + 1)
+        ]
+    return [max(peak + planner.base_bytes, planner.optimizer_step_peak) for peak in found.peaks]
+
+
 def solve(planner: Planner, budget_bytes: int) -> Plan:
-    plans = []
-    for k in range(len(planner.blocks) + 1):
-        p = _plan(planner, k, budget_bytes)
-        if p.predicted_peak_bytes <= budget_bytes:
-            return p
-        plans.append(p)
-    lowest = min(p.predicted_peak_bytes for p in plans)
+    peaks = predicted_peaks(planner)
+    for k, peak in enumerate(peaks):
+        if peak <= budget_bytes:
+            return _plan(planner, k, budget_bytes)
     raise InfeasibleBudget(
         f"strategy first_k: no number of checkpointed blocks fits {format_bytes(budget_bytes)}; "
-        f"its lowest peak is {format_bytes(lowest)}",
+        f"its lowest peak is {format_bytes(min(peaks))}",
         budget_bytes=budget_bytes,
-        min_feasible_bytes=lowest,
+        min_feasible_bytes=min(peaks),
     )
 
 
 def lowest_peak(planner: Planner) -> Plan:
-    plans = [_plan(planner, k, None) for k in range(len(planner.blocks) + 1)]
+    """The plan of lowest (peak, recompute seconds), the fewest blocks among equals. Block counts
+    often tie at the lowest peak (the optimizer step's, or a peak the later blocks do not reach):
+    their recompute seconds are summed as `build_plan` sums them, from the replays' ops."""
+    peaks = predicted_peaks(planner)
+    lowest = min(peaks)
+    ties = [k for k, peak in enumerate(peaks) if peak == lowest]
+    found = prefixes(planner.graph, planner.every_block()) if len(ties) > 1 else None
+    if found is not None:
+        every = planner.every_block()
+
+        def seconds(k: int) -> float:
+            overheads = sum(planner.region_overheads(every[:k]))
+            return recompute_seconds(planner.op_seconds, found.recompute_ops(k), overheads)
+
+        ties = [min(ties, key=seconds)]
+    plans = [_plan(planner, k, None) for k in ties]
     return min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
 
 
