@@ -104,3 +104,21 @@ def test_step_lives_kept_per_graph_serve_the_walk_as_fresh_ones(llama):
     for fsdp in (None, Fsdp(4, 2)):
         kept = step_events(llama, regions, "adamw", fsdp=fsdp)
         assert kept == step_events(_afresh(llama), regions, "adamw", fsdp=fsdp)
+
+
+def test_a_regions_replay_stop_is_what_analysing_it_alone_finds(llama):
+    """`replay_stop` (a region's early stop from each op's last save, kept per graph) is the
+    `stop_at` of `analyse_regions` on that region alone: for every run of blocks, every single
+    forward op (most save nothing: None) and spans that cut through blocks."""
+    from remat.prediction.schedule import Region, analyse_regions, replay_stop
+
+    blocks = llama.blocks
+    spans = [(a.first_op, b.last_op) for i, a in enumerate(blocks) for b in blocks[i:]]
+    spans += [(op.index, op.index) for op in llama.forward_ops]
+    spans += [(b.first_op + 3, b.last_op - 2) for b in blocks] + [(0, len(llama.forward_ops) - 1)]
+    stops = []
+    for first, last in spans:
+        alone = analyse_regions(_afresh(llama), [Region(("",), first, last, random=False)])
+        stops.append(replay_stop(llama, first, last))
+        assert stops[-1] == alone.replays[0].stop_at, (first, last)
+    assert None in stops and len(set(stops)) > len(blocks)

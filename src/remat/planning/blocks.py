@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.graph import Graph, ModuleCall, Op
-from remat.prediction.schedule import Region, Simulation, analyse_regions
+from remat.prediction.schedule import Region, Simulation, replay_stop
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,7 @@ def replay_reach(graph: Graph, first_op: int, last_op: int) -> list[Op]:
     replay reads it: an op past the stop (a block's last Linear, whose output only the residual
     add reads; save-matmuls keeps it, as torch's op lists do) would hold its bytes and save no
     recompute, so no policy here keeps one."""
-    probe = Region(("",), first_op, last_op, random=False)
-    stop = analyse_regions(graph, [probe]).replays[0].stop_at
+    stop = replay_stop(graph, first_op, last_op)
     return graph.ops[first_op : (first_op - 1 if stop is None else stop) + 1]
 
 
