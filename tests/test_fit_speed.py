@@ -122,3 +122,17 @@ def test_a_regions_replay_stop_is_what_analysing_it_alone_finds(llama):
         stops.append(replay_stop(llama, first, last))
         assert stops[-1] == alone.replays[0].stop_at, (first, last)
     assert None in stops and len(set(stops)) > len(blocks)
+
+
+@pytest.mark.parametrize("name", ["param_gather_bytes", "param_blocks", "grad_blocks"])
+def test_fsdp_figures_kept_per_graph_equal_a_fresh_reading(llama, name):
+    """What FSDP's per-rank figures read of a graph (the bytes each parameter gathers, the block
+    that owns each parameter and each gradient) is worked out once per graph: asked again, and
+    after a caller changed its copy, it is what a graph with nothing kept gives."""
+    read = getattr(estimate_module, name)
+    kept = read(llama)
+    kept[-1] = kept[next(iter(kept))]  # a caller's change does not reach what is kept
+    again = read(llama)
+    assert name in llama.memo
+    assert again == read(_afresh(llama)) and -1 not in again
+    assert len(set(again.values())) > 1  # blocks and the root; parameters of several sizes
