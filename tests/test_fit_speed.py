@@ -136,3 +136,23 @@ def test_fsdp_figures_kept_per_graph_equal_a_fresh_reading(llama, name):
     assert name in llama.memo
     assert again == read(_afresh(llama)) and -1 not in again
     assert len(set(again.values())) > 1  # blocks and the root; parameters of several sizes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_schedule_orders_kept_per_arguments_equal_torchs_built_afresh(schedule):
+    """`pipeline_order` builds torch's order once per (schedule, stages, micro-batches, ranks)
+    (the micro-batch searches ask each count for every strategy): asked again, and after a
+    caller changed its copy, it is the order torch's class gives with nothing kept."""
+    from remat.layouts import pipeline_schedules
+
+    stages, ranks = (8, 4) if schedule == "interleaved-1f1b" else (4, 4)
+    for microbatches in (4, 8, 12):
+        kept = pipeline_schedules.pipeline_order(schedule, stages, microbatches, ranks)
+        kept[0].clear()  # a caller's change does not reach what is kept
+        again = pipeline_schedules.pipeline_order(schedule, stages, microbatches, ranks)
+        pipeline_schedules._order.cache_clear()
+        afresh = pipeline_schedules.pipeline_order(schedule, stages, microbatches, ranks)
+        assert again == afresh and len(afresh) == ranks and afresh[0]
+        counts = pipeline_schedules.in_flight(schedule, stages, microbatches, ranks)
+        pipeline_schedules._order.cache_clear()
+        assert counts == pipeline_schedules.in_flight(schedule, stages, microbatches, ranks)
