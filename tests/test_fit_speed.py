@@ -156,3 +156,43 @@ def test_schedule_orders_kept_per_arguments_equal_torchs_built_afresh(schedule):
         counts = pipeline_schedules.in_flight(schedule, stages, microbatches, ranks)
         pipeline_schedules._order.cache_clear()
         assert counts == pipeline_schedules.in_flight(schedule, stages, microbatches, ranks)
+
+
+def test_a_ranks_walk_is_kept_by_its_own_stages_plans_and_equals_a_fresh_one(monkeypatch):
+    """`RankMemory.of` keeps each rank's walk by its own stages' regions (a rank's events read
+    no other stage's plan): plans that change one stage walk again only the rank holding it,
+    and every rank's memories equal a fresh `RankMemory`'s."""
+    from remat.device.gpus import custom_gpu
+    from remat.layouts.fit_pipeline import RankMemory
+    from remat.layouts.pipeline_traced import TracedPipeline
+    from remat.layouts.pipeline_walk import Sharding
+    from remat.planning import strategies
+
+    def llama(batch: int, seq: int):
+        return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True, n_layers=4)
+
+    traced = TracedPipeline.of(llama, 2, 32, stages=2, microbatches=2)
+    gpu = custom_gpu(1 << 40, "h100")
+
+    def full(stage: int):
+        planner = traced.planner(stage, gpu.profile, "sgd")
+        return planner.solve(strategies.get("full", "eager"), planner.estimate.peak_bytes)
+
+    walks = []
+    gpu_memories = TracedPipeline.gpu_memories
+
+    def counted(self, rank, *args, **kwargs):
+        walks.append(rank)
+        return gpu_memories(self, rank, *args, **kwargs)
+
+    monkeypatch.setattr(TracedPipeline, "gpu_memories", counted)
+    memory = RankMemory(gpu, "sgd", Sharding(2, 1), 4)
+    answers = []
+    for plans, walked in (({}, [0, 1]), ({0: full(0)}, [0]), ({0: full(0), 1: full(1)}, [1])):
+        walks.clear()
+        answers.append(memory.of(traced, plans))
+        assert walks == walked
+        assert answers[-1] == RankMemory(gpu, "sgd", Sharding(2, 1), 4).of(traced, plans)
+    walks.clear()
+    assert memory.of(traced, {}) == answers[0] and not walks
+    assert answers[0][0] != answers[1][0] and answers[0][1] == answers[1][1]
