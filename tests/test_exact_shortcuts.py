@@ -13,7 +13,6 @@ import torch
 import remat
 from remat import models
 from remat.errors import InfeasibleBudget
-from remat.planning.blocks import replay_reach
 from remat.planning.solvers import block_front
 from remat.planning.strategies import first_k, get
 from remat.prediction.prefix_peaks import prefixes
@@ -106,18 +105,6 @@ def test_block_counts_tied_at_the_lowest_peak_are_told_apart_by_recompute():
     plans = _every_count(planner)
     lowest = min(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_seconds))
     assert first_k.lowest_peak(planner).regions == lowest.regions
-
-
-def test_every_blocks_replay_reach_from_one_analysis_equals_each_alone(planner):
-    """`Planner.replayed` analyses every block's span at once (kept per graph, shared by the
-    planners of one step): each block's reach equals its own analysis's, and a span over two
-    blocks (a multi-block region's) is analysed alone."""
-    spans = [(b.first_op, b.last_op) for b in planner.blocks]
-    spans.append((planner.blocks[0].first_op, planner.blocks[1].last_op))
-    for first, last in spans:
-        assert planner.replayed(first, last) == replay_reach(planner.graph, first, last)
-    other = remat.Planner(planner.graph)
-    assert other.replayed(*spans[0]) is planner.replayed(*spans[0])
 
 
 @pytest.mark.parametrize("groups", [1, 3])

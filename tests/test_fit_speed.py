@@ -104,3 +104,95 @@ def test_step_lives_kept_per_graph_serve_the_walk_as_fresh_ones(llama):
     for fsdp in (None, Fsdp(4, 2)):
         kept = step_events(llama, regions, "adamw", fsdp=fsdp)
         assert kept == step_events(_afresh(llama), regions, "adamw", fsdp=fsdp)
+
+
+def test_a_regions_replay_stop_is_what_analysing_it_alone_finds(llama):
+    """`replay_stop` (a region's early stop from each op's last save, kept per graph) is the
+    `stop_at` of `analyse_regions` on that region alone: for every run of blocks, every single
+    forward op (most save nothing: None) and spans that cut through blocks."""
+    from remat.prediction.schedule import Region, analyse_regions, replay_stop
+
+    blocks = llama.blocks
+    spans = [(a.first_op, b.last_op) for i, a in enumerate(blocks) for b in blocks[i:]]
+    spans += [(op.index, op.index) for op in llama.forward_ops]
+    spans += [(b.first_op + 3, b.last_op - 2) for b in blocks] + [(0, len(llama.forward_ops) - 1)]
+    stops = []
+    for first, last in spans:
+        alone = analyse_regions(_afresh(llama), [Region(("",), first, last, random=False)])
+        stops.append(replay_stop(llama, first, last))
+        assert stops[-1] == alone.replays[0].stop_at, (first, last)
+    assert None in stops and len(set(stops)) > len(blocks)
+
+
+@pytest.mark.parametrize("name", ["param_gather_bytes", "param_blocks", "grad_blocks"])
+def test_fsdp_figures_kept_per_graph_equal_a_fresh_reading(llama, name):
+    """What FSDP's per-rank figures read of a graph (the bytes each parameter gathers, the block
+    that owns each parameter and each gradient) is worked out once per graph: asked again, and
+    after a caller changed its copy, it is what a graph with nothing kept gives."""
+    read = getattr(estimate_module, name)
+    kept = read(llama)
+    kept[-1] = kept[next(iter(kept))]  # a caller's change does not reach what is kept
+    again = read(llama)
+    assert name in llama.memo
+    assert again == read(_afresh(llama)) and -1 not in again
+    assert len(set(again.values())) > 1  # blocks and the root; parameters of several sizes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_schedule_orders_kept_per_arguments_equal_torchs_built_afresh(schedule):
+    """`pipeline_order` builds torch's order once per (schedule, stages, micro-batches, ranks)
+    (the micro-batch searches ask each count for every strategy): asked again, and after a
+    caller changed its copy, it is the order torch's class gives with nothing kept."""
+    from remat.layouts import pipeline_schedules
+
+    stages, ranks = (8, 4) if schedule == "interleaved-1f1b" else (4, 4)
+    for microbatches in (4, 8, 12):
+        kept = pipeline_schedules.pipeline_order(schedule, stages, microbatches, ranks)
+        kept[0].clear()  # a caller's change does not reach what is kept
+        again = pipeline_schedules.pipeline_order(schedule, stages, microbatches, ranks)
+        pipeline_schedules._order.cache_clear()
+        afresh = pipeline_schedules.pipeline_order(schedule, stages, microbatches, ranks)
+        assert again == afresh and len(afresh) == ranks and afresh[0]
+        counts = pipeline_schedules.in_flight(schedule, stages, microbatches, ranks)
+        pipeline_schedules._order.cache_clear()
+        assert counts == pipeline_schedules.in_flight(schedule, stages, microbatches, ranks)
+
+
+def test_a_ranks_walk_is_kept_by_its_own_stages_plans_and_equals_a_fresh_one(monkeypatch):
+    """`RankMemory.of` keeps each rank's walk by its own stages' regions (a rank's events read
+    no other stage's plan): plans that change one stage walk again only the rank holding it,
+    and every rank's memories equal a fresh `RankMemory`'s."""
+    from remat.device.gpus import custom_gpu
+    from remat.layouts.fit_pipeline import RankMemory
+    from remat.layouts.pipeline_traced import TracedPipeline
+    from remat.layouts.pipeline_walk import Sharding
+    from remat.planning import strategies
+
+    def llama(batch: int, seq: int):
+        return models.build("llama-2-7b", batch=batch, seq=seq, tiny=True, n_layers=4)
+
+    traced = TracedPipeline.of(llama, 2, 32, stages=2, microbatches=2)
+    gpu = custom_gpu(1 << 40, "h100")
+
+    def full(stage: int):
+        planner = traced.planner(stage, gpu.profile, "sgd")
+        return planner.solve(strategies.get("full", "eager"), planner.estimate.peak_bytes)
+
+    walks = []
+    gpu_memories = TracedPipeline.gpu_memories
+
+    def counted(self, rank, *args, **kwargs):
+        walks.append(rank)
+        return gpu_memories(self, rank, *args, **kwargs)
+
+    monkeypatch.setattr(TracedPipeline, "gpu_memories", counted)
+    memory = RankMemory(gpu, "sgd", Sharding(2, 1), 4)
+    answers = []
+    for plans, walked in (({}, [0, 1]), ({0: full(0)}, [0]), ({0: full(0), 1: full(1)}, [1])):
+        walks.clear()
+        answers.append(memory.of(traced, plans))
+        assert walks == walked
+        assert answers[-1] == RankMemory(gpu, "sgd", Sharding(2, 1), 4).of(traced, plans)
+    walks.clear()
+    assert memory.of(traced, {}) == answers[0] and not walks
+    assert answers[0][0] != answers[1][0] and answers[0][1] == answers[1][1]

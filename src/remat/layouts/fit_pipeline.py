@@ -152,9 +152,10 @@ class RankMemory:
     sharding: Sharding
     ranks: int
     simulate: bool = True
-    #: walks by (pipeline, each stage's regions): a rank's events read only its stages' regions,
-    #: and auto's plans are often another row's (store-all's on every stage)
-    walked: dict[Any, tuple[TracedPipeline, list[list[Any]]]] = field(
+    #: walks by (pipeline, rank, its stages' regions): a rank's events read only its own
+    #: stages' regions, and auto's plans are often another row's on a rank (store-all's or
+    #: full's), or its own before a retarget that changed other ranks' plans
+    walked: dict[Any, tuple[TracedPipeline, list[Any]]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -162,17 +163,17 @@ class RankMemory:
         """Per rank, its memories under each setting."""
         if not self.simulate:
             return []
-        regions = (() if plans.get(t.stage.index) is None else plans[t.stage.index].regions
-                   for t in traced.traced)  # as `rank_events` reads them  # fmt: skip
-        key = (id(traced), tuple(regions))
-        if key not in self.walked or self.walked[key][0] is not traced:
-            self.walked[key] = (traced, [
-                traced.gpu_memories(
+        out = []
+        for rank in sorted(traced.order):
+            mine = (t.stage.index for t in traced.traced if t.rank == rank)
+            regions = tuple(() if plans.get(i) is None else plans[i].regions for i in mine)
+            key = (id(traced), rank, regions)  # what `rank_events` reads of the plans
+            if key not in self.walked or self.walked[key][0] is not traced:
+                self.walked[key] = (traced, traced.gpu_memories(
                     rank, self.gpu, plans, self.optimizer, self.sharding, ranks=self.ranks
-                )
-                for rank in sorted(traced.order)
-            ])  # fmt: skip
-        return [list(rank) for rank in self.walked[key][1]]
+                ))  # fmt: skip
+            out.append(list(self.walked[key][1]))
+        return out
 
     def fits(self, memories: list[list[Any]], report: PipelineReport, usable: int) -> bool:
         if not memories:

@@ -10,6 +10,7 @@ torch's own action orders (`pipeline_order`), never re-derived.
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +51,17 @@ def pipeline_order(
     """Each rank's forwards and backwards in the order torch's schedule class runs them: its
     `pipeline_order`, built without a process group (the classes only read the stages' count and
     placement). `ranks` defaults to `stages`; interleaved schedules place stage `s` on rank
-    `s % ranks`, as torch's loop-style mapping does."""
-    cls = _schedule_class(schedule)
+    `s % ranks`, as torch's loop-style mapping does. Built once per arguments (`_order`): the
+    searches over micro-batch counts ask each count again for every strategy."""
     ranks = stages if ranks is None else ranks
+    return {rank: list(actions) for rank, actions in _order(schedule, stages, microbatches, ranks)}
+
+
+@functools.lru_cache(maxsize=256)
+def _order(
+    schedule: str, stages: int, microbatches: int, ranks: int
+) -> tuple[tuple[int, tuple[Action, ...]], ...]:
+    cls = _schedule_class(schedule)
     interleaved = issubclass(cls, torch_schedules.PipelineScheduleMulti)
     if stages % ranks or (stages != ranks and not interleaved):
         raise RematError(
@@ -70,16 +79,21 @@ def pipeline_order(
         order = cls(placed, microbatches).pipeline_order
     except ValueError as e:  # torch's own checks: 1F1B needs n >= p, interleaving whole rounds
         raise RematError(f"schedule {schedule!r} with {microbatches} micro-batches: {e}") from None
-    return {
-        rank: [
-            Action(
-                a.stage_index, "F" if a.computation_type == _FORWARD else "B", a.microbatch_index
-            )
-            for a in actions
-            if a is not None and a.computation_type in (_FORWARD, _BACKWARD)
-        ]
+    return tuple(
+        (
+            rank,
+            tuple(
+                Action(
+                    a.stage_index,
+                    "F" if a.computation_type == _FORWARD else "B",
+                    a.microbatch_index,
+                )
+                for a in actions
+                if a is not None and a.computation_type in (_FORWARD, _BACKWARD)
+            ),
+        )
         for rank, actions in order.items()
-    }
+    )
 
 
 def in_flight(

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from remat.graph import Graph, ModuleCall, Op
-from remat.prediction.schedule import Region, Simulation, analyse_regions
+from remat.prediction.schedule import Region, Simulation, replay_stop
 
 
 @dataclass(frozen=True)
@@ -148,37 +148,8 @@ def replay_reach(graph: Graph, first_op: int, last_op: int) -> list[Op]:
     replay reads it: an op past the stop (a block's last Linear, whose output only the residual
     add reads; save-matmuls keeps it, as torch's op lists do) would hold its bytes and save no
     recompute, so no policy here keeps one."""
-    return replay_reaches(graph, [(first_op, last_op)])[(first_op, last_op)]
-
-
-def replay_reaches(
-    graph: Graph, spans: Sequence[tuple[int, int]]
-) -> dict[tuple[int, int], list[Op]]:
-    """`replay_reach` of each span of `spans`, which do not overlap, in one analysis: a region's
-    early stop reads its own saves only."""
-    probes = [Region(("",), first, last, random=False) for first, last in spans]
-    out = {}
-    for rep in analyse_regions(graph, probes).replays:
-        first, stop = rep.region.first_op, rep.stop_at
-        out[(first, rep.region.last_op)] = graph.ops[
-            first : (first - 1 if stop is None else stop) + 1
-        ]
-    return out
-
-
-def kept_replay_reach(
-    graph: Graph, blocks: Sequence[ModuleCall], first_op: int, last_op: int
-) -> list[Op]:
-    """`replay_reach`, kept per graph (`Graph.derived`: the planners of one step share it); a
-    block's span asked first is found with those of every block of `blocks`, in one analysis."""
-    kept = graph.derived("replayed", dict, graph.ops, graph.saved)
-    span = (first_op, last_op)
-    if span not in kept:
-        spans = sorted((b.first_op, b.last_op) for b in blocks)
-        apart = all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))
-        asked = [s for s in spans if s not in kept] if apart and span in spans else [span]
-        kept.update(replay_reaches(graph, asked))
-    return kept[span]
+    stop = replay_stop(graph, first_op, last_op)
+    return graph.ops[first_op : (first_op - 1 if stop is None else stop) + 1]
 
 
 def ladder_sizes(dearest: Sequence[str], named: Iterable[Iterable[str]], most: int) -> list[int]:

@@ -37,10 +37,10 @@ from remat.planning.blocks import (
     block_seconds,
     carry,
     deciding_blocks,
-    kept_replay_reach,
     ladder_sizes,
     maker_blocks,
     measure,
+    replay_reach,
 )
 from remat.planning.plans import (
     DEFAULT_BUDGET,
@@ -577,8 +577,8 @@ class Planner:
         return tuple(out)
 
     def replayed(self, first_op: int, last_op: int) -> list[Op]:
-        """The ops the replay of a region over `first_op..last_op` reaches (`kept_replay_reach`)."""
-        return kept_replay_reach(self.graph, self.blocks, first_op, last_op)
+        """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`)."""
+        return replay_reach(self.graph, first_op, last_op)
 
     def fit(self, budget_bytes: int, attempt: Callable[[int], Attempt], strategy: str) -> Plan:
         """Run a model-based solver and judge its answer by the exact simulation: while the

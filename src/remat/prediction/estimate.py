@@ -378,7 +378,15 @@ def _ceil_div(a: int, b: int) -> int:
 def param_gather_bytes(graph: Graph) -> dict[int, int]:
     """Parameter storage id -> the bytes FSDP2 all-gathers of it: the traced bytes, or one byte an
     element where the step reads the parameter as float8 without casting it (a float8 view of
-    its storage: torchao's float8 all-gather, `remat.models.float8`)."""
+    its storage: torchao's float8 all-gather, `remat.models.float8`). Once per graph
+    (`Graph.derived`): each plan's per-rank figures and allocator walk ask again."""
+    found = graph.derived(
+        "param_gather_bytes", lambda: _param_gather_bytes(graph), graph.tensors, graph.storages
+    )
+    return dict(found)
+
+
+def _param_gather_bytes(graph: Graph) -> dict[int, int]:
     float8 = {
         t.storage
         for t in graph.tensors.values()
@@ -395,7 +403,19 @@ def param_blocks(graph: Graph) -> dict[int, str]:
     """Parameter storage id -> the path of the block (`graph.blocks`) whose forward first reads it;
     "" for the parameters first read outside every block (embeddings, final norm, head; tied
     weights go with their first use), which FSDP2's usual wrapping (`fully_shard` on each block,
-    then on the model) leaves to the root unit."""
+    then on the model) leaves to the root unit. Once per graph (`Graph.derived`)."""
+    found = graph.derived(
+        "param_blocks",
+        lambda: _param_blocks(graph),
+        graph.ops,
+        graph.tensors,
+        graph.storages,
+        graph.modules,
+    )
+    return dict(found)
+
+
+def _param_blocks(graph: Graph) -> dict[int, str]:
     blocks = graph.blocks  # sorted by first op, and disjoint (all at one depth)
     starts = [b.first_op for b in blocks]
     owner = {s.id: "" for s in graph.storages_of(("param",))}
@@ -412,7 +432,15 @@ def param_blocks(graph: Graph) -> dict[int, str]:
 
 def grad_blocks(graph: Graph) -> dict[int, str]:
     """Grad storage id -> the block whose backward allocated it (the module path of the op that
-    did, which backward ops inherit from their forward op or parameter), "" for the root."""
+    did, which backward ops inherit from their forward op or parameter), "" for the root.
+    Once per graph (`Graph.derived`)."""
+    found = graph.derived(
+        "grad_blocks", lambda: _grad_blocks(graph), graph.ops, graph.storages, graph.modules
+    )
+    return dict(found)
+
+
+def _grad_blocks(graph: Graph) -> dict[int, str]:
     paths = [b.path for b in graph.blocks]
     out: dict[int, str] = {}
     for s in graph.storages_of(("grad",)):

@@ -416,6 +416,27 @@ def _early_stop(graph: Graph, last_save: Saved) -> int:
     return op.index if last_save.tensor in op.outputs else op.index - 1
 
 
+def replay_stop(graph: Graph, first_op: int, last_op: int) -> int | None:
+    """The forward op the replay of one region over `first_op..last_op` stops after, as
+    `analyse_regions` finds it for that region alone (`RegionReplay.stop_at`), without
+    analysing the whole step: the region's last save, by each op's last save in pack order,
+    worked out once per graph."""
+    end = len(graph.ops)
+
+    def last_save_of_op() -> dict[int, int]:
+        out: dict[int, int] = {}
+        for pack, sv in enumerate(graph.saved):  # `analyse_regions`' region_of_save
+            node = graph.nodes.get(sv.node) if sv.node is not None else None
+            op = sv.forward_op if node is None else node.forward_op
+            if op is not None and op < end:
+                out[op] = pack
+        return out
+
+    last = graph.derived("last_save_of_op", last_save_of_op, graph.saved, graph.nodes, graph.ops)
+    packs = [last[i] for i in range(first_op, last_op + 1) if i in last]
+    return _early_stop(graph, graph.saved[max(packs)]) if packs else None
+
+
 def _frame_inputs(graph: Graph, call: ModuleCall | None) -> tuple[int, ...]:
     """The storages allocated during the step that a region's frame holds as its inputs."""
     storages = (graph.tensors[t].storage for t in call.inputs) if call is not None else ()
