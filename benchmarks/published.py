@@ -502,7 +502,7 @@ POINTS: tuple[Point, ...] = (
                 "without their saved inputs; torch's default allocator): 1.42 (torchtitan), 1.37 "
                 "(preset). The F rows are traced without torchao (remat.models.float8's "
                 "stand-in): with torchao 0.10.0 importable (installed apart for the torchtune "
-                "rows) F3 came out at 143.6 GiB (4.26): the tracer recorded the ops on torchao's float8 tensor (a wrapper of two tensors, data and scale) as ops on a tensor no op made, alive all step; since issue 37 its own dispatch runs them (remat.tracing.tensors), and torchao's rowwise linears trace to the stand-in's bytes (tests/test_float8.py); its tensorwise linears without the float8 all-gather still save each weight's transpose in a storage no traced op made (a known gap, an xfail there)",
+                "rows) F3 came out at 143.6 GiB (4.26): the tracer recorded the ops on torchao's float8 tensor (a wrapper of two tensors, data and scale) as ops on a tensor no op made, alive all step; since issue 37 its own dispatch runs them (remat.tracing.tensors), and torchao's rowwise linears trace to the stand-in's bytes (tests/test_float8.py); torchao 0.10's tensorwise linears (without the float8 all-gather) save the float8 weight their matmul's Function is given, one byte an element and its scale, on top of what the stand-in (torchao at 36027d82) saves: traced as such",
             ),
             (
                 "F2",

@@ -13,7 +13,9 @@ ops in eager mode:
 
 - autograd saves the high-precision input and the high-precision weight, nothing in float8
   (`ctx.save_for_backward(input_hp, weight_hp_t)`): memory-neutral against `nn.Linear`, which
-  saves the same two;
+  saves the same two (torchao 0.10's tensorwise linears, traced where it imports, cast the
+  weight before that Function and so save it in float8, with its scale: one byte an element
+  more per linear);
 - each operand is cast on the way in, forward and backward: amax (`abs` then `max`, per tensor or
   per row), the scale (`finfo.max / clamp(amax, 1e-12)` in fp64, then fp32, rounded down to a
   power of 2 for rowwise), then `(x.float() * scale).clamp(-max, max).to(float8)`: temporaries of

@@ -75,6 +75,7 @@ from remat.tracing.tensors import (
     rewrapper,
     storage_key,
     storage_nbytes,
+    wrapped_tensors,
 )
 
 _WAIT_TENSOR = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
@@ -86,18 +87,20 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
 class _Packed:
-    """What autograd holds for a save while tracing: the save's handle, the tensor itself for a
-    parameter or buffer, and how to rewrap a stand-in. Autograd drops it when it frees the save,
-    which tells the tracer when that is."""
+    """What autograd holds for a save while tracing: the save's handles (one, or one per tensor
+    a wrapper around several holds), the tensor itself for a parameter, a buffer or such a
+    wrapper, and how to rewrap a stand-in. Autograd drops it when it frees the save, which
+    tells the tracer when that is."""
 
-    __slots__ = ("tracer", "handle", "direct", "rewrap")
+    __slots__ = ("tracer", "handles", "direct", "rewrap")
 
-    def __init__(self, tracer: Tracer, handle: int, direct: Any, rewrap: Any) -> None:
-        self.tracer, self.handle, self.direct, self.rewrap = tracer, handle, direct, rewrap
+    def __init__(self, tracer: Tracer, handles: tuple[int, ...], direct: Any, rewrap: Any) -> None:
+        self.tracer, self.handles, self.direct, self.rewrap = tracer, handles, direct, rewrap
 
     def __del__(self) -> None:
         try:
-            self.tracer.released(self.handle)
+            for handle in self.handles:
+                self.tracer.released(handle)
         except Exception as e:  # Python would print and drop it: the next event raises it
             self.tracer.failure = self.tracer.failure or e
 
@@ -556,33 +559,44 @@ class Tracer(TorchDispatchMode):
         self.before_event()
         self.paused = True
         try:
+            parts = wrapped_tensors(t)
+            if parts:  # torchao's float8 tensor: its data and its scale saved, itself kept
+                return _Packed(self, tuple(self._save(p, payload=False)[0] for p in parts), t, None)
             # A DTensor (tensor parallelism) is described by its local shard, this rank's bytes,
             # and rebuilt around the shard's stand-in in unpack, autograd wanting a DTensor back.
-            inner = local_tensor(t)
-            tid = self.tensor_id(inner)
-            sid = self.tensors[tid].storage
-            handle = next(self.ids)
-            persistent = self.storages[sid].kind not in ("activation", "grad")
-            forward = self.phase == "forward"
-            self.saved[handle] = SavedRecord(
-                storage=sid,
-                tensor=tid,
-                shape=tuple(inner.shape),
-                stride=tuple(inner.stride()),
-                offset=int(inner.storage_offset()),
-                dtype=inner.dtype,
-                device=inner.device,
-                storage_numel=storage_nbytes(inner) // inner.element_size(),
-                payload=inner.untyped_storage().clone() if self.real and not persistent else None,
-                phase=self.phase,
-                forward_op=self.saving_op() if forward else None,
-                packed_after=len(self.ops) - 1 if forward else None,
-            )
+            handle, persistent = self._save(local_tensor(t), payload=True)
             if persistent:
-                return _Packed(self, handle, t, None)
-            return _Packed(self, handle, None, rewrapper(t))
+                return _Packed(self, (handle,), t, None)
+            return _Packed(self, (handle,), None, rewrapper(t))
         finally:
             self.paused = False
+
+    def _save(self, inner: torch.Tensor, payload: bool) -> tuple[int, bool]:
+        """A record of the save of `inner`: its handle, and whether its storage outlives the
+        step (a parameter's, a buffer's). `payload`: on a real run, keep a copy of an
+        activation's bytes for its stand-in."""
+        tid = self.tensor_id(inner)
+        sid = self.tensors[tid].storage
+        handle = next(self.ids)
+        persistent = self.storages[sid].kind not in ("activation", "grad")
+        forward = self.phase == "forward"
+        self.saved[handle] = SavedRecord(
+            storage=sid,
+            tensor=tid,
+            shape=tuple(inner.shape),
+            stride=tuple(inner.stride()),
+            offset=int(inner.storage_offset()),
+            dtype=inner.dtype,
+            device=inner.device,
+            storage_numel=storage_nbytes(inner) // inner.element_size(),
+            payload=inner.untyped_storage().clone()
+            if payload and self.real and not persistent
+            else None,
+            phase=self.phase,
+            forward_op=self.saving_op() if forward else None,
+            packed_after=len(self.ops) - 1 if forward else None,
+        )
+        return handle, persistent
 
     def saving_op(self) -> int:
         """The forward op whose node is saving now. Autograd saves an op's inputs before its
@@ -598,15 +612,16 @@ class Tracer(TorchDispatchMode):
         )
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
-        handle, direct, rewrap = packed.handle, packed.direct, packed.rewrap
+        direct, rewrap = packed.direct, packed.rewrap
         self.before_event()
         self.paused = True
         try:
-            rec = self.saved[handle]
-            if rec.node is None:
-                rec.node = self.current_node
-            if self.current_node is not None:
-                self.unpacked_by[self.current_node].append(handle)
+            for handle in packed.handles:
+                rec = self.saved[handle]
+                if rec.node is None:
+                    rec.node = self.current_node
+                if self.current_node is not None:
+                    self.unpacked_by[self.current_node].append(handle)
             if direct is not None:
                 return direct
             base = torch.empty(rec.storage_numel, dtype=rec.dtype, device=rec.device)

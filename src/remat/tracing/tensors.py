@@ -40,6 +40,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def wrapped_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper around several holds (torchao's float8 tensor: its float8 data and
+    its scale), each its local one; none for a plain tensor or a wrapper around one."""
+    if not is_traceable_wrapper_subclass(t) or local_tensor(t) is not t:
+        return []
+    attrs, _ = t.__tensor_flatten__()
+    inner = [getattr(t, a) for a in attrs]
+    return [local_tensor(x) for x in inner if isinstance(x, torch.Tensor)]
+
+
 #: Tensor types that wrap nothing: the common case, decided without a lookup (every op asks).
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
 
