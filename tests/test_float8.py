@@ -229,6 +229,39 @@ def test_a_wrapper_around_several_tensors_is_traced_through_its_own_dispatch():
     assert _activation_saved_bytes(graph) == sum(t.untyped_storage().nbytes() for t in real)
 
 
+class _SavesScaled(torch.autograd.Function):
+    """torchao 0.10's tensorwise matmul in small: given the weight already cast, it saves it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        scale = w.abs().amax().float()
+        cast = _Scaled((w * scale).to(torch.float16), scale, w.dtype)
+        ctx.save_for_backward(cast)
+        return torch.mm(x, cast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (cast,) = ctx.saved_tensors
+        return grad @ cast.t(), None
+
+
+def test_a_saved_wrapper_around_several_tensors_holds_the_tensors_it_wraps():
+    """Saving a wrapper of two tensors saves what it wraps (the fp16 data, the fp32 scale), made
+    by traced ops: before, one storage of the wrapper's own size (fp32 here) no op made."""
+
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _SavesScaled.apply(x, self.weight)
+
+    graph = remat.trace(Module(), torch.randn(8, 16, requires_grad=True))
+    assert not [s for s in graph.storages.values() if s.kind == "constant"]
+    assert _activation_saved_bytes(graph) == 16 * 16 * 2 + 4
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_torchaos_float8_linears_trace_to_what_they_hold(recipe, monkeypatch):
