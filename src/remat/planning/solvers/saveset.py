@@ -49,7 +49,9 @@ from scipy.sparse import coo_matrix
 
 from remat.errors import InfeasibleBudget, RematError
 from remat.graph import PERSISTENT_KINDS, Graph, Op
+from remat.planning.solvers import peak_windows
 from remat.planning.solvers.mincut import JointProblem, recomputed_values
+from remat.planning.solvers.peak_windows import Window
 from remat.units import format_bytes
 
 #: Rungs of the ladder of caps on held bytes that `candidate_save_sets` solves.
@@ -92,6 +94,8 @@ def joint_peak(
     saved: set[int],
     recomputed: list[int],
     offloaded: frozenset[int] = frozenset(),
+    trace: list[tuple[int, int]] | None = None,
+    held: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> int:
     """Predicted peak bytes of the step when the values `saved` are saved and `recomputed` (from
     `recomputed_values`) are recomputed. Every op's new output storage is allocated when it runs
@@ -106,7 +110,9 @@ def joint_peak(
     `offloaded` (storage ids of saved values) are what torch's compile offload pass moves to host
     memory (`remat.applying.compiled_offload`): each leaves the device after its last forward
     reader (the pass copies it there) and comes back just before its first backward reader,
-    living until its last one; host memory is not counted."""
+    living until its last one; host memory is not counted.
+
+    `trace` and `held`: as `_run`'s, over the forward and then the backward program."""
     values = problem.values
     tensors = graph.tensors
     storages = graph.storages
@@ -123,13 +129,29 @@ def joint_peak(
 
     live = {sid: storages[sid].nbytes for sid in persistent}
     keep = persistent | (saved_storages - offloaded) | forward_outputs
-    peak = _run(graph, forward, live, keep, 0)
+    peak = _run(graph, forward, live, keep, 0, trace=trace, held=held)
     for sid in {tensors[t].storage for op in graph.backward_ops for t in op.inputs}:
         if storages[sid].kind == "grad" and storages[sid].allocated_at is None:
             live[sid] = storages[sid].nbytes  # the tangents backward starts from
     live[_LOSS] = loss_bytes(graph)
     keep = persistent | forward_outputs | backward_outputs | {_LOSS}
-    return _run(graph, backward, live, keep, peak, reload=offloaded)
+    return _run(graph, backward, live, keep, peak, reload=offloaded, trace=trace, held=held)
+
+
+def backward_trace(
+    graph: Graph, problem: JointProblem, saved: set[int], recomputed: list[int]
+) -> tuple[list[Op], list[int], list[int]]:
+    """`joint_peak`'s backward program for a save set, with each position's live bytes and the
+    bytes of the saved (non-persistent) storages among them."""
+    trace: list[tuple[int, int]] = []
+    held = {problem.values[v].storage for v in saved} - {
+        sid for sid, s in graph.storages.items() if s.kind in PERSISTENT_KINDS
+    }
+    joint_peak(graph, problem, saved, recomputed, trace=trace, held=held)
+    replayed = {graph.op_by_name[problem.values[v].op].index for v in recomputed}
+    program = _lazy_order(graph, replayed)
+    backward = trace[len(trace) - len(program) :]
+    return program, [t for t, _ in backward], [h for _, h in backward]
 
 
 #: `joint_peak`'s key for the loss outside the graph (storage ids are never negative).
@@ -193,9 +215,12 @@ def _run(
     keep: set[int],
     peak: int,
     reload: frozenset[int] = frozenset(),
+    trace: list[tuple[int, int]] | None = None,
+    held: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> int:
     """Run `program` over `live` (storage -> bytes, updated in place) and return the peak seen;
-    a storage of `reload` not live comes back (from host memory) just before an op reads it."""
+    a storage of `reload` not live comes back (from host memory) just before an op reads it.
+    With `trace`, each position's (bytes live, bytes of `held` live) once its outputs exist."""
     tensors = graph.tensors
     last_use: dict[int, int] = {}
     for pos, op in enumerate(program):
@@ -214,6 +239,8 @@ def _run(
                 live[sid] = graph.storages[sid].nbytes
                 total += live[sid]
         peak = max(peak, total)
+        if trace is not None:
+            trace.append((total, sum(b for sid, b in live.items() if sid in held)))
         for t in (*op.inputs, *op.outputs):
             sid = tensors[t].storage
             if sid in live and sid not in keep and last_use.get(sid, -1) <= pos:
@@ -325,10 +352,12 @@ def cheapest_choice(
     *,
     traffic_weight: float = 1.0,
     time_limit_s: float = 30.0,
+    windows: Sequence[Window] = (),
 ) -> tuple[set[int], frozenset[int]] | None:
     """`cheapest_save_set` where storages `offload` names may also go to host memory (their
     bytes out of the cap, their copy seconds in the cost): the save set and the offloaded
-    storages of least recompute + traffic + copy seconds, or None if nothing fits the cap."""
+    storages of least recompute + traffic + copy seconds, or None if nothing fits the cap.
+    `windows` (solvers/peak_windows.py): more caps, each on the bytes of some storages held."""
     values = problem.values
     n = len(values)
     op_names = list(dict.fromkeys(v.op for v in values if v.op is not None))
@@ -388,6 +417,12 @@ def cheapest_choice(
             -np.inf,
             max_held_activation_bytes,
         )
+    for members, cap in windows:
+        entries = [
+            (store_col[m], float(graph.storages[m].nbytes)) for m in members if m in store_col
+        ]
+        if entries:
+            row(entries, -np.inf, cap)
     if host_col and offload.host_budget_bytes is not None:
         row(
             [(c, float(graph.storages[m].nbytes)) for m, c in host_col.items()],
@@ -480,8 +515,11 @@ def save_set_within(
     """The cheapest candidate save set (recompute + traffic + copy seconds; fewer saved values on
     a tie) whose predicted peak fits `budget_bytes`; None: the cheapest of all. Candidates are
     priced by `peak_model` cheapest first and only until one fits (a peak model may be costly:
-    inductor's is a code generation). Raises InfeasibleBudget with the lowest predicted peak of
-    any candidate when none fits."""
+    inductor's is a code generation). Unless the uncapped cheapest fits (or with `offload`),
+    the search under per-window caps (`_shaped_within`) is tried too and kept where cheaper: the
+    ladder's single caps cannot say that a late layer's values die before most gradients exist
+    (issue 38: at full checkpointing's peak on a 12-layer GPT-2 the ladder recomputed matmuls).
+    Raises InfeasibleBudget with the lowest predicted peak of any candidate when none fits."""
     if budget_bytes is None:
         top = cheapest_choice(graph, problem, op_seconds, bandwidth, None, offload)
         if top is None:
@@ -497,13 +535,26 @@ def save_set_within(
 
     candidates = candidate_save_sets(graph, problem, op_seconds, bandwidth, offload=offload)
     described: list[SaveSet] = []
+    fits = None
     for saved, moved in sorted(
         candidates, key=lambda choice: (seconds(choice), len(choice[0]), len(choice[1]))
     ):
         candidate = describe_save_set(graph, problem, saved, op_seconds, peak_model, moved, offload)
         if candidate.peak_bytes <= budget_bytes:
-            return candidate
+            fits = candidate
+            break
         described.append(candidate)
+    if offload is None and described:  # the uncapped cheapest (tried first) fits: no better
+        reference = fits or min(described, key=lambda c: c.peak_bytes)
+        shaped = _shaped_within(
+            graph, problem, op_seconds, bandwidth, budget_bytes, peak_model, reference
+        )
+        if shaped is not None and (
+            fits is None or _seconds(shaped, bandwidth) < _seconds(fits, bandwidth)
+        ):
+            return shaped
+    if fits is not None:
+        return fits
     lowest = min(described, key=lambda c: c.peak_bytes)
     raise InfeasibleBudget(
         f"no save set fits {format_bytes(budget_bytes)}: the lowest predicted peak is "
@@ -512,3 +563,66 @@ def save_set_within(
         budget_bytes=budget_bytes,
         min_feasible_bytes=lowest.peak_bytes,
     )
+
+
+#: How many save sets `_shaped_within` solves and prices, searching for the caps' offset.
+_SHAPED_TRIES = 6
+
+
+def _seconds(save_set: SaveSet, bandwidth: float) -> float:
+    """What `save_set_within` minimises: recompute, traffic and copy seconds."""
+    return (
+        save_set.recompute_seconds + save_set.traffic_bytes / bandwidth + save_set.transfer_seconds
+    )
+
+
+def _shaped_within(
+    graph: Graph,
+    problem: JointProblem,
+    op_seconds: Sequence[float],
+    bandwidth: float,
+    budget_bytes: int,
+    peak_model: PeakModel,
+    reference: SaveSet,
+) -> SaveSet | None:
+    """The cheapest save set found under per-window caps (solvers/peak_windows.py) whose peak by
+    `peak_model` fits the budget, or None. The caps come from a run of `joint_peak`'s program,
+    which need not be the peak model's (inductor's fuses what it counts), so they are all moved
+    by one offset, searched: raised by what a save set left unused, lowered by what it
+    overshot, then halved between the two, `_SHAPED_TRIES` save sets in all; each is solved
+    from the run of the one before (first `reference`)."""
+    by_name = {v.name: i for i, v in enumerate(problem.values)}
+    ends = peak_windows.backward_ends(graph, problem)
+    storages = sorted({v.storage for v in problem.values})
+    saved = {by_name[n] for n in reference.saved}
+    best: SaveSet | None = None
+    fits_at: int | None = None  # the least offset known to fit, and the most known not to
+    fails_at: int | None = None
+    offset = 0
+    for _ in range(_SHAPED_TRIES):
+        recomputed = recomputed_values(problem, saved) or []
+        program, live, held = backward_trace(graph, problem, saved, recomputed)
+        other = peak_windows.besides(graph, program, live, held)
+        rows = peak_windows.windows(graph, ends, other, budget_bytes - offset, storages)
+        found = cheapest_choice(graph, problem, op_seconds, bandwidth, None, windows=rows)
+        if found is None:  # too tight for any save set: loosen
+            fits_at = offset
+            move = -(abs(offset) // 2 + 1)
+        else:
+            candidate = describe_save_set(graph, problem, found[0], op_seconds, peak_model)
+            saved = {by_name[n] for n in candidate.saved}
+            move = candidate.peak_bytes - budget_bytes
+            if move <= 0:
+                fits_at = offset
+                if best is None or _seconds(candidate, bandwidth) < _seconds(best, bandwidth):
+                    best = candidate
+            else:
+                fails_at = offset
+        if fits_at is not None and fails_at is not None:
+            following = (fits_at + fails_at) // 2
+        else:
+            following = offset + move
+        if abs(following - offset) <= budget_bytes // 1000:
+            break
+        offset = following
+    return best
