@@ -76,7 +76,7 @@ def test_windowed_caps_recompute_less_than_the_ladder_at_the_same_budget():
     (plan,) = plans_of(compiled)
     assert measured.peak_bytes == plan.predicted_peak_bytes <= budget
     assert measured.activation_bytes == plan.held_bytes
-    # fails before the windows: the plan was the ladder's pick, 257 us of recompute against 158
+    # fails before the windows: the plan was the ladder's pick, 257 us of recompute against 173
     assert plan.recompute_seconds < 0.9 * before.recompute_seconds
     reference = gradients(model, (x,))
     for name, got in gradients(compiled, (x,)).items():

@@ -9,11 +9,11 @@ layers may keep most of what they make and the first almost nothing, which no si
 ladder of single caps held 269 MiB where the step had room for far more, and recomputed 507 ops.
 
 Here each window of the backward (between two moments some held storage dies) gets its own row:
-the storages still alive in it, at most the budget less what the step holds there besides them
-(gradients, the recomputed values, the loss). What a storage's last backward reader is, and what
-the step holds besides, are read from a reference plan's run (`joint_peak`'s program) and from the
-graph; the caller checks the chosen plan's peak with its own peak model and tightens the rows by
-what it overshot. Nothing here imports torch.
+the storages still alive in it, at most the budget less what the step holds there besides them:
+the persistent storages, the gradients made by then (`gradients_made`), and one offset for the
+rest (the loss, the values being recomputed, kernels' buffers), which the caller searches against
+its own peak model (inductor's fuses what an op-by-op count holds). A storage's last backward
+reader is read from the graph (`backward_ends`). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -77,23 +77,31 @@ def _tensors_of_value(graph: Graph, storage: int, made_at: int) -> list[int]:
     return [t for t in graph.ops[made_at].outputs if graph.tensors[t].storage == storage]
 
 
-def besides(
-    graph: Graph, program: Sequence, live_bytes: Sequence[int], held_alive: Sequence[int]
-) -> list[int]:
-    """Per backward op (position in `graph.backward_ops`), the most bytes the step holds besides
-    the storages held for backward, over the program positions up to that op since the previous
-    one: `live_bytes[p] - held_alive[p]` for program position p."""
-    out = [0] * len(graph.backward_ops)
-    k = 0
-    worst = 0
-    backward = {op.index for op in graph.backward_ops}
-    for pos, op in enumerate(program):
-        worst = max(worst, live_bytes[pos] - held_alive[pos])
-        if op.index in backward:
-            out[k] = worst
-            worst = 0
-            k += 1
+def gradients_made(graph: Graph) -> list[int]:
+    """Per backward op (position in `graph.backward_ops`), the bytes of the step's gradients
+    (the backward's outputs) made by then: they live to the end of the step."""
+    outputs = {graph.tensors[t].storage for t in graph.info.get("backward_outputs", ())}
+    out, total, seen = [], 0, set()
+    for op in graph.backward_ops:
+        for t in op.outputs:
+            sid = graph.tensors[t].storage
+            if sid in outputs and sid not in seen:
+                seen.add(sid)
+                total += graph.storages[sid].nbytes
+        out.append(total)
     return out
+
+
+def held_alive(graph: Graph, ends: dict[int, int], held: set[int]) -> list[int]:
+    """Per backward op, the bytes of the storages `held` for backward still alive by `ends`."""
+    out = [0] * (len(graph.backward_ops) + 1)
+    for m in held:
+        if m in ends and graph.storages[m].kind not in PERSISTENT_KINDS:
+            out[0] += graph.storages[m].nbytes
+            out[ends[m] + 1] -= graph.storages[m].nbytes
+    for k in range(1, len(out)):
+        out[k] += out[k - 1]
+    return out[:-1]
 
 
 def windows(

@@ -94,8 +94,6 @@ def joint_peak(
     saved: set[int],
     recomputed: list[int],
     offloaded: frozenset[int] = frozenset(),
-    trace: list[tuple[int, int]] | None = None,
-    held: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> int:
     """Predicted peak bytes of the step when the values `saved` are saved and `recomputed` (from
     `recomputed_values`) are recomputed. Every op's new output storage is allocated when it runs
@@ -110,9 +108,7 @@ def joint_peak(
     `offloaded` (storage ids of saved values) are what torch's compile offload pass moves to host
     memory (`remat.applying.compiled_offload`): each leaves the device after its last forward
     reader (the pass copies it there) and comes back just before its first backward reader,
-    living until its last one; host memory is not counted.
-
-    `trace` and `held`: as `_run`'s, over the forward and then the backward program."""
+    living until its last one; host memory is not counted."""
     values = problem.values
     tensors = graph.tensors
     storages = graph.storages
@@ -129,29 +125,13 @@ def joint_peak(
 
     live = {sid: storages[sid].nbytes for sid in persistent}
     keep = persistent | (saved_storages - offloaded) | forward_outputs
-    peak = _run(graph, forward, live, keep, 0, trace=trace, held=held)
+    peak = _run(graph, forward, live, keep, 0)
     for sid in {tensors[t].storage for op in graph.backward_ops for t in op.inputs}:
         if storages[sid].kind == "grad" and storages[sid].allocated_at is None:
             live[sid] = storages[sid].nbytes  # the tangents backward starts from
     live[_LOSS] = loss_bytes(graph)
     keep = persistent | forward_outputs | backward_outputs | {_LOSS}
-    return _run(graph, backward, live, keep, peak, reload=offloaded, trace=trace, held=held)
-
-
-def backward_trace(
-    graph: Graph, problem: JointProblem, saved: set[int], recomputed: list[int]
-) -> tuple[list[Op], list[int], list[int]]:
-    """`joint_peak`'s backward program for a save set, with each position's live bytes and the
-    bytes of the saved (non-persistent) storages among them."""
-    trace: list[tuple[int, int]] = []
-    held = {problem.values[v].storage for v in saved} - {
-        sid for sid, s in graph.storages.items() if s.kind in PERSISTENT_KINDS
-    }
-    joint_peak(graph, problem, saved, recomputed, trace=trace, held=held)
-    replayed = {graph.op_by_name[problem.values[v].op].index for v in recomputed}
-    program = _lazy_order(graph, replayed)
-    backward = trace[len(trace) - len(program) :]
-    return program, [t for t, _ in backward], [h for _, h in backward]
+    return _run(graph, backward, live, keep, peak, reload=offloaded)
 
 
 #: `joint_peak`'s key for the loss outside the graph (storage ids are never negative).
@@ -215,12 +195,9 @@ def _run(
     keep: set[int],
     peak: int,
     reload: frozenset[int] = frozenset(),
-    trace: list[tuple[int, int]] | None = None,
-    held: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> int:
     """Run `program` over `live` (storage -> bytes, updated in place) and return the peak seen;
-    a storage of `reload` not live comes back (from host memory) just before an op reads it.
-    With `trace`, each position's (bytes live, bytes of `held` live) once its outputs exist."""
+    a storage of `reload` not live comes back (from host memory) just before an op reads it."""
     tensors = graph.tensors
     last_use: dict[int, int] = {}
     for pos, op in enumerate(program):
@@ -239,8 +216,6 @@ def _run(
                 live[sid] = graph.storages[sid].nbytes
                 total += live[sid]
         peak = max(peak, total)
-        if trace is not None:
-            trace.append((total, sum(b for sid, b in live.items() if sid in held)))
         for t in (*op.inputs, *op.outputs):
             sid = tensors[t].storage
             if sid in live and sid not in keep and last_use.get(sid, -1) <= pos:
@@ -586,31 +561,34 @@ def _shaped_within(
     reference: SaveSet,
 ) -> SaveSet | None:
     """The cheapest save set found under per-window caps (solvers/peak_windows.py) whose peak by
-    `peak_model` fits the budget, or None. The caps come from a run of `joint_peak`'s program,
-    which need not be the peak model's (inductor's fuses what it counts), so they are all moved
-    by one offset, searched: raised by what a save set left unused, lowered by what it
-    overshot, then halved between the two, `_SHAPED_TRIES` save sets in all; each is solved
-    from the run of the one before (first `reference`)."""
+    `peak_model` fits the budget, or None. A window's cap is the budget less the persistent
+    storages, the gradients made by then and one offset for everything else (the loss, the
+    values being recomputed, the kernels' buffers): what those take depends on the peak model
+    (inductor fuses what `joint_peak` counts op by op), so the offset is searched against it,
+    starting from what `reference` needs beyond its held values and gradients: raised by what
+    a save set overshot, lowered by what it left unused, then halved between the two,
+    `_SHAPED_TRIES` save sets in all."""
     by_name = {v.name: i for i, v in enumerate(problem.values)}
     ends = peak_windows.backward_ends(graph, problem)
     storages = sorted({v.storage for v in problem.values})
-    saved = {by_name[n] for n in reference.saved}
+    base = peak_windows.gradients_made(graph)
+    persistent = sum(s.nbytes for s in graph.storages.values() if s.kind in PERSISTENT_KINDS)
+    held = peak_windows.held_alive(
+        graph, ends, {problem.values[by_name[n]].storage for n in reference.saved}
+    )
+    offset = reference.peak_bytes - persistent - max(g + h for g, h in zip(base, held, strict=True))
     best: SaveSet | None = None
-    fits_at: int | None = None  # the least offset known to fit, and the most known not to
+    fits_at: int | None = None  # the largest offset known to fit, and the least known not to
     fails_at: int | None = None
-    offset = 0
     for _ in range(_SHAPED_TRIES):
-        recomputed = recomputed_values(problem, saved) or []
-        program, live, held = backward_trace(graph, problem, saved, recomputed)
-        other = peak_windows.besides(graph, program, live, held)
-        rows = peak_windows.windows(graph, ends, other, budget_bytes - offset, storages)
+        other = [persistent + g + offset for g in base]
+        rows = peak_windows.windows(graph, ends, other, budget_bytes, storages)
         found = cheapest_choice(graph, problem, op_seconds, bandwidth, None, windows=rows)
         if found is None:  # too tight for any save set: loosen
             fits_at = offset
             move = -(abs(offset) // 2 + 1)
         else:
             candidate = describe_save_set(graph, problem, found[0], op_seconds, peak_model)
-            saved = {by_name[n] for n in candidate.saved}
             move = candidate.peak_bytes - budget_bytes
             if move <= 0:
                 fits_at = offset
