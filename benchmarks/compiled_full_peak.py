@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         with context():
             peak = remat.measure(compiled, *inputs, steps=1).peak_bytes
         (plan,) = plans_of(compiled)
+        graph = compiled.remat_backend.graphs[0]
+        kinds: dict[str, int] = {}
+        for name in plan.recomputed:  # what backward re-runs, by op kind
+            short = graph.op_by_name[name].short
+            kinds[short] = kinds.get(short, 0) + 1
         rows.append(
             {
                 "name": name,
@@ -119,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
                 "predicted": plan.predicted_peak_bytes,
                 "recompute_seconds": plan.recompute_seconds,
                 "reason": plan.reason,
+                "recomputed_ops": kinds,
                 "compile_seconds": time.perf_counter() - started,
             }
         )
-        log(f"  {plan.reason}; peak {peak} B, predicted {plan.predicted_peak_bytes} B")
+        log(f"  {plan.reason}; peak {peak} B, predicted {plan.predicted_peak_bytes} B; {kinds}")
     if args.torch_compile:
         backend = RematBackend(strategy="torch", compiler="inductor")
         compiled = torch.compile(model, backend=backend, dynamic=False)
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "predicted",
         "recompute_seconds",
         "reason",
+        "recomputed_ops",
         "compile_seconds",
         "wall",
         "cpu",
