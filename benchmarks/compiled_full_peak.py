@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         (plan,) = plans_of(compiled)
         graph = compiled.remat_backend.graphs[0]
         kinds: dict[str, int] = {}
-        for name in plan.recomputed:  # what backward re-runs, by op kind
-            short = graph.op_by_name[name].short
+        for op_name in plan.recomputed:  # what backward re-runs, by op kind
+            short = graph.op_by_name[op_name].short
             kinds[short] = kinds.get(short, 0) + 1
         rows.append(
             {
