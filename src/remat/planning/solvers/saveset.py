@@ -598,9 +598,11 @@ def _shaped_within(
                 fails_at = offset
         if fits_at is not None and fails_at is not None:
             following = (fits_at + fails_at) // 2
+        elif move > 0:  # overshot: tighten by at least a step, or a few bytes over stop it
+            following = offset + max(move, budget_bytes // 1000)
         else:
             following = offset + move
-        if abs(following - offset) <= budget_bytes // 1000:
+        if best is not None and abs(following - offset) <= budget_bytes // 1000:
             break
         offset = following
     return best
