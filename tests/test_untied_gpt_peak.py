@@ -22,13 +22,13 @@ from remat.errors import InfeasibleBudget
 
 
 class _Layer(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, dropout: float = 0.1) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.p = heads, dropout
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.drop = nn.Dropout(0.1)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -36,18 +36,20 @@ class _Layer(nn.Module):
             z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
             for z in self.qkv(self.norm1(x)).split(d, dim=2)
         )
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True)
         x = x + self.drop(self.out(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.proj(F.gelu(self.fc(self.norm2(x)), approximate="tanh")))
 
 
 class _UntiedGPT(nn.Module):
-    def __init__(self, layers: int = 2, d: int = 64, heads: int = 4, vocab: int = 512) -> None:
+    def __init__(
+        self, layers: int = 2, d: int = 64, heads: int = 4, vocab: int = 512, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(64, d))
-        self.drop = nn.Dropout(0.1)
-        self.layers = nn.ModuleList(_Layer(d, heads) for _ in range(layers))
+        self.drop = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(_Layer(d, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)  # untied
         self.by_hand = False  # torch.utils.checkpoint around every layer, as a user writes it
@@ -97,3 +99,36 @@ def test_a_budget_short_by_no_more_than_the_inputs_says_where_they_went():
     with pytest.raises(InfeasibleBudget) as far:
         planner.plan(lowest - input_bytes - 1, "auto")
     assert "inputs' 2048 bytes" not in str(far.value)  # short by more: not the inputs alone
+
+
+def test_the_issues_gap_is_the_inputs_less_the_rng_state_to_the_byte():
+    """The issue's 11,328 B at full checkpointing's peak, on its harness's setting (dropout 0, an
+    untied head): auto's lowest plan is predicted to the byte of its measured whole-step peak;
+    torch's checkpoint by hand measures one CPU generator state more (it keeps the RNG state,
+    remat's regions do not when they draw nothing), and a reading of the profiler's events plus
+    the parameters leaves out the inputs, allocated before the step. 16 KiB of inputs less 5,056
+    B of generator state is the issue's 11,328 B at batch 4 x seq 256."""
+    torch.manual_seed(0)
+    model = _UntiedGPT(dropout=0.0).train()
+    inputs = tuple(torch.randint(0, 512, (2, 64)) for _ in range(2))
+    planner = Planner(remat.trace(model, *inputs), "cpu")
+    with pytest.raises(InfeasibleBudget) as lowest:
+        planner.plan(1, "auto")
+    plan = planner.plan(lowest.value.min_feasible_bytes, "auto")
+    remat.apply(model, plan)
+    measured = remat.measure(model, *inputs)
+    remat.remove(model)
+    assert plan.predicted_peak_bytes == measured.peak_bytes
+    assert plan.held_bytes == measured.held_bytes
+
+    model.by_hand = True
+    by_hand = remat.measure(model, *inputs)
+    model.by_hand = False
+    rng_state = torch.get_rng_state().nbytes
+    assert by_hand.peak_bytes == measured.peak_bytes + rng_state
+    input_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert by_hand.baseline_bytes == params + input_bytes
+    # the harness's reading: the parameters plus the profiler's peak (what the step allocated)
+    reading = params + (by_hand.peak_bytes - by_hand.baseline_bytes)
+    assert plan.predicted_peak_bytes - reading == input_bytes - rng_state

@@ -56,6 +56,7 @@ from remat.planning.solvers.saveset import (
     joint_peak,
     loss_bytes,
 )
+from remat.tracing.kernels import EXTRA_FLOPS
 from remat.tracing.tensors import dtype_name, storage_key, storage_nbytes
 from remat.units import format_bytes
 
@@ -88,8 +89,11 @@ def _tensors_of(val: Any) -> list[torch.Tensor | None]:
 
 
 def _flops(node: fx.Node) -> int:
+    """The node's FLOPs by torch's formulas, else by remat's (`EXTRA_FLOPS`: the CPU's flash
+    attention, which without them was priced as traffic alone, 0.6 ms for 8 ms of work on the
+    issue 38 harness GPT-2, so budgeted plans recomputed all 12 layers' attention)."""
     packet = getattr(node.target, "_overloadpacket", None)
-    formula = flop_registry.get(packet)
+    formula = flop_registry.get(packet) or EXTRA_FLOPS.get(getattr(packet, "__name__", ""))
     if formula is None:
         return 0
     args, kwargs = pytree.tree_map_only(

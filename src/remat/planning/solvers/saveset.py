@@ -49,7 +49,9 @@ from scipy.sparse import coo_matrix
 
 from remat.errors import InfeasibleBudget, RematError
 from remat.graph import PERSISTENT_KINDS, Graph, Op
+from remat.planning.solvers import peak_windows
 from remat.planning.solvers.mincut import JointProblem, recomputed_values
+from remat.planning.solvers.peak_windows import Window
 from remat.units import format_bytes
 
 #: Rungs of the ladder of caps on held bytes that `candidate_save_sets` solves.
@@ -325,10 +327,12 @@ def cheapest_choice(
     *,
     traffic_weight: float = 1.0,
     time_limit_s: float = 30.0,
+    windows: Sequence[Window] = (),
 ) -> tuple[set[int], frozenset[int]] | None:
     """`cheapest_save_set` where storages `offload` names may also go to host memory (their
     bytes out of the cap, their copy seconds in the cost): the save set and the offloaded
-    storages of least recompute + traffic + copy seconds, or None if nothing fits the cap."""
+    storages of least recompute + traffic + copy seconds, or None if nothing fits the cap.
+    `windows` (solvers/peak_windows.py): more caps, each on the bytes of some storages held."""
     values = problem.values
     n = len(values)
     op_names = list(dict.fromkeys(v.op for v in values if v.op is not None))
@@ -388,6 +392,12 @@ def cheapest_choice(
             -np.inf,
             max_held_activation_bytes,
         )
+    for members, cap in windows:
+        entries = [
+            (store_col[m], float(graph.storages[m].nbytes)) for m in members if m in store_col
+        ]
+        if entries:
+            row(entries, -np.inf, cap)
     if host_col and offload.host_budget_bytes is not None:
         row(
             [(c, float(graph.storages[m].nbytes)) for m, c in host_col.items()],
@@ -480,8 +490,11 @@ def save_set_within(
     """The cheapest candidate save set (recompute + traffic + copy seconds; fewer saved values on
     a tie) whose predicted peak fits `budget_bytes`; None: the cheapest of all. Candidates are
     priced by `peak_model` cheapest first and only until one fits (a peak model may be costly:
-    inductor's is a code generation). Raises InfeasibleBudget with the lowest predicted peak of
-    any candidate when none fits."""
+    inductor's is a code generation). Unless the uncapped cheapest fits (or with `offload`),
+    the search under per-window caps (`_shaped_within`) is tried too and kept where cheaper: the
+    ladder's single caps cannot say that a late layer's values die before most gradients exist
+    (issue 38: at full checkpointing's peak on a 12-layer GPT-2 the ladder recomputed matmuls).
+    Raises InfeasibleBudget with the lowest predicted peak of any candidate when none fits."""
     if budget_bytes is None:
         top = cheapest_choice(graph, problem, op_seconds, bandwidth, None, offload)
         if top is None:
@@ -497,13 +510,26 @@ def save_set_within(
 
     candidates = candidate_save_sets(graph, problem, op_seconds, bandwidth, offload=offload)
     described: list[SaveSet] = []
+    fits = None
     for saved, moved in sorted(
         candidates, key=lambda choice: (seconds(choice), len(choice[0]), len(choice[1]))
     ):
         candidate = describe_save_set(graph, problem, saved, op_seconds, peak_model, moved, offload)
         if candidate.peak_bytes <= budget_bytes:
-            return candidate
+            fits = candidate
+            break
         described.append(candidate)
+    if offload is None and described:  # the uncapped cheapest (tried first) fits: no better
+        reference = fits or min(described, key=lambda c: c.peak_bytes)
+        shaped = _shaped_within(
+            graph, problem, op_seconds, bandwidth, budget_bytes, peak_model, reference
+        )
+        if shaped is not None and (
+            fits is None or _seconds(shaped, bandwidth) < _seconds(fits, bandwidth)
+        ):
+            return shaped
+    if fits is not None:
+        return fits
     lowest = min(described, key=lambda c: c.peak_bytes)
     raise InfeasibleBudget(
         f"no save set fits {format_bytes(budget_bytes)}: the lowest predicted peak is "
@@ -512,3 +538,71 @@ def save_set_within(
         budget_bytes=budget_bytes,
         min_feasible_bytes=lowest.peak_bytes,
     )
+
+
+#: How many save sets `_shaped_within` solves and prices, searching for the caps' offset.
+_SHAPED_TRIES = 6
+
+
+def _seconds(save_set: SaveSet, bandwidth: float) -> float:
+    """What `save_set_within` minimises: recompute, traffic and copy seconds."""
+    return (
+        save_set.recompute_seconds + save_set.traffic_bytes / bandwidth + save_set.transfer_seconds
+    )
+
+
+def _shaped_within(
+    graph: Graph,
+    problem: JointProblem,
+    op_seconds: Sequence[float],
+    bandwidth: float,
+    budget_bytes: int,
+    peak_model: PeakModel,
+    reference: SaveSet,
+) -> SaveSet | None:
+    """The cheapest save set found under per-window caps (solvers/peak_windows.py) whose peak by
+    `peak_model` fits the budget, or None. A window's cap is the budget less the persistent
+    storages, the gradients made by then and one offset for everything else (the loss, the
+    values being recomputed, the kernels' buffers): what those take depends on the peak model
+    (inductor fuses what `joint_peak` counts op by op), so the offset is searched against it,
+    starting from what `reference` needs beyond its held values and gradients: raised by what
+    a save set overshot, lowered by what it left unused, then halved between the two,
+    `_SHAPED_TRIES` save sets in all."""
+    by_name = {v.name: i for i, v in enumerate(problem.values)}
+    ends = peak_windows.backward_ends(graph, problem)
+    storages = sorted({v.storage for v in problem.values})
+    base = peak_windows.gradients_made(graph)
+    persistent = sum(s.nbytes for s in graph.storages.values() if s.kind in PERSISTENT_KINDS)
+    held = peak_windows.held_alive(
+        graph, ends, {problem.values[by_name[n]].storage for n in reference.saved}
+    )
+    offset = reference.peak_bytes - persistent - max(g + h for g, h in zip(base, held, strict=True))
+    best: SaveSet | None = None
+    fits_at: int | None = None  # the largest offset known to fit, and the least known not to
+    fails_at: int | None = None
+    for _ in range(_SHAPED_TRIES):
+        other = [persistent + g + offset for g in base]
+        rows = peak_windows.windows(graph, ends, other, budget_bytes, storages)
+        found = cheapest_choice(graph, problem, op_seconds, bandwidth, None, windows=rows)
+        if found is None:  # too tight for any save set: loosen
+            fits_at = offset
+            move = -(abs(offset) // 2 + 1)
+        else:
+            candidate = describe_save_set(graph, problem, found[0], op_seconds, peak_model)
+            move = candidate.peak_bytes - budget_bytes
+            if move <= 0:
+                fits_at = offset
+                if best is None or _seconds(candidate, bandwidth) < _seconds(best, bandwidth):
+                    best = candidate
+            else:
+                fails_at = offset
+        if fits_at is not None and fails_at is not None:
+            following = (fits_at + fails_at) // 2
+        elif move > 0:  # overshot: tighten by at least a step, or a few bytes over stop it
+            following = offset + max(move, budget_bytes // 1000)
+        else:
+            following = offset + move
+        if best is not None and abs(following - offset) <= budget_bytes // 1000:
+            break
+        offset = following
+    return best
