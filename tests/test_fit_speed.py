@@ -196,3 +196,64 @@ def test_a_ranks_walk_is_kept_by_its_own_stages_plans_and_equals_a_fresh_one(mon
     walks.clear()
     assert memory.of(traced, {}) == answers[0] and not walks
     assert answers[0][0] != answers[1][0] and answers[0][1] == answers[1][1]
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "shard"),
+    [("fp32", "adamw", 1), ("bf16-mixed", "adamw-8bit", 1), ("bf16-fsdp", "adamw", 4)],
+)
+def test_what_every_size_holds_is_below_every_plans_requested_bytes(precision, optimizer, shard):
+    """`held_at_every_size` (parameters, buffers, gradients, optimizer state per rank) is a floor
+    of the allocator's requested bytes under every plan: where it exceeds the limit, no plan and
+    no size can fit, so `fit` may skip its searches."""
+    steps = FitSteps(
+        lambda b, s: models.build("llama-2-7b", batch=b, seq=s, tiny=True, n_layers=4),
+        custom_gpu(1 << 40, "h100"), precision, optimizer, shard, None,
+    )  # fmt: skip
+    held = steps.held_at_every_size(1, 64)
+    planner = steps.planner(1, 64)
+    requested = [steps.gpu_memories(1, 64, p)[0].requested_bytes for p in steps.candidates(planner)]
+    assert 0 < held <= min(requested)
+
+
+def test_a_gpu_too_small_for_what_every_size_holds_is_answered_without_searching(monkeypatch):
+    """Where parameters, gradients and optimizer state alone exceed the allocator's limit, each
+    row is judged at the asked size only (one size traced) and answers what the full search
+    answers."""
+    from remat.answers import fit as fit_module
+    from remat.device.gpus import allocator_limit_bytes
+
+    def build(b, s):  # 400 MiB held in fp32 with AdamW: above the BLAS workspaces' 64 MiB
+        return models.build(
+            "llama-2-7b", batch=b, seq=s, tiny=True, n_layers=2, d_model=512, ffn_dim=1024,
+            vocab_size=16384,
+        )  # fmt: skip
+
+    roomy = custom_gpu(1 << 40, "h100")
+    held = FitSteps(build, roomy, "fp32", "adamw", 1, None).held_at_every_size(1, 64)
+    # the allocator's limit (capacity less the CUDA context) at 90% of what is held
+    gpu = custom_gpu(held * 9 // 10 + (1 << 40) - allocator_limit_bytes(roomy, 1), "h100")
+    trace = FitSteps.trace
+
+    def answer():
+        traced = set()
+        monkeypatch.setattr(
+            FitSteps, "trace", lambda self, b, s: traced.add((b, s)) or trace(self, b, s)
+        )
+        report = fit_module.fit(
+            build, model="llama", batch=1, seq=64, precision="fp32", gpu=gpu, optimizer="adamw",
+            strategies_to_fit=("store_all", "full", "auto"),
+        )  # fmt: skip
+        return (
+            [(r.strategy, r.peak_bytes, r.fits, r.max_batch, r.max_seq) for r in report.rows],
+            {r.strategy: r.note for r in report.rows},
+            traced,
+        )
+
+    rows, notes, traced = answer()
+    monkeypatch.setattr(FitSteps, "held_at_every_size", lambda self, b, s: 0)
+    searched_rows, _, searched_traced = answer()
+    assert rows == searched_rows
+    assert all(not fits and batch is None and seq is None for _, _, fits, batch, seq in rows)
+    assert all("optimizer state alone" in note for note in notes.values())
+    assert traced == {(1, 64)} and len(searched_traced) > 1

@@ -549,12 +549,16 @@ def setup_that_fits(
             combos[(precision, optimizer)] = steps
     for ranks in levels:
         usable = _usable(gpu, ranks * layout.ranks, reserve)
+        # the most a rank may hold: the allocator's limit where it judges, else `usable`
+        limit = usable if reserve is not None else allocator_limit_bytes(gpu, ranks * layout.ranks)
         found = []
         for (precision, optimizer), steps in combos.items():
             if ranks == 1 and steps.setup.master_scale != 1:
                 continue  # FSDP2's mixed precision needs sharded parameters
             steps.shard = ranks
             planner = steps.planner(batch, seq)
+            if steps.held_at_every_size(batch, seq) > limit:
+                continue  # parameters, gradients and optimizer state alone do not fit
             # Cheap first: where no fixed plan comes within 5% of the memory, auto's solvers
             # (which only mix those plans' choices per block) need not run.
             lowest = min(steps.rank_peak(planner, p) for p in steps.fixed_plans(planner))

@@ -105,13 +105,8 @@ def fit_row(
     peak, p, memories, usable, overhead = judged
     row_fits = fits_on(peak, memories, usable)
     planner = steps.planner(batch, seq)
-    floor = estimate(
-        planner.graph,
-        optimizer=steps.optimizer,
-        shard=steps.fsdp_ranks,
-        master_scale=steps.setup.master_scale,
-    ).fixed_bytes
-    if floor > usable:  # parameters, gradients and optimizer state alone: no size fits
+    held = steps.held_at_every_size(batch, seq)
+    if held > (memories[0].limit_bytes if memories else usable):  # no size fits
         return FitRow(
             name,
             plan=p.strategy,
@@ -120,7 +115,7 @@ def fit_row(
             overhead=overhead,
             max_batch=None,
             max_seq=None,
-            note=f"parameters, gradients and optimizer state alone take {format_bytes(floor)}",
+            note=f"parameters, gradients and optimizer state alone take {format_bytes(held)}",
             gpu_memory=tuple(m.to_dict() for m in memories),
             solved=p,
         )
@@ -249,10 +244,16 @@ def judge_step(
         return None
     memories = steps.gpu_memories(batch, seq, p)
     planner = steps.planner(batch, seq)
-    if memories and name == "auto":
+    if (
+        memories
+        and name == "auto"
+        and not memories[0].fits
+        and steps.held_at_every_size(batch, seq) <= memories[0].limit_bytes
+    ):
         # Choose again against the allocator's judge: live bytes within its limit less the
         # overhead it showed, lowered while the reserved bytes still do not fit; then the plan of
         # least recompute among the fixed ones whose reserved bytes fit, if auto's never did.
+        # (Not where what every plan holds alone exceeds the limit: none can fit.)
         target = usable
         for _ in range(4):
             if memories[0].fits:
@@ -271,8 +272,12 @@ def judge_step(
                     break
     if memories:
         usable = live_limit(peak, memories[0])
-    overhead = p.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
-    return peak, p, memories, usable, overhead
+    return peak, p, memories, usable, _overhead(p, planner)
+
+
+def _overhead(plan: Any, planner: Any) -> float:
+    """`plan`'s predicted recompute as a share of the step."""
+    return plan.recompute_seconds / planner.step_seconds if planner.step_seconds else 0.0
 
 
 def candidate_fits(steps: FitSteps, batch: int, seq: int) -> bool:

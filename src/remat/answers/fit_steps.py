@@ -23,7 +23,7 @@ from remat.graph import Graph
 from remat.layouts.parallel import ONE_RANK, Layout
 from remat.planning import strategies
 from remat.planning.planner import Planner
-from remat.prediction.estimate import Optimizer, shard_step
+from remat.prediction.estimate import Optimizer, estimate, shard_step
 from remat.prediction.loop import Loop
 from remat.prediction.sizes import SizeModel, same_graph
 
@@ -213,6 +213,20 @@ class FitSteps:
         self.models[(axis, fixed)] = None
         self.planners = {k: p for k, p in self.planners.items() if p.graph is self.traced.get(k)}
         return False
+
+    def held_at_every_size(self, batch: int, seq: int) -> int:
+        """Bytes one rank holds at once at any batch and sequence, whatever the plan: its
+        parameters, buffers, gradients and optimizer state, all live at the optimizer step (the
+        gradients not, where the loop steps each one in backward). Where they alone exceed what
+        may be held, no plan fits at any size, and the searches need not run."""
+        held = estimate(
+            self.planner(batch, seq).graph,
+            optimizer=self.optimizer,
+            shard=self.fsdp_ranks,
+            master_scale=self.setup.master_scale,
+        )
+        grads = 0 if self.loop.optimizer_in_backward else held.grad_bytes
+        return held.param_bytes + held.buffer_bytes + held.optimizer_state_bytes + grads
 
     def rank_peak(self, planner: Planner, plan: Any, shard: int | None = None) -> int:
         """`plan`'s peak per rank: its simulation with parameters, gradients and optimizer state
