@@ -257,3 +257,86 @@ def test_a_gpu_too_small_for_what_every_size_holds_is_answered_without_searching
     assert all(not fits and batch is None and seq is None for _, _, fits, batch, seq in rows)
     assert all("optimizer state alone" in note for note in notes.values())
     assert traced == {(1, 64)} and len(searched_traced) > 1
+
+
+def test_a_search_walks_the_judging_allocator_setting_alone_as_walking_every_setting(llama):
+    """The searches ask only whether a step fits, which torch's default allocator setting
+    decides: `gpu_memories(judged_only=True)` walks that one, and it equals the first of every
+    setting's walked afresh; asked for every setting after, the others are added to it."""
+    from remat.prediction import gpu_memory
+    from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS
+
+    walked = []
+    simulate = gpu_memory.simulate
+
+    def counted(events, settings):
+        walked.append(settings.expandable_segments)
+        return simulate(events, settings)
+
+    steps = FitSteps(None, custom_gpu(1 << 40, "h100"), "bf16-fsdp", "adamw", 4, None)  # type: ignore[arg-type]
+    steps.traced[(2, 64)] = llama
+    plans = list(steps.fixed_plans(steps.planner(2, 64)))
+    afresh = [
+        gpu_memory.gpu_memories(llama, steps.gpu, p.regions, "adamw", steps.fsdp()) for p in plans
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu_memory, "simulate", counted)
+        for p, every in zip(plans, afresh, strict=True):
+            judged = steps.gpu_memories(2, 64, p, judged_only=True)
+            assert judged == every[:1] and steps.gpu_memories(2, 64, p) == every
+            assert steps.gpu_memories(2, 64, p, judged_only=True) == judged
+    assert len(afresh[0]) == len(ALLOCATOR_SETTINGS) == 2
+    assert walked == [False, True] * len({p.regions for p in plans})
+    assert len({m.reserved_bytes for p in plans for m in steps.gpu_memories(2, 64, p)}) > 1
+
+
+def test_rows_searched_from_an_earlier_rows_answer_find_the_largest_sizes_that_fit():
+    """Where the allocator judges, a row starts its searches at the largest sizes of an earlier
+    row of nearly the same peak (auto's plan is often a fixed strategy's), and searches on the
+    allocator's judgement alone: each row answers what it answers alone, and what it answers
+    when the earlier row's sizes are wrong; at its largest sequence its step fits, one more
+    step of the sequence does not."""
+    from dataclasses import replace
+
+    from remat.answers.fit import _usable, fit
+    from remat.answers.fit_rows import SEQ_STEP, fit_row, judge_step
+    from remat.device.gpus import allocator_limit_bytes
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta", block_size=4096)
+
+    def fresh(gpu):
+        return FitSteps(build, gpu, "fp32", "sgd", 1, None)
+
+    roomy = custom_gpu(1 << 40, "h100")
+    at2 = fresh(roomy).gpu_memories(
+        2, 64, fit_rows.judge_step(fresh(roomy), "full", 2, 64, 1 << 40)[1]
+    )[0]
+    outside = roomy.capacity_bytes - allocator_limit_bytes(roomy)
+    # every row fits at batch 2, seq 64; full, Megatron's and torchtitan's selective have one
+    # peak there and different largest sizes
+    gpu = custom_gpu(at2.reserved_bytes * 3 // 2 + outside, "h100")
+    asked = {"batch": 2, "seq": 64, "max_batch": 64, "max_seq": 2048}
+    report = fit(build, model="gpt2", gpu=gpu, precision="fp32", optimizer="sgd", **asked)
+    usable = _usable(gpu, 1, None)
+    started = 0
+    for row in report.rows:
+        alone = fit_row(fresh(gpu), row.strategy, 2, 64, usable, 64, 2048)
+        wrong = replace(
+            row, max_batch=(row.max_batch or 0) + 7, max_seq=(row.max_seq or 0) * 2 + 64
+        )
+        misled = fit_row(fresh(gpu), row.strategy, 2, 64, usable, 64, 2048, earlier=[wrong])
+        for other in (alone, misled):
+            assert (other.max_batch, other.max_seq) == (row.max_batch, row.max_seq), row.strategy
+        started += any(
+            abs(r.peak_bytes - row.peak_bytes) <= row.peak_bytes // 100
+            for r in report.rows
+            if r is not row
+        )
+        if row.max_seq and row.max_seq < 2048:
+            steps = fresh(gpu)
+            for seq, fits in ((row.max_seq, True), (row.max_seq + SEQ_STEP, False)):
+                found = judge_step(steps, row.strategy, 2, seq, usable)
+                assert found is not None and fit_rows.fits_on(found[0], found[2], found[3]) is fits
+    assert started and {r.fits for r in report.rows} == {True}
+    assert len({r.max_batch for r in report.rows}) > 2

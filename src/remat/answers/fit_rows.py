@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,16 +88,28 @@ def _guess(xs: list[int], ys: list[int], limit: int) -> int:
 
 
 def fit_row(
-    steps: FitSteps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
+    steps: FitSteps,
+    name: str,
+    batch: int,
+    seq: int,
+    usable: int,
+    max_batch: int,
+    max_seq: int,
+    earlier: Sequence[FitRow] = (),
 ) -> FitRow:
     """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit.
 
     Where the caching allocator is simulated (`steps.gpu_memories`), the row fits when its
     reserved bytes do (the allocator's limit, under torch's default settings), and so do the
-    largest batch and sequence: searched first on live bytes against the limit less the
-    workspaces and the allocator's overhead (reserved - requested) measured at (batch, seq), then
-    from there by the allocator's judgement itself, so that a row that does not fit never names
-    a maximum at or above what was asked."""
+    largest batch and sequence: searched by the allocator's judgement itself (so that a row that
+    does not fit never names a maximum at or above what was asked), from where the size models'
+    live bytes reach the asked size's live limit (`live_limit`: the limit less the overhead,
+    reserved - live, measured there). Without the allocator, on live bytes within `usable`.
+
+    `earlier`: rows of the same fit already found. Where the allocator judges, one whose peak at
+    (batch, seq) is within 1% of this row's (auto's plan is often a fixed strategy's) starts the
+    searches at its largest sizes: two steps when they are this row's too (the searches find the
+    largest size that fits from any start)."""
     asked_usable = usable
     judged = judge_step(steps, name, batch, seq, usable)
     if judged is None:
@@ -147,7 +159,7 @@ def fit_row(
             if name == "auto" and candidate_fits(steps, b, s):
                 fits = True  # judge_step's answer whatever auto's solvers find: spare them
             else:
-                found = judge_step(steps, name, b, s, asked_usable)
+                found = judge_step(steps, name, b, s, asked_usable, judged_only=True)
                 fits = found is not None and fits_on(found[0], found[2], found[3])
             judgements[(b, s)] = (graph, fits)
         return judgements[(b, s)][1]
@@ -166,6 +178,10 @@ def fit_row(
         limits.append(str(err).split(";")[0])
         s_guess = units
     b_guess = _guess(b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable)
+    like = [r for r in earlier if r.peak_bytes and abs(r.peak_bytes - peak) <= peak // 100]
+    if memories and like:  # a row of (nearly) the same step found these: start there
+        near = min(like, key=lambda r: abs(r.peak_bytes - peak))
+        b_guess, s_guess = near.max_batch or b_guess, (near.max_seq or 0) // SEQ_STEP or s_guess
 
     def largest(
         axis: str,
@@ -196,15 +212,18 @@ def fit_row(
             best = _largest(fits, best, low, high)
         return best
 
-    best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
-    best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
-    if memories:  # the allocator's judgement, from the live bytes' answer: the row's own rule
+    if not memories:  # live bytes within `usable`
+        best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
+        best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
+    else:  # the allocator's judgement, the row's own rule, from the size models' guesses
+        # (searched on live bytes first, the guesses told the allocator's search no more and
+        # cost a trace at each answer: a row that does not fit has `usable` = its peak - 1)
         # a row that fits at (batch, seq) fits at least that much; one that does not, less
         best_batch = largest(
             "batch",
             seq,
             lambda b: allocator_fits(b, seq),
-            best_batch or 1,
+            b_guess,
             max_batch if row_fits else batch - 1,
             degree=1,
             low=batch if row_fits else 1,
@@ -213,7 +232,7 @@ def fit_row(
             "seq",
             batch,
             lambda u: allocator_fits(batch, u * SEQ_STEP),
-            best_seq or 1,
+            s_guess,
             max_seq // SEQ_STEP if row_fits else (seq - 1) // SEQ_STEP,
             degree=2,
             low=seq // SEQ_STEP if row_fits and seq % SEQ_STEP == 0 else 1,
@@ -234,15 +253,16 @@ def fit_row(
 
 
 def judge_step(
-    steps: FitSteps, name: str, batch: int, seq: int, usable: int
+    steps: FitSteps, name: str, batch: int, seq: int, usable: int, judged_only: bool = False
 ) -> tuple[int, Any, list[Any], int, float] | None:
     """A strategy's step at (batch, seq): its per-rank peak, plan, GPU memories, the live bytes it
     may reach (the allocator's judge where simulated) and its predicted step-time overhead; None
-    for a per-block strategy on a model without blocks."""
+    for a per-block strategy on a model without blocks. `judged_only`: the memory of the judging
+    allocator setting alone (`FitSteps.gpu_memories`), for a search."""
     peak, p = steps.peak(name, batch, seq, usable)
     if peak is None:
         return None
-    memories = steps.gpu_memories(batch, seq, p)
+    memories = steps.gpu_memories(batch, seq, p, judged_only)
     planner = steps.planner(batch, seq)
     if (
         memories
@@ -263,15 +283,17 @@ def judge_step(
             if target <= 0:  # the allocator's overhead alone fills its limit
                 break
             peak, p = steps.peak(name, batch, seq, target)
-            memories = steps.gpu_memories(batch, seq, p)
+            memories = steps.gpu_memories(batch, seq, p, judged_only=True)
         if not memories[0].fits:
             for fixed in sorted(steps.candidates(planner), key=lambda c: c.recompute_seconds):
-                fixed_memories = steps.gpu_memories(batch, seq, fixed)
+                fixed_memories = steps.gpu_memories(batch, seq, fixed, judged_only=True)
                 if fixed_memories[0].fits:
                     peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
                     break
     if memories:
         usable = live_limit(peak, memories[0])
+        if not judged_only:  # every setting's, of the plan judged
+            memories = steps.gpu_memories(batch, seq, p)
     return peak, p, memories, usable, _overhead(p, planner)
 
 
@@ -284,11 +306,18 @@ def candidate_fits(steps: FitSteps, batch: int, seq: int) -> bool:
     """Whether a fixed or the lowest-peak plan's reserved bytes fit at (batch, seq): then `auto`
     fits there by `judge_step` (its own plans fit, or it falls back to the first of these that
     does), so a search that asks only whether it fits need not run auto's solvers."""
+    return fitting_candidate(steps, batch, seq) is not None
+
+
+def fitting_candidate(steps: FitSteps, batch: int, seq: int) -> Any:
+    """The judging allocator's memory of the first candidate plan whose reserved bytes fit at
+    (batch, seq) (`candidate_fits`), or None."""
     planner = steps.planner(batch, seq)
     # one at a time, the lowest-peak plan (a plan per block count, a MILP) only where no fixed
     # plan fits: the same answer as judging `steps.candidates(planner)` whole
     plans = itertools.chain(steps.fixed_plans(planner), (planner.lowest_peak() for _ in (0,)))
-    return any(steps.gpu_memories(batch, seq, p)[0].fits for p in plans)
+    memories = (steps.gpu_memories(batch, seq, p, judged_only=True)[0] for p in plans)
+    return next((m for m in memories if m.fits), None)
 
 
 def live_limit(peak: int, memory: Any) -> int:
