@@ -170,18 +170,25 @@ def fit_row(
     units = max(seq // SEQ_STEP, 1)
     s_anchors = [units, units + 1, units + 2]
     steps.model_through("batch", seq, b_anchors)
+    like = [r for r in earlier if r.peak_bytes and abs(r.peak_bytes - peak) <= peak // 100]
+    # a row of (nearly) the same step found these: start there
+    near = min(like, key=lambda r: abs(r.peak_bytes - peak)) if memories and like else None
+    # else where the size models' live bytes reach `usable`, from the row's peaks at the anchors
+    # (auto's: a solve at each)
+    s_guess = (near.max_seq or 0) // SEQ_STEP if near is not None else 0
     try:
         steps.model_through("seq", batch, [u * SEQ_STEP for u in s_anchors])
-        s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
-        s_guess = _guess(s_anchors, s_peaks, usable)
+        if not s_guess:
+            s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
+            s_guess = _guess(s_anchors, s_peaks, usable)
     except RematError as err:  # the model cannot be built that long
         limits.append(str(err).split(";")[0])
-        s_guess = units
-    b_guess = _guess(b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable)
-    like = [r for r in earlier if r.peak_bytes and abs(r.peak_bytes - peak) <= peak // 100]
-    if memories and like:  # a row of (nearly) the same step found these: start there
-        near = min(like, key=lambda r: abs(r.peak_bytes - peak))
-        b_guess, s_guess = near.max_batch or b_guess, (near.max_seq or 0) // SEQ_STEP or s_guess
+        s_guess = s_guess or units
+    b_guess = near.max_batch if near is not None else None
+    if not b_guess:
+        b_guess = _guess(
+            b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable
+        )
 
     def largest(
         axis: str,
