@@ -340,3 +340,37 @@ def test_rows_searched_from_an_earlier_rows_answer_find_the_largest_sizes_that_f
                 assert found is not None and fit_rows.fits_on(found[0], found[2], found[3]) is fits
     assert started and {r.fits for r in report.rows} == {True}
     assert len({r.max_batch for r in report.rows}) > 2
+
+
+def test_the_search_between_two_guesses_finds_the_largest_fitting_size_from_any_pair():
+    """`_largest` with a size `above` the answer expected not to fit (where the allocator's
+    searches expect the live bytes to fill its limit) answers what it answers without it, from
+    any guess and any `above`, wrong ones included; with a guess below the answer and an
+    `above` over it, in a bisection between them."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from remat.answers.fit_rows import _largest
+
+    @given(
+        st.integers(1, 500),
+        st.integers(0, 500),
+        st.integers(-10, 1000),
+        st.none() | st.integers(-10, 1000),
+    )
+    def check(high, answer, guess, above):
+        calls = []
+
+        def fits(n):
+            calls.append(n)
+            return n <= answer
+
+        found = _largest(fits, guess, 1, high, above)
+        assert found == (min(answer, high) if answer >= 1 else None)
+        if found is not None and found < high:
+            assert found in calls and found + 1 in calls  # confirmed both ways
+        assert len(calls) <= 4 * (high.bit_length() + 2)
+        if above is not None and 1 <= guess <= answer < above <= high:
+            assert len(calls) <= 2 + (above - guess).bit_length()
+
+    check()

@@ -57,17 +57,24 @@ class FitRow:
         return self.gpu_memory[0]["reserved_bytes"] if self.gpu_memory else None
 
 
-def _largest(fits: Callable[[int], bool], guess: int, low: int, high: int) -> int | None:
+def _largest(
+    fits: Callable[[int], bool], guess: int, low: int, high: int, above: int | None = None
+) -> int | None:
     """The largest n in [low, high] with fits(n), for a monotone `fits`: gallop up from `guess` (a
     good guess costs two calls: the answer fits, the next does not), or check `low` when the guess
-    does not fit, then bisect. None when not even `low` fits."""
+    does not fit, then bisect. None when not even `low` fits. `above`: a size expected not to
+    fit, checked after a guess that fits before galloping: a guess and an `above` on either side
+    of the answer leave a bisection between them."""
     n = min(max(guess, low), high)
     step = 1
     if fits(n):
-        lo = n
-        while lo < high and fits(min(lo + step, high)):
-            lo, step = min(lo + step, high), step * 2
-        hi = min(lo + step, high + 1)  # does not fit, or past `high`
+        lo, hi = n, high + 1  # hi: does not fit, or past `high`
+        if above is not None and lo < above <= high:
+            lo, hi = (above, hi) if fits(above) else (lo, above)
+        if hi > high:
+            while lo < high and fits(min(lo + step, high)):
+                lo, step = min(lo + step, high), step * 2
+            hi = min(lo + step, high + 1)
     else:
         if n == low or not fits(low):
             return None
@@ -176,6 +183,7 @@ def fit_row(
     # else where the size models' live bytes reach `usable`, from the row's peaks at the anchors
     # (auto's: a solve at each)
     s_guess = (near.max_seq or 0) // SEQ_STEP if near is not None else 0
+    s_peaks: list[int] = []
     try:
         steps.model_through("seq", batch, [u * SEQ_STEP for u in s_anchors])
         if not s_guess:
@@ -185,10 +193,10 @@ def fit_row(
         limits.append(str(err).split(";")[0])
         s_guess = s_guess or units
     b_guess = near.max_batch if near is not None else None
+    b_peaks: list[int] = []
     if not b_guess:
-        b_guess = _guess(
-            b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable
-        )
+        b_peaks = [steps.peak(name, b, seq, usable)[0] for b in b_anchors]
+        b_guess = _guess(b_anchors, b_peaks, usable)
 
     def largest(
         axis: str,
@@ -198,6 +206,7 @@ def fit_row(
         high: int,
         degree: int,
         low: int = 1,
+        above: int | None = None,
     ) -> int | None:
         """The largest size in [low, high] that fits, searched on the size model and confirmed
         by a trace at the answer. A size can be piecewise polynomial (a table of max(seq, n)
@@ -206,7 +215,7 @@ def fit_row(
         if high < low:
             return None
         scale = 1 if axis == "batch" else SEQ_STEP
-        best = _largest(fits, guess, low, high)
+        best = _largest(fits, guess, low, high, above)
         for attempt in range(2):
             if best is None or steps.confirm(axis, fixed, best * scale):
                 return best
@@ -225,6 +234,15 @@ def fit_row(
     else:  # the allocator's judgement, the row's own rule, from the size models' guesses
         # (searched on live bytes first, the guesses told the allocator's search no more and
         # cost a trace at each answer: a row that does not fit has `usable` = its peak - 1)
+        # Expected to fit: where the live bytes reach the asked size's live limit (its overhead,
+        # reserved - live, is more than at the answer, where the allocator frees its cache to
+        # make room); not to: where they reach the allocator's limit less the BLAS workspaces
+        # (no overhead at all). A step that ran out of memory shows no overhead: from `low`.
+        room = memories[0].limit_bytes - memories[0].blas_workspace_bytes
+        b_above = _guess(b_anchors, b_peaks, room) if b_peaks else None
+        s_above = _guess(s_anchors, s_peaks, room) if s_peaks else None
+        if memories[0].out_of_memory:
+            b_guess, s_guess = (1, 1) if near is None else (b_guess, s_guess)
         # a row that fits at (batch, seq) fits at least that much; one that does not, less
         best_batch = largest(
             "batch",
@@ -234,6 +252,7 @@ def fit_row(
             max_batch if row_fits else batch - 1,
             degree=1,
             low=batch if row_fits else 1,
+            above=b_above,
         )
         best_seq = largest(
             "seq",
@@ -243,6 +262,7 @@ def fit_row(
             max_seq // SEQ_STEP if row_fits else (seq - 1) // SEQ_STEP,
             degree=2,
             low=seq // SEQ_STEP if row_fits and seq % SEQ_STEP == 0 else 1,
+            above=s_above,
         )
     return FitRow(
         strategy=name,
