@@ -176,7 +176,6 @@ def fit_row(
     b_anchors = [max(batch, 2), max(batch, 2) + 1]
     units = max(seq // SEQ_STEP, 1)
     s_anchors = [units, units + 1, units + 2]
-    steps.model_through("batch", seq, b_anchors)
     like = [r for r in earlier if r.peak_bytes and abs(r.peak_bytes - peak) <= peak // 100]
     # a row of (nearly) the same step found these: start there
     near = min(like, key=lambda r: abs(r.peak_bytes - peak)) if memories and like else None
@@ -192,11 +191,17 @@ def fit_row(
     except RematError as err:  # the model cannot be built that long
         limits.append(str(err).split(";")[0])
         s_guess = s_guess or units
-    b_guess = near.max_batch if near is not None else None
+    b_guess = near.max_batch if near is not None and near.max_batch else 1
     b_peaks: list[int] = []
-    if not b_guess:
-        b_peaks = [steps.peak(name, b, seq, usable)[0] for b in b_anchors]
-        b_guess = _guess(b_anchors, b_peaks, usable)
+
+    def batch_line() -> None:
+        """The batch size model drawn through its anchors, and the row's guess from its peaks
+        there where no earlier row's answer gives one."""
+        nonlocal b_guess, b_peaks
+        steps.model_through("batch", seq, b_anchors)
+        if near is None or not near.max_batch:
+            b_peaks = [steps.peak(name, b, seq, usable)[0] for b in b_anchors]
+            b_guess = _guess(b_anchors, b_peaks, usable)
 
     def largest(
         axis: str,
@@ -229,6 +234,7 @@ def fit_row(
         return best
 
     if not memories:  # live bytes within `usable`
+        batch_line()
         best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
         best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
     else:  # the allocator's judgement, the row's own rule, from the size models' guesses
@@ -239,19 +245,30 @@ def fit_row(
         # make room); not to: where they reach the allocator's limit less the BLAS workspaces
         # (no overhead at all). A step that ran out of memory shows no overhead: from `low`.
         room = memories[0].limit_bytes - memories[0].blas_workspace_bytes
-        b_above = _guess(b_anchors, b_peaks, room) if b_peaks else None
         s_above = _guess(s_anchors, s_peaks, room) if s_peaks else None
-        if memories[0].out_of_memory:
-            b_guess, s_guess = (1, 1) if near is None else (b_guess, s_guess)
+        if memories[0].out_of_memory and near is None:
+            s_guess = 1
         # a row that fits at (batch, seq) fits at least that much; one that does not, less
+        b_low, b_high = (batch, max_batch) if row_fits else (1, batch - 1)
+        # The batch line only where the search goes past the first of its anchors, batch + 1
+        # (a trace of its own), which a row that fits is judged at first: at a length that
+        # fills the memory, one more sample seldom fits.
+        if not row_fits or batch == max_batch or allocator_fits(batch + 1, seq):
+            if b_low <= b_high:
+                batch_line()
+        else:
+            b_guess = batch + 1
+        b_above = _guess(b_anchors, b_peaks, room) if b_peaks else None
+        if memories[0].out_of_memory and near is None:
+            b_guess = 1
         best_batch = largest(
             "batch",
             seq,
             lambda b: allocator_fits(b, seq),
             b_guess,
-            max_batch if row_fits else batch - 1,
+            b_high,
             degree=1,
-            low=batch if row_fits else 1,
+            low=b_low,
             above=b_above,
         )
         best_seq = largest(
