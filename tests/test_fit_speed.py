@@ -13,6 +13,7 @@ from remat.answers import fit_rows
 from remat.answers.fit_steps import FitSteps
 from remat.device.gpus import custom_gpu
 from remat.graph import Graph
+from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.prediction import estimate as estimate_module
 from remat.prediction import schedule as schedule_module
@@ -404,3 +405,39 @@ def test_a_row_that_fits_no_more_samples_is_answered_without_the_batch_line():
     for b, fits in ((2, True), (3, False)):  # judged afresh
         found = judge_step(FitSteps(build, gpu, "fp32", "sgd", 1, None), "full", b, 64, usable)
         assert fits_on(found[0], found[2], found[3]) is fits
+
+
+def test_a_confirmed_size_keeps_the_planner_of_its_model_and_answers_as_its_trace():
+    """`FitSteps.confirm` traces the size an answer rests on; where the size model's graph
+    equals the trace to the number, the planner judged on the model stays (with its plans and
+    walks) and `traced` keeps its graph: every plan's peak and walk there are what a planner on
+    the trace alone gives."""
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta")
+
+    gpu = custom_gpu(1 << 40, "h100")
+    steps = FitSteps(build, gpu, "fp32", "sgd", 1, None)
+    steps.model_through("seq", 2, [64, 128, 192])
+    modelled = steps.planner(2, 320)
+    assert (2, 320) not in steps.traced
+    plans = list(steps.fixed_plans(modelled))
+    walks = [steps.gpu_memories(2, 320, p) for p in plans]
+    assert steps.confirm("seq", 2, 320)
+    assert steps.planner(2, 320) is modelled and steps.traced[(2, 320)] is modelled.graph
+    alone = FitSteps(build, gpu, "fp32", "sgd", 1, None)
+    traced = alone.planner(2, 320)
+    assert traced.graph is not modelled.graph and (2, 320) in alone.traced
+    for p, walked in zip(plans, walks, strict=True):
+        again = traced.solve(
+            strategies.get(p.strategy.split(" ")[0], "eager"), traced.estimate.peak_bytes
+        )
+        assert again.regions == p.regions
+        assert alone.gpu_memories(2, 320, again) == walked == steps.gpu_memories(2, 320, p)
+        assert alone.rank_peak(traced, again) == steps.rank_peak(modelled, p)
+
+    # a model that does not hold there (drawn here as another length's step): its planner
+    # goes, the trace judges
+    wrong = steps.planners[(2, 384)] = steps.planner(2, 448)
+    assert not steps.confirm("seq", 2, 384)
+    assert steps.planner(2, 384).graph is steps.traced[(2, 384)] is not wrong.graph

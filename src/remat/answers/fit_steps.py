@@ -208,8 +208,11 @@ class FitSteps:
         except RematError:
             graph = None
         if graph is not None and (modelled is None or same_graph(modelled.graph, graph)):
-            if modelled is None or modelled.graph is not graph:
+            if modelled is None:
                 self.planners[key] = Planner(graph, self.gpu.profile, self.optimizer)
+            else:  # the model's graph is the trace, to the number: its planner, what it
+                # worked out and the walks of its plans stand (`traced` keeps the one graph)
+                self.traced[key] = modelled.graph
             return True
         self.models[(axis, fixed)] = None
         self.planners = {k: p for k, p in self.planners.items() if p.graph is self.traced.get(k)}
