@@ -441,3 +441,37 @@ def test_a_confirmed_size_keeps_the_planner_of_its_model_and_answers_as_its_trac
     wrong = steps.planners[(2, 384)] = steps.planner(2, 448)
     assert not steps.confirm("seq", 2, 384)
     assert steps.planner(2, 384).graph is steps.traced[(2, 384)] is not wrong.graph
+
+
+def test_rows_out_of_memory_at_the_asked_size_find_the_largest_sizes_that_fit():
+    """A row whose asked step runs out of memory shows no overhead to guess from: its searches
+    start halfway to where its live bytes fill the allocator's limit, and still answer the
+    largest sizes whose steps fit (judged afresh on traces), one more not."""
+    from remat.answers.fit import _usable, fit
+    from remat.answers.fit_rows import SEQ_STEP, fits_on, judge_step
+    from remat.device.gpus import allocator_limit_bytes
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta", block_size=4096)
+
+    roomy = custom_gpu(1 << 40, "h100")
+    steps = FitSteps(build, roomy, "fp32", "sgd", 1, None)
+    at2 = steps.gpu_memories(2, 64, judge_step(steps, "full", 2, 64, 1 << 40)[1])[0]
+    outside = roomy.capacity_bytes - allocator_limit_bytes(roomy)
+    gpu = custom_gpu(at2.reserved_bytes * 3 // 2 + outside, "h100")
+    asked = {"batch": 2, "seq": 2048, "max_batch": 64, "max_seq": 4096}
+    report = fit(build, model="gpt2", gpu=gpu, precision="fp32", optimizer="sgd", **asked)
+    usable = _usable(gpu, 1, None)
+
+    def fits(strategy: str, b: int, s: int) -> bool:
+        found = judge_step(FitSteps(build, gpu, "fp32", "sgd", 1, None), strategy, b, s, usable)
+        return found is not None and fits_on(found[0], found[2], found[3])
+
+    assert all(r.gpu_memory[0]["out_of_memory"] for r in report.rows)
+    for row in report.rows[:4]:  # the fixed strategies (auto: test_fit.py's rule)
+        assert row.max_seq and fits(row.strategy, 2, row.max_seq), row.strategy
+        assert not fits(row.strategy, 2, row.max_seq + SEQ_STEP), row.strategy
+        if row.max_batch:
+            assert fits(row.strategy, row.max_batch, 2048)
+            assert not fits(row.strategy, row.max_batch + 1, 2048)
+    assert len({r.max_seq for r in report.rows}) > 2

@@ -243,11 +243,11 @@ def fit_row(
         # Expected to fit: where the live bytes reach the asked size's live limit (its overhead,
         # reserved - live, is more than at the answer, where the allocator frees its cache to
         # make room); not to: where they reach the allocator's limit less the BLAS workspaces
-        # (no overhead at all). A step that ran out of memory shows no overhead: from `low`.
+        # (no overhead at all). A step that ran out of memory shows no overhead: halfway there.
         room = memories[0].limit_bytes - memories[0].blas_workspace_bytes
         s_above = _guess(s_anchors, s_peaks, room) if s_peaks else None
         if memories[0].out_of_memory and near is None:
-            s_guess = 1
+            s_guess = (1 + s_above) // 2 if s_above else 1
         # a row that fits at (batch, seq) fits at least that much; one that does not, less
         b_low, b_high = (batch, max_batch) if row_fits else (1, batch - 1)
         # The batch line only where the search goes past the first of its anchors, batch + 1
@@ -260,7 +260,7 @@ def fit_row(
             b_guess = batch + 1
         b_above = _guess(b_anchors, b_peaks, room) if b_peaks else None
         if memories[0].out_of_memory and near is None:
-            b_guess = 1
+            b_guess = (1 + b_above) // 2 if b_above else 1
         best_batch = largest(
             "batch",
             seq,
