@@ -13,6 +13,7 @@ from remat.answers import fit_rows
 from remat.answers.fit_steps import FitSteps
 from remat.device.gpus import custom_gpu
 from remat.graph import Graph
+from remat.planning import strategies
 from remat.planning.planner import Planner
 from remat.prediction import estimate as estimate_module
 from remat.prediction import schedule as schedule_module
@@ -257,3 +258,220 @@ def test_a_gpu_too_small_for_what_every_size_holds_is_answered_without_searching
     assert all(not fits and batch is None and seq is None for _, _, fits, batch, seq in rows)
     assert all("optimizer state alone" in note for note in notes.values())
     assert traced == {(1, 64)} and len(searched_traced) > 1
+
+
+def test_a_search_walks_the_judging_allocator_setting_alone_as_walking_every_setting(llama):
+    """The searches ask only whether a step fits, which torch's default allocator setting
+    decides: `gpu_memories(judged_only=True)` walks that one, and it equals the first of every
+    setting's walked afresh; asked for every setting after, the others are added to it."""
+    from remat.prediction import gpu_memory
+    from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS
+
+    walked = []
+    simulate = gpu_memory.simulate
+
+    def counted(events, settings):
+        walked.append(settings.expandable_segments)
+        return simulate(events, settings)
+
+    steps = FitSteps(None, custom_gpu(1 << 40, "h100"), "bf16-fsdp", "adamw", 4, None)  # type: ignore[arg-type]
+    steps.traced[(2, 64)] = llama
+    plans = list(steps.fixed_plans(steps.planner(2, 64)))
+    afresh = [
+        gpu_memory.gpu_memories(llama, steps.gpu, p.regions, "adamw", steps.fsdp()) for p in plans
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu_memory, "simulate", counted)
+        for p, every in zip(plans, afresh, strict=True):
+            judged = steps.gpu_memories(2, 64, p, judged_only=True)
+            assert judged == every[:1] and steps.gpu_memories(2, 64, p) == every
+            assert steps.gpu_memories(2, 64, p, judged_only=True) == judged
+    assert len(afresh[0]) == len(ALLOCATOR_SETTINGS) == 2
+    assert walked == [False, True] * len({p.regions for p in plans})
+    assert len({m.reserved_bytes for p in plans for m in steps.gpu_memories(2, 64, p)}) > 1
+
+
+def test_rows_searched_from_an_earlier_rows_answer_find_the_largest_sizes_that_fit():
+    """Where the allocator judges, a row starts its searches at the largest sizes of an earlier
+    row of nearly the same peak (auto's plan is often a fixed strategy's), and searches on the
+    allocator's judgement alone: each row answers what it answers alone, and what it answers
+    when the earlier row's sizes are wrong; at its largest sequence its step fits, one more
+    step of the sequence does not."""
+    from dataclasses import replace
+
+    from remat.answers.fit import _usable, fit
+    from remat.answers.fit_rows import SEQ_STEP, fit_row, judge_step
+    from remat.device.gpus import allocator_limit_bytes
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta", block_size=4096)
+
+    def fresh(gpu):
+        return FitSteps(build, gpu, "fp32", "sgd", 1, None)
+
+    roomy = custom_gpu(1 << 40, "h100")
+    at2 = fresh(roomy).gpu_memories(
+        2, 64, fit_rows.judge_step(fresh(roomy), "full", 2, 64, 1 << 40)[1]
+    )[0]
+    outside = roomy.capacity_bytes - allocator_limit_bytes(roomy)
+    # every row fits at batch 2, seq 64; full, Megatron's and torchtitan's selective have one
+    # peak there and different largest sizes
+    gpu = custom_gpu(at2.reserved_bytes * 3 // 2 + outside, "h100")
+    asked = {"batch": 2, "seq": 64, "max_batch": 64, "max_seq": 2048}
+    report = fit(build, model="gpt2", gpu=gpu, precision="fp32", optimizer="sgd", **asked)
+    usable = _usable(gpu, 1, None)
+    started = 0
+    for row in report.rows:
+        alone = fit_row(fresh(gpu), row.strategy, 2, 64, usable, 64, 2048)
+        wrong = replace(
+            row, max_batch=(row.max_batch or 0) + 7, max_seq=(row.max_seq or 0) * 2 + 64
+        )
+        misled = fit_row(fresh(gpu), row.strategy, 2, 64, usable, 64, 2048, earlier=[wrong])
+        for other in (alone, misled):
+            assert (other.max_batch, other.max_seq) == (row.max_batch, row.max_seq), row.strategy
+        started += any(
+            abs(r.peak_bytes - row.peak_bytes) <= row.peak_bytes // 100
+            for r in report.rows
+            if r is not row
+        )
+        if row.max_seq and row.max_seq < 2048:
+            steps = fresh(gpu)
+            for seq, fits in ((row.max_seq, True), (row.max_seq + SEQ_STEP, False)):
+                found = judge_step(steps, row.strategy, 2, seq, usable)
+                assert found is not None and fit_rows.fits_on(found[0], found[2], found[3]) is fits
+    assert started and {r.fits for r in report.rows} == {True}
+    assert len({r.max_batch for r in report.rows}) > 2
+
+
+def test_the_search_between_two_guesses_finds_the_largest_fitting_size_from_any_pair():
+    """`_largest` with a size `above` the answer expected not to fit (where the allocator's
+    searches expect the live bytes to fill its limit) answers what it answers without it, from
+    any guess and any `above`, wrong ones included; with a guess below the answer and an
+    `above` over it, in a bisection between them."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from remat.answers.fit_rows import _largest
+
+    @given(
+        st.integers(1, 500),
+        st.integers(0, 500),
+        st.integers(-10, 1000),
+        st.none() | st.integers(-10, 1000),
+    )
+    def check(high, answer, guess, above):
+        calls = []
+
+        def fits(n):
+            calls.append(n)
+            return n <= answer
+
+        found = _largest(fits, guess, 1, high, above)
+        assert found == (min(answer, high) if answer >= 1 else None)
+        if found is not None and found < high:
+            assert found in calls and found + 1 in calls  # confirmed both ways
+        assert len(calls) <= 4 * (high.bit_length() + 2)
+        if above is not None and 1 <= guess <= answer < above <= high:
+            assert len(calls) <= 2 + (above - guess).bit_length()
+
+    check()
+
+
+def test_a_row_that_fits_no_more_samples_is_answered_without_the_batch_line():
+    """A row that fits at the asked batch is judged at one more sample first (the batch line's
+    first anchor): where that does not fit, the answer is the asked batch, as the search along
+    the line answers, and the line's second anchor is never traced."""
+    from remat.answers.fit import _usable
+    from remat.answers.fit_rows import fit_row, fits_on, judge_step
+    from remat.device.gpus import allocator_limit_bytes
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta")
+
+    roomy = custom_gpu(1 << 40, "h100")
+    reserved = {}
+    for b in (2, 3):
+        steps = FitSteps(build, roomy, "fp32", "sgd", 1, None)
+        reserved[b] = steps.gpu_memories(b, 64, judge_step(steps, "full", b, 64, 1 << 40)[1])[0]
+    outside = roomy.capacity_bytes - allocator_limit_bytes(roomy)
+    gpu = custom_gpu(
+        (reserved[2].reserved_bytes + reserved[3].reserved_bytes) // 2 + outside, "h100"
+    )
+    usable = _usable(gpu, 1, None)
+    steps = FitSteps(build, gpu, "fp32", "sgd", 1, None)
+    row = fit_row(steps, "full", 2, 64, usable, 64, 1024)
+    assert row.fits and row.max_batch == 2 and (3, 64) in steps.traced
+    assert (4, 64) not in steps.traced and ("batch", 64) not in steps.models
+    for b, fits in ((2, True), (3, False)):  # judged afresh
+        found = judge_step(FitSteps(build, gpu, "fp32", "sgd", 1, None), "full", b, 64, usable)
+        assert fits_on(found[0], found[2], found[3]) is fits
+
+
+def test_a_confirmed_size_keeps_the_planner_of_its_model_and_answers_as_its_trace():
+    """`FitSteps.confirm` traces the size an answer rests on; where the size model's graph
+    equals the trace to the number, the planner judged on the model stays (with its plans and
+    walks) and `traced` keeps its graph: every plan's peak and walk there are what a planner on
+    the trace alone gives."""
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta")
+
+    gpu = custom_gpu(1 << 40, "h100")
+    steps = FitSteps(build, gpu, "fp32", "sgd", 1, None)
+    steps.model_through("seq", 2, [64, 128, 192])
+    modelled = steps.planner(2, 320)
+    assert (2, 320) not in steps.traced
+    plans = list(steps.fixed_plans(modelled))
+    walks = [steps.gpu_memories(2, 320, p) for p in plans]
+    assert steps.confirm("seq", 2, 320)
+    assert steps.planner(2, 320) is modelled and steps.traced[(2, 320)] is modelled.graph
+    alone = FitSteps(build, gpu, "fp32", "sgd", 1, None)
+    traced = alone.planner(2, 320)
+    assert traced.graph is not modelled.graph and (2, 320) in alone.traced
+    for p, walked in zip(plans, walks, strict=True):
+        again = traced.solve(
+            strategies.get(p.strategy.split(" ")[0], "eager"), traced.estimate.peak_bytes
+        )
+        assert again.regions == p.regions
+        assert alone.gpu_memories(2, 320, again) == walked == steps.gpu_memories(2, 320, p)
+        assert alone.rank_peak(traced, again) == steps.rank_peak(modelled, p)
+
+    # a model that does not hold there (drawn here as another length's step): its planner
+    # goes, the trace judges
+    wrong = steps.planners[(2, 384)] = steps.planner(2, 448)
+    assert not steps.confirm("seq", 2, 384)
+    assert steps.planner(2, 384).graph is steps.traced[(2, 384)] is not wrong.graph
+
+
+def test_rows_out_of_memory_at_the_asked_size_find_the_largest_sizes_that_fit():
+    """A row whose asked step runs out of memory shows no overhead to guess from: its searches
+    start halfway to where its live bytes fill the allocator's limit, and still answer the
+    largest sizes whose steps fit (judged afresh on traces), one more not."""
+    from remat.answers.fit import _usable, fit
+    from remat.answers.fit_rows import SEQ_STEP, fits_on, judge_step
+    from remat.device.gpus import allocator_limit_bytes
+
+    def build(b, s):
+        return models.build("gpt2", batch=b, seq=s, tiny=True, device="meta", block_size=4096)
+
+    roomy = custom_gpu(1 << 40, "h100")
+    steps = FitSteps(build, roomy, "fp32", "sgd", 1, None)
+    at2 = steps.gpu_memories(2, 64, judge_step(steps, "full", 2, 64, 1 << 40)[1])[0]
+    outside = roomy.capacity_bytes - allocator_limit_bytes(roomy)
+    gpu = custom_gpu(at2.reserved_bytes * 3 // 2 + outside, "h100")
+    asked = {"batch": 2, "seq": 2048, "max_batch": 64, "max_seq": 4096}
+    report = fit(build, model="gpt2", gpu=gpu, precision="fp32", optimizer="sgd", **asked)
+    usable = _usable(gpu, 1, None)
+
+    def fits(strategy: str, b: int, s: int) -> bool:
+        found = judge_step(FitSteps(build, gpu, "fp32", "sgd", 1, None), strategy, b, s, usable)
+        return found is not None and fits_on(found[0], found[2], found[3])
+
+    assert all(r.gpu_memory[0]["out_of_memory"] for r in report.rows)
+    for row in report.rows[:4]:  # the fixed strategies (auto: test_fit.py's rule)
+        assert row.max_seq and fits(row.strategy, 2, row.max_seq), row.strategy
+        assert not fits(row.strategy, 2, row.max_seq + SEQ_STEP), row.strategy
+        if row.max_batch:
+            assert fits(row.strategy, row.max_batch, 2048)
+            assert not fits(row.strategy, row.max_batch + 1, 2048)
+    assert len({r.max_seq for r in report.rows}) > 2

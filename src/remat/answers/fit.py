@@ -292,9 +292,9 @@ def fit(
     steps.loop = loop
     steps.replicate_depth = not full_trace
     steps.fsdp_units = tuple(fsdp_units)
-    rows = [
-        fit_row(steps, name, batch, seq, usable, max_batch, max_seq) for name in strategies_to_fit
-    ]
+    rows: list[FitRow] = []
+    for name in strategies_to_fit:
+        rows.append(fit_row(steps, name, batch, seq, usable, max_batch, max_seq, earlier=rows))
     if compile is not None:
         rows.append(
             compiled_row(
@@ -564,7 +564,7 @@ def setup_that_fits(
             lowest = min(steps.rank_peak(planner, p) for p in steps.fixed_plans(planner))
             if lowest > 1.05 * usable:
                 continue
-            judged = judge_step(steps, "auto", batch, seq, usable)
+            judged = judge_step(steps, "auto", batch, seq, usable, judged_only=True)
             if judged is None:
                 return None  # no blocks to plan: no setup changes that
             peak, p, memories, row_usable, overhead = judged

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,17 +57,24 @@ class FitRow:
         return self.gpu_memory[0]["reserved_bytes"] if self.gpu_memory else None
 
 
-def _largest(fits: Callable[[int], bool], guess: int, low: int, high: int) -> int | None:
+def _largest(
+    fits: Callable[[int], bool], guess: int, low: int, high: int, above: int | None = None
+) -> int | None:
     """The largest n in [low, high] with fits(n), for a monotone `fits`: gallop up from `guess` (a
     good guess costs two calls: the answer fits, the next does not), or check `low` when the guess
-    does not fit, then bisect. None when not even `low` fits."""
+    does not fit, then bisect. None when not even `low` fits. `above`: a size expected not to
+    fit, checked after a guess that fits before galloping: a guess and an `above` on either side
+    of the answer leave a bisection between them."""
     n = min(max(guess, low), high)
     step = 1
     if fits(n):
-        lo = n
-        while lo < high and fits(min(lo + step, high)):
-            lo, step = min(lo + step, high), step * 2
-        hi = min(lo + step, high + 1)  # does not fit, or past `high`
+        lo, hi = n, high + 1  # hi: does not fit, or past `high`
+        if above is not None and lo < above <= high:
+            lo, hi = (above, hi) if fits(above) else (lo, above)
+        if hi > high:
+            while lo < high and fits(min(lo + step, high)):
+                lo, step = min(lo + step, high), step * 2
+            hi = min(lo + step, high + 1)
     else:
         if n == low or not fits(low):
             return None
@@ -88,16 +95,28 @@ def _guess(xs: list[int], ys: list[int], limit: int) -> int:
 
 
 def fit_row(
-    steps: FitSteps, name: str, batch: int, seq: int, usable: int, max_batch: int, max_seq: int
+    steps: FitSteps,
+    name: str,
+    batch: int,
+    seq: int,
+    usable: int,
+    max_batch: int,
+    max_seq: int,
+    earlier: Sequence[FitRow] = (),
 ) -> FitRow:
     """One strategy: its peak at (batch, seq) and the largest batch and sequence that fit.
 
     Where the caching allocator is simulated (`steps.gpu_memories`), the row fits when its
     reserved bytes do (the allocator's limit, under torch's default settings), and so do the
-    largest batch and sequence: searched first on live bytes against the limit less the
-    workspaces and the allocator's overhead (reserved - requested) measured at (batch, seq), then
-    from there by the allocator's judgement itself, so that a row that does not fit never names
-    a maximum at or above what was asked."""
+    largest batch and sequence: searched by the allocator's judgement itself (so that a row that
+    does not fit never names a maximum at or above what was asked), from where the size models'
+    live bytes reach the asked size's live limit (`live_limit`: the limit less the overhead,
+    reserved - live, measured there). Without the allocator, on live bytes within `usable`.
+
+    `earlier`: rows of the same fit already found. Where the allocator judges, one whose peak at
+    (batch, seq) is within 1% of this row's (auto's plan is often a fixed strategy's) starts the
+    searches at its largest sizes: two steps when they are this row's too (the searches find the
+    largest size that fits from any start)."""
     asked_usable = usable
     judged = judge_step(steps, name, batch, seq, usable)
     if judged is None:
@@ -147,7 +166,7 @@ def fit_row(
             if name == "auto" and candidate_fits(steps, b, s):
                 fits = True  # judge_step's answer whatever auto's solvers find: spare them
             else:
-                found = judge_step(steps, name, b, s, asked_usable)
+                found = judge_step(steps, name, b, s, asked_usable, judged_only=True)
                 fits = found is not None and fits_on(found[0], found[2], found[3])
             judgements[(b, s)] = (graph, fits)
         return judgements[(b, s)][1]
@@ -157,15 +176,32 @@ def fit_row(
     b_anchors = [max(batch, 2), max(batch, 2) + 1]
     units = max(seq // SEQ_STEP, 1)
     s_anchors = [units, units + 1, units + 2]
-    steps.model_through("batch", seq, b_anchors)
+    like = [r for r in earlier if r.peak_bytes and abs(r.peak_bytes - peak) <= peak // 100]
+    # a row of (nearly) the same step found these: start there
+    near = min(like, key=lambda r: abs(r.peak_bytes - peak)) if memories and like else None
+    # else where the size models' live bytes reach `usable`, from the row's peaks at the anchors
+    # (auto's: a solve at each)
+    s_guess = (near.max_seq or 0) // SEQ_STEP if near is not None else 0
+    s_peaks: list[int] = []
     try:
         steps.model_through("seq", batch, [u * SEQ_STEP for u in s_anchors])
-        s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
-        s_guess = _guess(s_anchors, s_peaks, usable)
+        if not s_guess:
+            s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
+            s_guess = _guess(s_anchors, s_peaks, usable)
     except RematError as err:  # the model cannot be built that long
         limits.append(str(err).split(";")[0])
-        s_guess = units
-    b_guess = _guess(b_anchors, [steps.peak(name, b, seq, usable)[0] for b in b_anchors], usable)
+        s_guess = s_guess or units
+    b_guess = near.max_batch if near is not None and near.max_batch else 1
+    b_peaks: list[int] = []
+
+    def batch_line() -> None:
+        """The batch size model drawn through its anchors, and the row's guess from its peaks
+        there where no earlier row's answer gives one."""
+        nonlocal b_guess, b_peaks
+        steps.model_through("batch", seq, b_anchors)
+        if near is None or not near.max_batch:
+            b_peaks = [steps.peak(name, b, seq, usable)[0] for b in b_anchors]
+            b_guess = _guess(b_anchors, b_peaks, usable)
 
     def largest(
         axis: str,
@@ -175,6 +211,7 @@ def fit_row(
         high: int,
         degree: int,
         low: int = 1,
+        above: int | None = None,
     ) -> int | None:
         """The largest size in [low, high] that fits, searched on the size model and confirmed
         by a trace at the answer. A size can be piecewise polynomial (a table of max(seq, n)
@@ -183,7 +220,7 @@ def fit_row(
         if high < low:
             return None
         scale = 1 if axis == "batch" else SEQ_STEP
-        best = _largest(fits, guess, low, high)
+        best = _largest(fits, guess, low, high, above)
         for attempt in range(2):
             if best is None or steps.confirm(axis, fixed, best * scale):
                 return best
@@ -196,27 +233,53 @@ def fit_row(
             best = _largest(fits, best, low, high)
         return best
 
-    best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
-    best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
-    if memories:  # the allocator's judgement, from the live bytes' answer: the row's own rule
+    if not memories:  # live bytes within `usable`
+        batch_line()
+        best_batch = largest("batch", seq, fits_batch, b_guess, max_batch, degree=1)
+        best_seq = largest("seq", batch, fits_seq, s_guess, max_seq // SEQ_STEP, degree=2)
+    else:  # the allocator's judgement, the row's own rule, from the size models' guesses
+        # (searched on live bytes first, the guesses told the allocator's search no more and
+        # cost a trace at each answer: a row that does not fit has `usable` = its peak - 1)
+        # Expected to fit: where the live bytes reach the asked size's live limit (its overhead,
+        # reserved - live, is more than at the answer, where the allocator frees its cache to
+        # make room); not to: where they reach the allocator's limit less the BLAS workspaces
+        # (no overhead at all). A step that ran out of memory shows no overhead: halfway there.
+        room = memories[0].limit_bytes - memories[0].blas_workspace_bytes
+        s_above = _guess(s_anchors, s_peaks, room) if s_peaks else None
+        if memories[0].out_of_memory and near is None:
+            s_guess = (1 + s_above) // 2 if s_above else 1
         # a row that fits at (batch, seq) fits at least that much; one that does not, less
+        b_low, b_high = (batch, max_batch) if row_fits else (1, batch - 1)
+        # The batch line only where the search goes past the first of its anchors, batch + 1
+        # (a trace of its own), which a row that fits is judged at first: at a length that
+        # fills the memory, one more sample seldom fits.
+        if not row_fits or batch == max_batch or allocator_fits(batch + 1, seq):
+            if b_low <= b_high:
+                batch_line()
+        else:
+            b_guess = batch + 1
+        b_above = _guess(b_anchors, b_peaks, room) if b_peaks else None
+        if memories[0].out_of_memory and near is None:
+            b_guess = (1 + b_above) // 2 if b_above else 1
         best_batch = largest(
             "batch",
             seq,
             lambda b: allocator_fits(b, seq),
-            best_batch or 1,
-            max_batch if row_fits else batch - 1,
+            b_guess,
+            b_high,
             degree=1,
-            low=batch if row_fits else 1,
+            low=b_low,
+            above=b_above,
         )
         best_seq = largest(
             "seq",
             batch,
             lambda u: allocator_fits(batch, u * SEQ_STEP),
-            best_seq or 1,
+            s_guess,
             max_seq // SEQ_STEP if row_fits else (seq - 1) // SEQ_STEP,
             degree=2,
             low=seq // SEQ_STEP if row_fits and seq % SEQ_STEP == 0 else 1,
+            above=s_above,
         )
     return FitRow(
         strategy=name,
@@ -234,15 +297,16 @@ def fit_row(
 
 
 def judge_step(
-    steps: FitSteps, name: str, batch: int, seq: int, usable: int
+    steps: FitSteps, name: str, batch: int, seq: int, usable: int, judged_only: bool = False
 ) -> tuple[int, Any, list[Any], int, float] | None:
     """A strategy's step at (batch, seq): its per-rank peak, plan, GPU memories, the live bytes it
     may reach (the allocator's judge where simulated) and its predicted step-time overhead; None
-    for a per-block strategy on a model without blocks."""
+    for a per-block strategy on a model without blocks. `judged_only`: the memory of the judging
+    allocator setting alone (`FitSteps.gpu_memories`), for a search."""
     peak, p = steps.peak(name, batch, seq, usable)
     if peak is None:
         return None
-    memories = steps.gpu_memories(batch, seq, p)
+    memories = steps.gpu_memories(batch, seq, p, judged_only)
     planner = steps.planner(batch, seq)
     if (
         memories
@@ -263,15 +327,17 @@ def judge_step(
             if target <= 0:  # the allocator's overhead alone fills its limit
                 break
             peak, p = steps.peak(name, batch, seq, target)
-            memories = steps.gpu_memories(batch, seq, p)
+            memories = steps.gpu_memories(batch, seq, p, judged_only=True)
         if not memories[0].fits:
             for fixed in sorted(steps.candidates(planner), key=lambda c: c.recompute_seconds):
-                fixed_memories = steps.gpu_memories(batch, seq, fixed)
+                fixed_memories = steps.gpu_memories(batch, seq, fixed, judged_only=True)
                 if fixed_memories[0].fits:
                     peak, p, memories = steps.rank_peak(planner, fixed), fixed, fixed_memories
                     break
     if memories:
         usable = live_limit(peak, memories[0])
+        if not judged_only:  # every setting's, of the plan judged
+            memories = steps.gpu_memories(batch, seq, p)
     return peak, p, memories, usable, _overhead(p, planner)
 
 
@@ -284,11 +350,18 @@ def candidate_fits(steps: FitSteps, batch: int, seq: int) -> bool:
     """Whether a fixed or the lowest-peak plan's reserved bytes fit at (batch, seq): then `auto`
     fits there by `judge_step` (its own plans fit, or it falls back to the first of these that
     does), so a search that asks only whether it fits need not run auto's solvers."""
+    return fitting_candidate(steps, batch, seq) is not None
+
+
+def fitting_candidate(steps: FitSteps, batch: int, seq: int) -> Any:
+    """The judging allocator's memory of the first candidate plan whose reserved bytes fit at
+    (batch, seq) (`candidate_fits`), or None."""
     planner = steps.planner(batch, seq)
     # one at a time, the lowest-peak plan (a plan per block count, a MILP) only where no fixed
     # plan fits: the same answer as judging `steps.candidates(planner)` whole
     plans = itertools.chain(steps.fixed_plans(planner), (planner.lowest_peak() for _ in (0,)))
-    return any(steps.gpu_memories(batch, seq, p)[0].fits for p in plans)
+    memories = (steps.gpu_memories(batch, seq, p, judged_only=True)[0] for p in plans)
+    return next((m for m in memories if m.fits), None)
 
 
 def live_limit(peak: int, memory: Any) -> int:

@@ -129,7 +129,8 @@ class FitSteps:
         self.planners: dict[tuple[int, int], Planner] = {}
         self.models: dict[tuple[str, int], SizeModel | None] = {}
         #: `gpu_memories` by (graph, regions, FSDP ranks): a plan judged again (auto's choice
-        #: is often a fixed strategy's regions; the searches return to a size) is not walked again
+        #: is often a fixed strategy's regions; the searches return to a size) is not walked
+        #: again; the memories of the first settings walked, in `ALLOCATOR_SETTINGS`' order
         self.memories: dict[tuple[int, tuple[Any, ...], int], tuple[Graph, list[Any]]] = {}
         #: `rank_peak` by (planner, regions, ranks), the planner kept to tell a new one at its id
         self.rank_peaks: dict[tuple[int, tuple[Any, ...], int], tuple[Planner, int]] = {}
@@ -207,8 +208,11 @@ class FitSteps:
         except RematError:
             graph = None
         if graph is not None and (modelled is None or same_graph(modelled.graph, graph)):
-            if modelled is None or modelled.graph is not graph:
+            if modelled is None:
                 self.planners[key] = Planner(graph, self.gpu.profile, self.optimizer)
+            else:  # the model's graph is the trace, to the number: its planner, what it
+                # worked out and the walks of its plans stand (`traced` keeps the one graph)
+                self.traced[key] = modelled.graph
             return True
         self.models[(axis, fixed)] = None
         self.planners = {k: p for k, p in self.planners.items() if p.graph is self.traced.get(k)}
@@ -249,22 +253,30 @@ class FitSteps:
             kept = self.rank_peaks[key] = (planner, peak)
         return kept[1]
 
-    def gpu_memories(self, batch: int, seq: int, plan: Any) -> list[Any]:
+    def gpu_memories(self, batch: int, seq: int, plan: Any, judged_only: bool = False) -> list[Any]:
         """`plan`'s step at (batch, seq) as the GPU reports it, under each allocator setting of
         `remat.prediction.gpu_memory.ALLOCATOR_SETTINGS` (torch's default first: the one rows are judged
         with), per rank of FSDP2 over `shard` ranks; none where a user's --reserve replaces the
-        allocator's judgement."""
+        allocator's judgement. `judged_only`: the first setting's alone, for a search that asks
+        only whether a step fits (the others are shown for the asked size, never searched):
+        one walk instead of one per setting."""
         if not self.simulate_allocator or plan is None:
             return []
-        from remat.prediction.gpu_memory import gpu_memories
+        from remat.prediction.gpu_memory import ALLOCATOR_SETTINGS, gpu_memories
 
         graph = self.planner(batch, seq).graph
         key = (id(graph), tuple(plan.regions), self.fsdp_ranks)
         kept = self.memories.get(key)
         if kept is None or kept[0] is not graph:
-            found = gpu_memories(graph, self.gpu, plan.regions, self.optimizer, self.fsdp())
-            kept = self.memories[key] = (graph, found)
-        return list(kept[1])
+            kept = self.memories[key] = (graph, [])
+        wanted = 1 if judged_only else len(ALLOCATOR_SETTINGS)
+        walked = kept[1]
+        if len(walked) < wanted:  # the settings not walked yet, from one step's events
+            walked += gpu_memories(
+                graph, self.gpu, plan.regions, self.optimizer, self.fsdp(),
+                ALLOCATOR_SETTINGS[len(walked) : wanted],
+            )  # fmt: skip
+        return walked[:wanted]
 
     def fixed_plans(self, planner: Planner) -> Iterator[Any]:
         """The plan of every appliable fixed strategy the model supports, one at a time."""
