@@ -350,18 +350,11 @@ def candidate_fits(steps: FitSteps, batch: int, seq: int) -> bool:
     """Whether a fixed or the lowest-peak plan's reserved bytes fit at (batch, seq): then `auto`
     fits there by `judge_step` (its own plans fit, or it falls back to the first of these that
     does), so a search that asks only whether it fits need not run auto's solvers."""
-    return fitting_candidate(steps, batch, seq) is not None
-
-
-def fitting_candidate(steps: FitSteps, batch: int, seq: int) -> Any:
-    """The judging allocator's memory of the first candidate plan whose reserved bytes fit at
-    (batch, seq) (`candidate_fits`), or None."""
     planner = steps.planner(batch, seq)
     # one at a time, the lowest-peak plan (a plan per block count, a MILP) only where no fixed
     # plan fits: the same answer as judging `steps.candidates(planner)` whole
     plans = itertools.chain(steps.fixed_plans(planner), (planner.lowest_peak() for _ in (0,)))
-    memories = (steps.gpu_memories(batch, seq, p, judged_only=True)[0] for p in plans)
-    return next((m for m in memories if m.fits), None)
+    return any(steps.gpu_memories(batch, seq, p, judged_only=True)[0].fits for p in plans)
 
 
 def live_limit(peak: int, memory: Any) -> int:
