@@ -62,27 +62,39 @@ class _UntiedGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _measured_with(model, plan, inputs):
+    """`remat.measure` of one step with `plan` applied, the plan removed after."""
+    remat.apply(model, plan)
+    try:
+        return remat.measure(model, *inputs)
+    finally:
+        remat.remove(model)
+
+
+def _measured_by_hand(model, inputs):
+    """`remat.measure` of one step with torch's checkpoint around every layer, as written by hand."""
+    model.by_hand = True
+    try:
+        return remat.measure(model, *inputs)
+    finally:
+        model.by_hand = False
+
+
 def test_full_checkpointing_of_an_untied_dropout_gpt_is_predicted_to_the_byte():
     torch.manual_seed(0)
     model = _UntiedGPT().train()
     inputs = tuple(torch.randint(0, 512, (2, 64)) for _ in range(2))
     planner = Planner(remat.trace(model, *inputs), "cpu")
     full = planner.plan("1TiB", "full")
-    remat.apply(model, full)
-    measured = remat.measure(model, *inputs)
-    remat.remove(model)
+    measured = _measured_with(model, full, inputs)
     assert full.predicted_peak_bytes == measured.peak_bytes
     assert full.held_bytes == measured.held_bytes
 
-    model.by_hand = True
-    by_hand = remat.measure(model, *inputs).peak_bytes
-    model.by_hand = False
+    by_hand = _measured_by_hand(model, inputs).peak_bytes
     assert by_hand == measured.peak_bytes  # the same regions, both keeping the RNG state
     # at exactly the peak torch's own checkpointing measures, auto has a plan, and keeps to it
     plan = planner.plan(by_hand, "auto")
-    remat.apply(model, plan)
-    assert remat.measure(model, *inputs).peak_bytes == plan.predicted_peak_bytes <= by_hand
-    remat.remove(model)
+    assert _measured_with(model, plan, inputs).peak_bytes == plan.predicted_peak_bytes <= by_hand
 
 
 def test_a_budget_short_by_no_more_than_the_inputs_says_where_they_went():
@@ -115,15 +127,11 @@ def test_the_issues_gap_is_the_inputs_less_the_rng_state_to_the_byte():
     with pytest.raises(InfeasibleBudget) as lowest:
         planner.plan(1, "auto")
     plan = planner.plan(lowest.value.min_feasible_bytes, "auto")
-    remat.apply(model, plan)
-    measured = remat.measure(model, *inputs)
-    remat.remove(model)
+    measured = _measured_with(model, plan, inputs)
     assert plan.predicted_peak_bytes == measured.peak_bytes
     assert plan.held_bytes == measured.held_bytes
 
-    model.by_hand = True
-    by_hand = remat.measure(model, *inputs)
-    model.by_hand = False
+    by_hand = _measured_by_hand(model, inputs)
     rng_state = torch.get_rng_state().nbytes
     assert by_hand.peak_bytes == measured.peak_bytes + rng_state
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)

@@ -222,15 +222,19 @@ class FitSteps:
         """Bytes one rank holds at once at any batch and sequence, whatever the plan: its
         parameters, buffers, gradients and optimizer state, all live at the optimizer step (the
         gradients not, where the loop steps each one in backward). Where they alone exceed what
-        may be held, no plan fits at any size, and the searches need not run."""
-        held = estimate(
-            self.planner(batch, seq).graph,
-            optimizer=self.optimizer,
-            shard=self.fsdp_ranks,
-            master_scale=self.setup.master_scale,
-        )
-        grads = 0 if self.loop.optimizer_in_backward else held.grad_bytes
-        return held.param_bytes + held.buffer_bytes + held.optimizer_state_bytes + grads
+        may be held, no plan fits at any size, and the searches need not run. Kept per graph:
+        the rows and auto's judgements ask it at each size."""
+        graph = self.planner(batch, seq).graph
+        ranks, scale = self.fsdp_ranks, self.setup.master_scale
+        in_backward = self.loop.optimizer_in_backward
+
+        def held() -> int:
+            step = estimate(graph, optimizer=self.optimizer, shard=ranks, master_scale=scale)
+            grads = 0 if in_backward else step.grad_bytes
+            return step.param_bytes + step.buffer_bytes + step.optimizer_state_bytes + grads
+
+        key = f"held_at_every_size:{self.optimizer}:{ranks}:{scale}:{in_backward}"
+        return graph.derived(key, held, graph.storages)
 
     def rank_peak(self, planner: Planner, plan: Any, shard: int | None = None) -> int:
         """`plan`'s peak per rank: its simulation with parameters, gradients and optimizer state
