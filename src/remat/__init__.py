@@ -8,39 +8,44 @@ import sys
 
 from remat import _moved
 from remat._version import __version__ as __version__
-from remat.applying.auto import auto
-from remat.applying.eager import (
-    Verification,
-    apply,
-    checkpointed_elsewhere,
-    installed_plan,
-    remove,
-    verify,
-)
-from remat.errors import (
-    BudgetError,
-    InfeasibleBudget,
-    NoBlocksError,
-    PlanFormatError,
-    RematError,
-    RematWarning,
-    StatefulModuleError,
-    StrategyRefused,
-    TraceError,
-    UnknownModelError,
-    UnknownProfileError,
-    UnknownStrategyError,
-)
-from remat.graph import Graph
-from remat.measuring.measure import Measurement, measure
-from remat.planning import strategies as strategies  # remat.strategies.available(), register()
-from remat.planning.offload import OffloadSettings
-from remat.planning.planner import Frontier, Planner, pareto, plan
-from remat.planning.plans import Plan
-from remat.planning.strategies import Strategy
-from remat.prediction.compiled_estimate import CompiledEstimate, estimate_compiled
-from remat.prediction.estimate import MemoryEstimate, estimate
-from remat.tracing.trace import trace
+from remat.collector import collector_paused
+
+# torch and the stages: what they make lives as long as the process, so the collector need not
+# walk it on the way (`remat.collector`)
+with collector_paused():
+    from remat.applying.auto import auto
+    from remat.applying.eager import (
+        Verification,
+        apply,
+        checkpointed_elsewhere,
+        installed_plan,
+        remove,
+        verify,
+    )
+    from remat.errors import (
+        BudgetError,
+        InfeasibleBudget,
+        NoBlocksError,
+        PlanFormatError,
+        RematError,
+        RematWarning,
+        StatefulModuleError,
+        StrategyRefused,
+        TraceError,
+        UnknownModelError,
+        UnknownProfileError,
+        UnknownStrategyError,
+    )
+    from remat.graph import Graph
+    from remat.measuring.measure import Measurement, measure
+    from remat.planning import strategies as strategies  # remat.strategies.available(), register()
+    from remat.planning.offload import OffloadSettings
+    from remat.planning.planner import Frontier, Planner, pareto, plan
+    from remat.planning.plans import Plan
+    from remat.planning.strategies import Strategy
+    from remat.prediction.compiled_estimate import CompiledEstimate, estimate_compiled
+    from remat.prediction.estimate import MemoryEstimate, estimate
+    from remat.tracing.trace import trace
 
 _moved.install()
 # Old paths named like a function of remat's: an import of them must not rebind the function.

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from remat.answers.fit_rows import FitRow, compiled_row, fit_row, fits_on, judge_step
-from remat.answers.fit_steps import PRECISIONS, Build, FitSteps, collector_paused
+from remat.answers.fit_steps import PRECISIONS, Build, FitSteps
+from remat.collector import collector_paused
 from remat.device.gpus import Gpu, allocator_limit_bytes, fixed_memory, usable_bytes
 from remat.errors import BudgetError, RematError
 from remat.graph import Graph

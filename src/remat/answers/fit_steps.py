@@ -10,7 +10,6 @@ sequence) and `remat.answers.fit` (the report and its advice): both ask these st
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,24 +36,6 @@ Precision = Literal[
     "float8-tensorwise",
     "float8-rowwise",
 ]
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a fit works, on again after (where it was on).
-    A fit makes millions of small objects (lives, allocator events, labels) beside the graphs
-    and planners it keeps, and each full collection walks them all: in the 8B fit of issue 35,
-    22 full collections were a quarter of its CPU time, for no answer of its own. Reference
-    counting still frees everything but cycles, which wait for the collector's return (that
-    fit's peak resident memory: 1.03 GB with the collector, 1.10 GB without)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from math import lcm, prod
+from typing import TypeVar
 
 import numpy as np
 
 from remat.graph import Graph, Op, Storage, Tensor
+
+_Record = TypeVar("_Record", Op, Tensor, Storage)
 
 
 def _info_numbers(graph: Graph) -> list[str]:
@@ -63,23 +66,32 @@ def _numbers(graph: Graph) -> list[int]:
     return out
 
 
+def _copy(record: _Record) -> _Record:
+    """A copy of a graph record, to have numbers replaced in its `__dict__`: copying the dict is
+    faster than a frozen dataclass's constructor, which sets field by field (most of a 70B step's
+    time at each size), and keeps what an op worked out of its name (`Op.short`)."""
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    return new
+
+
 def _with_numbers(template: Graph, numbers: list[int]) -> Graph:
     it = iter(numbers)
-    # each record made by its constructor (`dataclasses.replace` was most of a 70B step's time)
-    ops = [
-        Op(op.index, op.name, op.target, op.module, op.phase, op.inputs, op.outputs, next(it), op.node)
-        for op in template.ops
-    ]  # fmt: skip
+    ops = []
+    for op in template.ops:
+        ops.append(new := _copy(op))
+        new.__dict__["flops"] = next(it)
     tensors = {}
     for tid, t in template.tensors.items():
-        nbytes = next(it)
-        shape = tuple(next(it) for _ in t.shape)
-        stride = tuple(next(it) for _ in t.stride)
-        tensors[tid] = Tensor(t.id, t.storage, shape, t.dtype, nbytes, t.producer, stride)
-    storages = {
-        sid: Storage(s.id, next(it), s.kind, s.allocated_at, s.released_after)
-        for sid, s in template.storages.items()
-    }
+        tensors[tid] = new = _copy(t)
+        fields = new.__dict__
+        fields["nbytes"] = next(it)
+        fields["shape"] = tuple(next(it) for _ in t.shape)
+        fields["stride"] = tuple(next(it) for _ in t.stride)
+    storages = {}
+    for sid, st in template.storages.items():
+        storages[sid] = new = _copy(st)
+        new.__dict__["nbytes"] = next(it)
     info = dict(template.info)
     info.update({k: next(it) for k in _info_numbers(template)})
     return Graph(

@@ -5,6 +5,7 @@ budget. Here the parser and `main`; each command in its module (`estimate`, `pla
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import get_args
@@ -32,6 +33,7 @@ from remat.answers.cli.estimate import cmd_estimate
 from remat.answers.cli.fit import cmd_fit
 from remat.answers.cli.plan import cmd_plan
 from remat.answers.fit_steps import Precision
+from remat.collector import collector_paused
 from remat.errors import InfeasibleBudget, RematError, exit_code
 from remat.prediction.estimate import OPTIMIZERS
 
@@ -366,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The commands that only trace and plan, run with the cyclic garbage collector paused
+#: (`remat.collector`); the others train, and a training loop's cycles want collecting.
+ANALYSES = ("estimate", "plan", "report", "fit")
+
 #: Set to 1 to run every command at its preset's tiny size with at most 2 timed steps (`demo`:
 #: its own model at half its width and length, 2 rounds), bench's `auto` row tuned on 1 round
 #: of first steps, not 5, and fit's compiled row read at the asked size only (its largest sizes not searched, one
@@ -385,8 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=120, emoji=False)  # piped or captured: rich would assume 80 columns
     err = Console(stderr=True, soft_wrap=True, emoji=False)  # paths and sizes stay whole
+    paused = collector_paused() if args.command in ANALYSES else contextlib.nullcontext()
     try:
-        return args.func(args, console)
+        with paused:
+            return args.func(args, console)
     except RematError as e:
         kind = "infeasible budget" if isinstance(e, InfeasibleBudget) else "error"
         err.print(f"[red]{kind}:[/red] {escape(str(e))}")
