@@ -38,3 +38,23 @@ def test_a_number_that_is_not_polynomial_in_the_size_is_caught():
     assert model is not None
     at = model.at(320)
     assert at is None or not same_graph(at, _graph("llama-3.2-1b", 2, 320, max_seq_len=128))
+
+
+def test_records_equal_at_every_traced_size_are_shared_and_the_rest_made_anew():
+    traced = {s: _graph("gpt2", 2, s) for s in (128, 192, 256)}
+    model = SizeModel.of(traced)
+    assert model is not None
+    at = model.at(448)
+    template = model.template
+    shared = [op is old for op, old in zip(at.ops, template.ops, strict=True)]
+    # an op whose FLOPs grow with the sequence is made anew; one with none is the template's
+    assert any(shared) and not all(shared)
+    for op, old, is_shared in zip(at.ops, template.ops, shared, strict=True):
+        same = all(t.ops[op.index].flops == old.flops for t in traced.values())
+        assert is_shared == same
+    for s in template.storages.values():
+        same = all(t.storages[s.id].nbytes == s.nbytes for t in traced.values())
+        assert (at.storages[s.id] is s) == same
+        assert same or s.kind not in ("param", "grad")  # parameters have no size
+    assert same_graph(at, _graph("gpt2", 2, 448))
+    assert same_graph(model.at(192), traced[192])  # an anchor's own numbers

@@ -16,6 +16,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from math import lcm, prod
@@ -75,23 +76,42 @@ def _copy(record: _Record) -> _Record:
     return new
 
 
-def _with_numbers(template: Graph, numbers: list[int]) -> Graph:
-    it = iter(numbers)
+def _record_widths(graph: Graph) -> list[int]:
+    """How many of `_numbers` each record of `graph` holds, in their order: ops, tensors,
+    storages (the info's numbers follow)."""
+    return (
+        [1] * len(graph.ops)
+        + [1 + len(t.shape) + len(t.stride) for t in graph.tensors.values()]
+        + [1] * len(graph.storages)
+    )
+
+
+def _with_numbers(template: Graph, numbers: list[int], varying: Sequence[bool]) -> Graph:
+    """`template` with the numbers of its `varying` records (and of its info) replaced by
+    `numbers`, in `_numbers`' order; the other records are the template's own (equal at every
+    size, they are shared: records are immutable)."""
+    it, changes = iter(numbers), iter(varying)
     ops = []
     for op in template.ops:
-        ops.append(new := _copy(op))
-        new.__dict__["flops"] = next(it)
+        if next(changes):
+            op = _copy(op)
+            op.__dict__["flops"] = next(it)
+        ops.append(op)
     tensors = {}
     for tid, t in template.tensors.items():
-        tensors[tid] = new = _copy(t)
-        fields = new.__dict__
-        fields["nbytes"] = next(it)
-        fields["shape"] = tuple(next(it) for _ in t.shape)
-        fields["stride"] = tuple(next(it) for _ in t.stride)
+        if next(changes):
+            t = _copy(t)
+            fields = t.__dict__
+            fields["nbytes"] = next(it)
+            fields["shape"] = tuple(next(it) for _ in fields["shape"])
+            fields["stride"] = tuple(next(it) for _ in fields["stride"])
+        tensors[tid] = t
     storages = {}
     for sid, st in template.storages.items():
-        storages[sid] = new = _copy(st)
-        new.__dict__["nbytes"] = next(it)
+        if next(changes):
+            st = _copy(st)
+            st.__dict__["nbytes"] = next(it)
+        storages[sid] = st
     info = dict(template.info)
     info.update({k: next(it) for k in _info_numbers(template)})
     return Graph(
@@ -113,27 +133,41 @@ def same_graph(a: Graph, b: Graph) -> bool:
 @dataclass(frozen=True)
 class SizeModel:
     """Traced graphs of one structure at `sizes`; `at(n)` interpolates the graph at size n through
-    them: a polynomial of degree len(sizes) - 1 in n for every number."""
+    them: a polynomial of degree len(sizes) - 1 in n for every number. A record whose numbers
+    are equal at every traced size is equal at every size (so is the polynomial through them):
+    the graphs share it, and only the others' numbers are interpolated (of a 70B step's 51,618
+    records, 25,929 are shared: most ops have no FLOPs, parameters and gradients no size)."""
 
     sizes: tuple[int, ...]
     template: Graph
-    numbers: np.ndarray  # (len(sizes), count) Python ints: each graph's `_numbers`
+    #: (len(sizes), count) Python ints: each graph's `_numbers` of the varying records and the info
+    numbers: np.ndarray
+    #: per record of the template (ops, tensors, storages): whether its numbers vary with size
+    varying: tuple[bool, ...]
 
     @classmethod
     def of(cls, traced: dict[int, Graph]) -> SizeModel | None:
         """The model through `traced` (size -> graph), or None when the graphs' structures differ."""
         sizes = tuple(sorted(traced))
-        skeleton = _skeleton(traced[sizes[0]])
+        template = traced[sizes[0]]
+        skeleton = _skeleton(template)
         if any(_skeleton(traced[n]) != skeleton for n in sizes[1:]):
             return None
         numbers = np.array([_numbers(traced[n]) for n in sizes], dtype=object)
-        return cls(sizes, traced[sizes[0]], numbers)
+        widths = _record_widths(template)
+        starts = np.cumsum([0, *widths[:-1]])
+        differs = (numbers != numbers[0]).any(axis=0)
+        varying = np.add.reduceat(differs.astype(np.int64), starts) > 0 if widths else differs[:0]
+        columns = np.ones(numbers.shape[1], dtype=bool)  # the info's numbers: always read back
+        columns[: sum(widths)] = np.repeat(varying, widths)
+        return cls(sizes, template, numbers[:, columns], tuple(bool(v) for v in varying))
 
     def at(self, size: int) -> Graph | None:
         """The graph at `size`, or None where some number would not be a whole non-negative
         integer (the model does not hold there)."""
         if size in self.sizes:
-            return _with_numbers(self.template, list(self.numbers[self.sizes.index(size)]))
+            row = list(self.numbers[self.sizes.index(size)])
+            return _with_numbers(self.template, row, self.varying)
         weights = [
             prod(Fraction(size - xj, xi - xj) for xj in self.sizes if xj != xi) for xi in self.sizes
         ]
@@ -142,4 +176,4 @@ class SizeModel:
         total = sum(w * row for w, row in zip(whole, self.numbers, strict=True))
         if any(v % scale or v < 0 for v in total):
             return None
-        return _with_numbers(self.template, [v // scale for v in total])
+        return _with_numbers(self.template, [v // scale for v in total], self.varying)
