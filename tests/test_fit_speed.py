@@ -103,8 +103,8 @@ def test_step_lives_kept_per_graph_serve_the_walk_as_fresh_ones(llama):
     planner.simulate(regions)
     assert tuple(regions) in llama.memo["lives"][1]  # (what it reads, the kept lives)
     for fsdp in (None, Fsdp(4, 2)):
-        kept = step_events(llama, regions, "adamw", fsdp=fsdp)
-        assert kept == step_events(_afresh(llama), regions, "adamw", fsdp=fsdp)
+        kept = list(step_events(llama, regions, "adamw", fsdp=fsdp))
+        assert kept == list(step_events(_afresh(llama), regions, "adamw", fsdp=fsdp))
 
 
 def test_a_regions_replay_stop_is_what_analysing_it_alone_finds(llama):

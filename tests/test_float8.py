@@ -138,7 +138,7 @@ def test_float8_all_gather_halves_each_blocks_gathered_buffers():
         model, inputs = models.build("llama-2-7b", batch=2, seq=128, dtype="bf16", tiny=True)
         PRECISIONS[precision].prepare(model)
         graph = remat.trace(model, *inputs, target="cuda")
-        events = step_events(graph, (), "adamw", steps=1, fsdp=Fsdp(4, 2))
+        events = list(step_events(graph, (), "adamw", steps=1, fsdp=Fsdp(4, 2)))
         gathered[precision] = {
             e.key: e.nbytes for e in events if isinstance(e, Alloc) and e.key[0] == "ag"
         }

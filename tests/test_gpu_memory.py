@@ -59,7 +59,7 @@ def _replay(events: list) -> tuple[int, int, dict[int, int]]:
 
 @pytest.mark.parametrize("optimizer", [None, "sgd-momentum", "adamw-foreach", "adamw-for-loop"])
 def test_the_events_live_total_peaks_at_the_estimated_peak_plus_the_workspaces(gpt2, optimizer):
-    events = step_events(gpt2, (), optimizer, blas_workspaces=[1000, 24])
+    events = list(step_events(gpt2, (), optimizer, blas_workspaces=[1000, 24]))
     peak, end, _ = _replay(events)
     est = estimate(gpt2, optimizer=optimizer)
     assert peak == est.peak_bytes + 1024
@@ -76,7 +76,7 @@ def test_a_checkpointed_steps_events_peak_at_its_simulated_peak(gpt2):
 
 def test_fsdp_events_put_the_all_gathers_and_gradient_shards_on_their_own_streams(gpt2):
     n = 2
-    events = step_events(gpt2, (), "adamw-foreach", fsdp=Fsdp(n))
+    events = list(step_events(gpt2, (), "adamw-foreach", fsdp=Fsdp(n)))
     peak, end, streams = _replay(events)
     est = estimate(gpt2, optimizer="adamw-foreach", shard=n)
     # what persists per rank: parameter and state shards (and buffers)
@@ -127,7 +127,7 @@ def test_a_step_larger_than_the_gpu_is_out_of_memory():
 
 
 def test_kept_gradients_are_live_from_the_start_of_the_second_step(gpt2):
-    events = step_events(gpt2, (), None, keep_grads=True)
+    events = list(step_events(gpt2, (), None, keep_grads=True))
     peak, end, _ = _replay(events)
     est = estimate(gpt2)
     assert end == est.param_bytes + est.buffer_bytes + gpt2.grad_bytes
@@ -169,8 +169,8 @@ def test_fsdp_units_outside_the_blocks_are_gathered_as_torchtitan_wraps_them():
 
     embedding, head = param_of("embed_tokens"), param_of("lm_head")
     units = (FsdpUnit(("embed_tokens",)), FsdpUnit(("norm", "lm_head"), False))
-    root = step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2))
-    split = step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2, units=units))
+    root = list(step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2)))
+    split = list(step_events(graph, (), "adamw-foreach", fsdp=Fsdp(2, units=units)))
     peak_root, end_root, _ = _replay(root)
     peak_split, end_split, _ = _replay(split)  # every free matches an allocation
     assert end_split == end_root  # the same shards and state persist

@@ -321,21 +321,6 @@ def step_events(
     steps: int = 2,
     fsdp: Fsdp | None = None,
     keep_grads: bool = False,
-) -> list[Event]:
-    """`step_event_stream` as a list, for more than one walk of the same events."""
-    return list(
-        step_event_stream(graph, regions, optimizer, blas_workspaces, steps, fsdp, keep_grads)
-    )
-
-
-def step_event_stream(
-    graph: Graph,
-    regions: Sequence[Region] = (),
-    optimizer: Optimizer = None,
-    blas_workspaces: Sequence[int] = (),
-    steps: int = 2,
-    fsdp: Fsdp | None = None,
-    keep_grads: bool = False,
 ) -> Iterator[Event]:
     """The allocation events of `steps` training steps of `graph` with `regions` checkpointed,
     on one rank of `fsdp` if given (see the module's docstring for what is allocated when).
@@ -345,7 +330,8 @@ def step_event_stream(
     first step's stay allocated, and a later step's backward makes each gradient as a temporary
     that `AccumulateGrad` adds into the kept one and frees.
 
-    Made as they are walked: a walk that runs out of memory stops early (two in three of the
+    Made as they are walked (`list` them to walk them again): a walk that runs out of memory
+    stops early (two in three of the
     70B `--shard 32` fit's walks, a quarter of the way in), and the events after it are never
     made."""
     _, schedule, _, lives, owners = step_lives(graph, regions)  # as the plan's simulation read
@@ -505,8 +491,11 @@ def gpu_memories(
     ranks = 1 if fsdp is None else fsdp.shard
     workspaces = blas_workspaces(gpu)
     chosen = ALLOCATOR_SETTINGS if settings is None else settings
-    made = step_event_stream if len(chosen) == 1 else step_events  # a list for several walks
-    events = made(graph, regions, optimizer, workspaces, fsdp=fsdp, keep_grads=keep_grads)
+    events: Iterable[Event] = step_events(
+        graph, regions, optimizer, workspaces, fsdp=fsdp, keep_grads=keep_grads
+    )
+    if len(chosen) > 1:  # walked once per setting
+        events = list(events)
     return [memory_of_events(events, gpu, ranks, s) for s in chosen]
 
 
