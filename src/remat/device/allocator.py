@@ -116,7 +116,7 @@ def allocation_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     stream: int
     small: bool
@@ -128,11 +128,8 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
 
-    def key(self) -> tuple[int, int, int]:
-        return (self.stream, self.size, self.address)
 
-
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Segment:
     address: int
     mapped: int  # bytes reserved: the whole segment, or an expandable one's mapped pages
@@ -147,8 +144,9 @@ class _Segment:
 class _Allocator:
     def __init__(self, settings: AllocatorSettings) -> None:
         self.settings = settings
+        # per pool (small or not): the free blocks' keys, sorted, and the blocks by key
         self.free_blocks: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
-        self.by_key: dict[tuple[bool, tuple[int, int, int]], _Block] = {}
+        self.by_key: dict[bool, dict[tuple[int, int, int], _Block]] = {True: {}, False: {}}
         self.live: dict[Hashable, _Block] = {}
         self.segments: list[_Segment] = []
         self.expandable: dict[tuple[int, bool], _Segment] = {}
@@ -159,33 +157,38 @@ class _Allocator:
 
     # -- the free pools --------------------------------------------------------------------------
     def _insert(self, block: _Block) -> None:
-        k = block.key()
+        k = (block.stream, block.size, block.address)
         bisect.insort(self.free_blocks[block.small], k)
-        self.by_key[(block.small, k)] = block
+        self.by_key[block.small][k] = block
 
     def _remove(self, block: _Block) -> None:
-        k = block.key()
+        k = (block.stream, block.size, block.address)
         pool = self.free_blocks[block.small]
         pool.pop(bisect.bisect_left(pool, k))
-        del self.by_key[(block.small, k)]
+        del self.by_key[block.small][k]
 
-    def _best_fit(self, stream: int, small: bool, size: int) -> _Block | None:
+    def _take_best_fit(self, stream: int, small: bool, size: int) -> _Block | None:
+        """The cached block `get_free_block` hands out for a request of `size`, taken out of its
+        pool; None when no cached block serves it."""
         pool = self.free_blocks[small]
         i = bisect.bisect_left(pool, (stream, size, -1))
         if i == len(pool) or pool[i][0] != stream:
             return None
-        block = self.by_key[(small, pool[i])]
+        by_key = self.by_key[small]
+        block = by_key[pool[i]]
         # `get_free_block`'s expandable_size: a free tail counts as its size plus the unmapped
         # address space after it, so the next larger free block of the stream wins over it
         tail = block.segment.expandable and block.segment.tail is block
         if tail and i + 1 < len(pool) and pool[i + 1][0] == stream:
-            block = self.by_key[(small, pool[i + 1])]
+            i += 1
+            block = by_key[pool[i]]
         limit = self.settings.max_split_size
         if limit is not None and not small:
             if size < limit <= block.size:
                 return None
             if size >= limit and block.size >= size + LARGE_BUFFER:
                 return None
+        del by_key[pool.pop(i)]
         return block
 
     # -- segments ---------------------------------------------------------------------------------
@@ -245,7 +248,7 @@ class _Allocator:
         limit = self.settings.max_split_size
         for small in (True, False):
             for k in list(self.free_blocks[small]):
-                block = self.by_key[(small, k)]
+                block = self.by_key[small][k]
                 if block.segment.expandable or block.prev is not None or block.next is not None:
                     continue
                 if oversize_only and (limit is None or block.size < limit):
@@ -272,10 +275,8 @@ class _Allocator:
         size = round_size(event.nbytes)
         small = size <= SMALL_SIZE
         expandable = self.settings.expandable_segments
-        block = self._best_fit(event.stream, small, size)
-        if block is not None:
-            self._remove(block)
-        else:
+        block = self._take_best_fit(event.stream, small, size)
+        if block is None:
             grow = self._grow_expandable if expandable else self._new_segment
             block = grow(event.stream, small, size)
             if block is None and self._release_cached(oversize_only=True):
@@ -290,8 +291,10 @@ class _Allocator:
         self.live[event.key] = block
         self.requested += event.nbytes
         self.allocated += block.size
-        self.peak_requested = max(self.peak_requested, self.requested)
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return True
 
     def _split(self, block: _Block, size: int, expandable: bool) -> None:
@@ -326,22 +329,22 @@ class _Allocator:
         self.requested -= block.requested
         self.allocated -= block.size
         block.allocated, block.requested = False, 0
-        segment = block.segment
-        for neighbour in (block.prev, block.next):
-            if neighbour is None or neighbour.allocated:
-                continue
-            self._remove(neighbour)
-            if neighbour is block.prev:
-                block.address, block.prev = neighbour.address, neighbour.prev
-                if neighbour.prev is not None:
-                    neighbour.prev.next = block
-            else:
-                block.next = neighbour.next
-                if neighbour.next is not None:
-                    neighbour.next.prev = block
-            block.size += neighbour.size
-            if segment.tail is neighbour:
-                segment.tail = block
+        # merge with the free neighbours of its segment (only the higher one can be its tail)
+        before, after = block.prev, block.next
+        if before is not None and not before.allocated:
+            self._remove(before)
+            block.address, block.prev = before.address, before.prev
+            if before.prev is not None:
+                before.prev.next = block
+            block.size += before.size
+        if after is not None and not after.allocated:
+            self._remove(after)
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+            block.size += after.size
+            if block.segment.tail is after:
+                block.segment.tail = block
         self._insert(block)
 
 
