@@ -217,6 +217,16 @@ def fsdp_events(
     span: dict[str, list[int]] = {}
     paths = [(path, path) for path, *_ in forward_units if path not in {u.name for u in fsdp.units}]
     paths += [(p, u.name) for u in fsdp.units if u.name in units for p in u.paths]
+    unit_of_path: dict[str, tuple[int, str]] = {}  # a unit's path: the first of `paths` naming it
+    for k, (p, u) in enumerate(paths):
+        unit_of_path.setdefault(p, (k, u))
+
+    def unit_of(module: str) -> str | None:
+        """The unit of the first of `paths` that is `module` or holds it."""
+        parts = module.split(".")
+        held = (unit_of_path.get(".".join(parts[:n])) for n in range(1, len(parts) + 1))
+        return min((h for h in held if h is not None), default=(0, None))[1]
+
     units_of: dict[str, str | None] = {}  # by module path: a 70B step has 10^4 ops, 10^3 modules
     for position, (kind, i) in enumerate(schedule.order):
         op = graph.ops[i]
@@ -224,9 +234,7 @@ def fsdp_events(
             continue
         unit = units_of.get(op.module, "")
         if unit == "":
-            unit = units_of[op.module] = next(
-                (u for p, u in paths if op.module == p or op.module.startswith(p + ".")), None
-            )
+            unit = units_of[op.module] = unit_of(op.module)
         if unit is not None:
             span.setdefault(unit, [position, position])[1] = position
     backward_first = min((first for first, _ in span.values()), default=len(schedule.order) - 1)
@@ -353,7 +361,15 @@ def step_events(
         for k, sid in enumerate(owners)
         if keep_grads and sid is not None and graph.storages[sid].kind == "grad"
     }
-    workspaces_made = False
+    # the positions where ops allocate scratch, and the first BLAS op's (its workspaces): the
+    # step's walk visits only positions where something happens (most have nothing)
+    scratch_at: dict[int, int] = {}
+    blas_at = None
+    for position, (_, i) in enumerate(schedule.order):
+        if op_scratch[i]:
+            scratch_at[position] = op_scratch[i]
+        if blas_at is None and graph.ops[i].short in BLAS_OPS:
+            blas_at = position
     for step in range(steps):
         at = Positions()
         ended_early: set[int] = set()
@@ -384,13 +400,15 @@ def step_events(
                     at.after[first].append(Free(("life", step, k)))
             elif k not in ended_early:
                 at.after[min(last, total)].append(Free(("life", step, k)))
-        for position, (_, i) in enumerate(schedule.order):
-            op = graph.ops[i]
-            if not workspaces_made and op.short in BLAS_OPS:
+        workspaces_at = blas_at if step == 0 else None  # made once, by the first matmul
+        busy = {*at.before, *at.after, *scratch_at}
+        if workspaces_at is not None:
+            busy.add(workspaces_at)
+        for position in sorted(p for p in busy if p < total):
+            if position == workspaces_at:
                 yield from (Alloc(("blas", k), n) for k, n in enumerate(blas_workspaces))
-                workspaces_made = True
             yield from at.before.get(position, ())
-            scratch = op_scratch[i]
+            scratch = scratch_at.get(position)
             if scratch:
                 yield Alloc(("scratch", step, position), scratch)
                 yield Free(("scratch", step, position))
