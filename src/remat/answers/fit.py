@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from remat.answers.fit_rows import FitRow, compiled_row, fit_row, fits_on, judge_step
+from remat.answers.fit_rows import FitRow, compiled_row, fits_on, judge_step
 from remat.answers.fit_steps import PRECISIONS, Build, FitSteps
+from remat.answers.fit_workers import default_workers, fit_rows
 from remat.collector import collector_paused
 from remat.device.gpus import Gpu, allocator_limit_bytes, fixed_memory, usable_bytes
 from remat.errors import BudgetError, RematError
@@ -187,6 +188,7 @@ def fit(
     full_trace: bool = False,
     compiled_maxima: bool = True,
     fsdp_units: Sequence[FsdpUnit] = (),
+    workers: int | None = None,
 ) -> FitReport:
     """Does one training step of `build(batch, seq)` fit `gpu`, and what is the most it fits?
 
@@ -226,7 +228,10 @@ def fit(
     root unit's, gathered from the step's start to the end of its backward.
 
     Each step is traced on a few of the model's repeated blocks and laid out at its full depth
-    (`remat.tracing.depth`: the same graph, byte for byte); `full_trace=True` traces every block."""
+    (`remat.tracing.depth`: the same graph, byte for byte); `full_trace=True` traces every block.
+
+    `workers`: the processes the rows' searches run in (`remat.answers.fit_workers`: the same
+    answers as one process gives); None: `REMAT_WORKERS`, else one per core (Linux)."""
     import time
 
     if precision not in PRECISIONS:
@@ -293,9 +298,10 @@ def fit(
     steps.loop = loop
     steps.replicate_depth = not full_trace
     steps.fsdp_units = tuple(fsdp_units)
-    rows: list[FitRow] = []
-    for name in strategies_to_fit:
-        rows.append(fit_row(steps, name, batch, seq, usable, max_batch, max_seq, earlier=rows))
+    rows, traced = fit_rows(
+        steps, list(strategies_to_fit), batch, seq, usable, max_batch, max_seq,
+        default_workers() if workers is None else workers,
+    )  # fmt: skip
     if compile is not None:
         rows.append(
             compiled_row(
@@ -329,7 +335,7 @@ def fit(
         shard,
         rows=tuple(rows),
         advice=(),
-        traces=len(steps.traced),
+        traces=len(traced | set(steps.traced)),
         seconds=time.perf_counter() - start,
         extra=extra,
         allocator=_judged_by(steps),

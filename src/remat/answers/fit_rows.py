@@ -117,15 +117,30 @@ def fit_row(
     (batch, seq) is within 1% of this row's (auto's plan is often a fixed strategy's) starts the
     searches at its largest sizes: two steps when they are this row's too (the searches find the
     largest size that fits from any start)."""
-    asked_usable = usable
     judged = judge_step(steps, name, batch, seq, usable)
+    return searched_row(steps, name, judged, batch, seq, usable, max_batch, max_seq, earlier)
+
+
+def searched_row(
+    steps: FitSteps,
+    name: str,
+    judged: tuple[int, Any, list[Any], int, float] | None,
+    batch: int,
+    seq: int,
+    usable: int,
+    max_batch: int,
+    max_seq: int,
+    earlier: Sequence[FitRow] = (),
+) -> FitRow:
+    """`fit_row` of the strategy's `judge_step` at (batch, seq), `judged`: the searches."""
+    asked_usable = usable
     if judged is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     peak, p, memories, usable, overhead = judged
     row_fits = fits_on(peak, memories, usable)
     planner = steps.planner(batch, seq)
     held = steps.held_at_every_size(batch, seq)
-    if held > (memories[0].limit_bytes if memories else usable):  # no size fits
+    if not some_size_fits(steps, judged, batch, seq):
         return FitRow(
             name,
             plan=p.strategy,
@@ -174,11 +189,11 @@ def fit_row(
     # Batch: a line through two traced sizes past 1 (batch 1 can trace differently: reshapes that
     # are views only there); sequence: a parabola through three traced lengths from the asked one.
     b_anchors = [max(batch, 2), max(batch, 2) + 1]
-    units = max(seq // SEQ_STEP, 1)
-    s_anchors = [units, units + 1, units + 2]
-    like = [r for r in earlier if r.peak_bytes and abs(r.peak_bytes - peak) <= peak // 100]
+    s_anchors = seq_anchors(seq)
+    units = s_anchors[0]
     # a row of (nearly) the same step found these: start there
-    near = min(like, key=lambda r: abs(r.peak_bytes - peak)) if memories and like else None
+    like = nearest_row([r.peak_bytes for r in earlier], peak)
+    near = earlier[like] if memories and like is not None else None
     # else where the size models' live bytes reach `usable`, from the row's peaks at the anchors
     # (auto's: a solve at each)
     s_guess = (near.max_seq or 0) // SEQ_STEP if near is not None else 0
@@ -294,6 +309,30 @@ def fit_row(
         gpu_memory=tuple(m.to_dict() for m in memories),
         solved=p,
     )
+
+
+def nearest_row(peaks: Sequence[int | None], peak: int) -> int | None:
+    """The index of the row, of those with `peaks` at the asked size, that a row of `peak` there
+    starts its searches from: the nearest within 1% (the first of equals); None if none is."""
+    like = [i for i, p in enumerate(peaks) if p and abs(p - peak) <= peak // 100]
+    return min(like, key=lambda i: abs(peaks[i] - peak)) if like else None  # type: ignore[operator]
+
+
+def seq_anchors(seq: int) -> list[int]:
+    """The lengths (in `SEQ_STEP` units) a row's sequence size model is drawn through: a parabola
+    through three from the asked one."""
+    units = max(seq // SEQ_STEP, 1)
+    return [units, units + 1, units + 2]
+
+
+def some_size_fits(
+    steps: FitSteps, judged: tuple[int, Any, list[Any], int, float], batch: int, seq: int
+) -> bool:
+    """Whether what a rank holds at every size (parameters, gradients, optimizer state) leaves
+    room under the limit the row is judged by (`judged`: its `judge_step`): else no size fits,
+    and the row searches none."""
+    memories, usable = judged[2], judged[3]
+    return steps.held_at_every_size(batch, seq) <= (memories[0].limit_bytes if memories else usable)
 
 
 def judge_step(
