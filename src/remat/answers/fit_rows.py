@@ -132,11 +132,15 @@ def searched_row(
     max_seq: int,
     earlier: Sequence[FitRow] = (),
 ) -> FitRow:
-    """`fit_row` of the strategy's `judge_step` at (batch, seq), `judged`: the searches."""
+    """`fit_row` of the strategy's `judge_step` at (batch, seq), `judged`: the searches. A
+    judgement of the judging allocator setting alone (`judged_only`) gets every setting's
+    memory here, for the row to show."""
     asked_usable = usable
     if judged is None:
         return FitRow(name, None, False, None, None, None, note="needs repeated blocks")
     peak, p, memories, usable, overhead = judged
+    if memories:
+        memories = steps.gpu_memories(batch, seq, p)
     row_fits = fits_on(peak, memories, usable)
     planner = steps.planner(batch, seq)
     held = steps.held_at_every_size(batch, seq)

@@ -153,8 +153,8 @@ def fit_rows(
     row, it is judged here after the workers start, and joins the process of the row it starts
     from (else this one)."""
     deferred = len(names) - 1 if workers > 1 and names and names[-1] == "auto" else None
-    judged = {
-        i: judge_step(steps, name, batch, seq, usable)
+    judged = {  # the other allocator settings' walks in the row's process (`searched_row`)
+        i: judge_step(steps, name, batch, seq, usable, judged_only=True)
         for i, name in enumerate(names)
         if i != deferred
     }
@@ -171,7 +171,7 @@ def fit_rows(
     ]
     shares = share_out(row_groups(peaks, simulated), weights, workers)
     if deferred is not None and len(shares) < 2:  # one process: in order, as ever
-        judged[deferred] = judge_step(steps, names[deferred], batch, seq, usable)
+        judged[deferred] = judge_step(steps, names[deferred], batch, seq, usable, True)
         shares, deferred = [list(range(len(names)))], None
     if len(shares) > 1 and any(weights):  # what each searching row reads first, traced once
         with contextlib.suppress(RematError):  # each row says why the model cannot be built
@@ -208,7 +208,7 @@ def fit_rows(
         steps.progress = progress
         mine: Any = None
         if deferred is not None:
-            judged[deferred] = judge_step(steps, names[deferred], batch, seq, usable)
+            judged[deferred] = judge_step(steps, names[deferred], batch, seq, usable, True)
             j = judged[deferred]
             near = nearest_row(peaks, j[0]) if simulated and j is not None and j[0] else None
             home = 0 if near is None else next(k for k, s in enumerate(shares) if near in s)

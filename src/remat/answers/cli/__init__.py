@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "allocator's allocated / reserved bytes; a row fits when its reserved bytes do. When\n"
         "nothing fits, the advice ends with one command that does (run: remat fit ...): the\n"
         "fewest GPUs, then the least step time, over precision, 8-bit AdamW and --shard.\n"
+        "The strategies' searches run in one process per core (Linux); REMAT_WORKERS=1 keeps\n"
+        "them in one, with the same answer.\n"
         "Words: docs/glossary.md; arithmetic: docs/fit.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
