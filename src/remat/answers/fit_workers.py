@@ -132,7 +132,8 @@ def _work(task: Callable[[Callable[[], Any]], Any], later: Any, answer: Any) -> 
         result = (False, err)
     except BaseException:  # the parent raises it with the child's traceback
         result = (False, RematError("a fit worker process failed:\n" + traceback.format_exc()))
-    answer.send(result)
+    with contextlib.suppress(BrokenPipeError):  # a worker without a share was stopped
+        answer.send(result)
     answer.close()
 
 
@@ -147,35 +148,25 @@ def fit_rows(
     workers: int = 1,
 ) -> tuple[list[FitRow], set[tuple[int, int]]]:
     """Every strategy's `fit_row`, in order, with the sizes traced for them (here and in the
-    workers: `steps.traced` holds only this process's). Each row is judged at the asked size
-    here, then the groups of rows (`row_groups`) run in up to `workers` processes. Auto's
-    judgement runs its solvers (1.3 s at 70B; a fixed strategy's is one simulation): as the last
-    row, it is judged here after the workers start, and joins the process of the row it starts
-    from (else this one)."""
-    deferred = len(names) - 1 if workers > 1 and names and names[-1] == "auto" else None
-    judged = {  # the other allocator settings' walks in the row's process (`searched_row`)
-        i: judge_step(steps, name, batch, seq, usable, judged_only=True)
-        for i, name in enumerate(names)
-        if i != deferred
-    }
-    peaks = [None if j is None else j[0] for j in judged.values()]
-    simulated = any(j is not None and j[2] for j in judged.values())
-    # what a row's searches cost, roughly: none where no size fits; a row that fits at the asked
-    # size searches both sizes upwards, and auto's plan is most often a fitting fixed one's (auto
-    # then joins its process); one that does not, the sequence downwards
-    weights = [
-        0
-        if j is None or not some_size_fits(steps, j, batch, seq)
-        else 1 + fits_on(j[0], j[2], j[3])
-        for j in judged.values()
-    ]
-    shares = share_out(row_groups(peaks, simulated), weights, workers)
-    if deferred is not None and len(shares) < 2:  # one process: in order, as ever
-        judged[deferred] = judge_step(steps, names[deferred], batch, seq, usable, True)
-        shares, deferred = [list(range(len(names)))], None
-    if len(shares) > 1 and any(weights):  # what each searching row reads first, traced once
-        with contextlib.suppress(RematError):  # each row says why the model cannot be built
-            steps.model_through("seq", batch, [u * SEQ_STEP for u in seq_anchors(seq)])
+    workers: `steps.traced` holds only this process's).
+
+    Whether any size fits is the same for every row (what a rank holds at every size, against
+    the limit): known from the first row judged, after which, where sizes are searched, the
+    workers start and trace the sequence size model's anchors while the other rows are judged
+    here. Then each worker gets its share of the groups of rows (`row_groups`, `share_out`).
+    Auto's judgement runs its solvers (1.3 s at 70B; a fixed strategy's is one simulation): as
+    the last row, it is judged after the shares are sent, and joins the process of the row it
+    starts from (else this one)."""
+    deferred = len(names) - 1 if workers > 1 and len(names) > 1 and names[-1] == "auto" else None
+    fixed = [i for i in range(len(names)) if i != deferred]
+    anchors = [u * SEQ_STEP for u in seq_anchors(seq)]
+    judged: dict[int, Any] = {}
+
+    def judge(i: int) -> Any:
+        """Row i at the asked size, on the judging allocator setting alone (the row's process
+        walks the others, `searched_row`)."""
+        judged[i] = judge_step(steps, names[i], batch, seq, usable, judged_only=True)
+        return judged[i]
 
     def rows_of(
         share: list[int], deferred_row: Callable[[], Any]
@@ -196,35 +187,67 @@ def fit_rows(
             )
         return rows, set(steps.traced)
 
-    if len(shares) == 1:
-        rows, traced = rows_of(shares[0], lambda: None)
-        return [rows[i] for i in range(len(names))], traced
+    def work(receive: Callable[[], Any]) -> tuple[dict[int, FitRow], set[tuple[int, int]]]:
+        """A worker: the sequence size model while the rows are judged, then its share."""
+        with contextlib.suppress(RematError):  # each row says why the model cannot be built
+            steps.model_through("seq", batch, anchors)
+        given = receive()
+        if given is None:  # fewer shares than workers
+            return {}, set(steps.traced)
+        share, theirs = given
+        judged.update(theirs)
+        return rows_of(share, receive)
+
+    searching = False
+    for i in fixed:
+        if judge(i) is not None:
+            searching = some_size_fits(steps, judged[i], batch, seq)
+            break
     progress = steps.progress
-    steps.progress = None  # the workers' searches go unannounced
-    workers_started: list[_Worker] = []
+    started: list[_Worker] = []
     try:
-        for share in shares[1:]:
-            workers_started.append(_Worker(lambda later, share=share: rows_of(share, later)))
+        steps.progress = None  # the workers' searches go unannounced
+        started = [_Worker(work) for _ in range(min(workers, len(fixed)) - 1 if searching else 0)]
         steps.progress = progress
+        for i in fixed:
+            if i not in judged:
+                judge(i)
+        peaks = [None if judged[i] is None else judged[i][0] for i in fixed]
+        simulated = any(judged[i] is not None and judged[i][2] for i in fixed)
+        # what a row's searches cost, roughly: none where no size fits; a row that fits at the
+        # asked size searches both sizes upwards, and auto's plan is most often a fitting fixed
+        # one's (auto then joins its process); one that does not, the sequence downwards
+        weights = [
+            0 if j is None or not searching else 1 + fits_on(j[0], j[2], j[3])
+            for j in (judged[i] for i in fixed)
+        ]
+        shares = share_out(row_groups(peaks, simulated), weights, 1 + len(started))
+        for k, worker in enumerate(started, 1):
+            given = k < len(shares)
+            worker.send_deferred((shares[k], {i: judged[i] for i in shares[k]}) if given else None)
+        if len(shares) > 1:  # this process's rows read it first
+            with contextlib.suppress(RematError):
+                steps.model_through("seq", batch, anchors)
         mine: Any = None
         if deferred is not None:
-            judged[deferred] = judge_step(steps, names[deferred], batch, seq, usable, True)
-            j = judged[deferred]
+            j = judge(deferred)
             near = nearest_row(peaks, j[0]) if simulated and j is not None and j[0] else None
             home = 0 if near is None else next(k for k, s in enumerate(shares) if near in s)
-            for k, worker in enumerate(workers_started, 1):
+            if len(shares) == 1:  # one process: in order, as ever
+                shares[0].append(deferred)
+            for k, worker in enumerate(started[: len(shares) - 1], 1):
                 worker.send_deferred((deferred, j) if k == home else None)
-            mine = (deferred, j) if home == 0 else None
+            mine = (deferred, j) if home == 0 and len(shares) > 1 else None
         else:
-            for worker in workers_started:
+            for worker in started[: len(shares) - 1]:
                 worker.send_deferred(None)
         found, traced = rows_of(shares[0], lambda: mine)
-        for worker in workers_started:
+        for worker in started[: len(shares) - 1]:  # the others had no share: stopped below
             rows, sizes = worker.result()
             found.update(rows)
             traced |= sizes
     finally:
         steps.progress = progress
-        for worker in workers_started:
+        for worker in started:
             worker.close()
     return [found[i] for i in range(len(names))], traced
