@@ -68,9 +68,12 @@ def documented_references(root: Path = ROOT) -> set[str]:
 
 def resolve(reference: str) -> object:
     """The object a reference names: the longest importable module prefix, then attributes."""
-    if ":" in reference:
+    if ":" in reference:  # `from module import name`: an attribute, else a submodule
         module, name = reference.split(":")
-        return getattr(importlib.import_module(module), name)
+        found = importlib.import_module(module)
+        if not hasattr(found, name):
+            importlib.import_module(f"{module}.{name}")
+        return getattr(found, name)
     parts = reference.split(".")
     for i in range(len(parts), 0, -1):
         try:
