@@ -24,6 +24,16 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
+def fits_in_one_process(monkeypatch):
+    """`remat fit` searches its rows in one process per core (`remat.answers.fit_workers`); the
+    suite already runs a pytest worker per core, so a fit's own workers would only compete with
+    the other tests (and trace the size model's anchors twice). Fits here run in one process, as
+    the commands they start do; tests/test_fit_workers.py asks for workers and checks that they
+    answer as one process does."""
+    monkeypatch.setenv("REMAT_WORKERS", "1")
+
+
+@pytest.fixture(autouse=True)
 def tuned_plans_kept_in_a_fresh_folder(tmp_path, monkeypatch):
     """`remat.applying.tune` keeps its results on disk: each test starts with none, and nothing is written
     to the user's ~/.cache."""
