@@ -3,8 +3,8 @@ are independent of the other strategies' but for where they start (`fit_row`'s `
 whose peak at the asked size is within 1% of an earlier one's starts at that one's answers), so
 the rows split into groups of such rows, and the groups run in forked processes, one per core.
 
-A row's answer is what the serial fit gives: the same asked-size judgement, the same earlier
-rows (all of its group's, in the same order), the same probes. Only the caches are not shared
+A row's answer is what the serial fit gives: the same asked-size judgement, the same row to start
+from (earlier, in the same process), the same probes. Only the caches are not shared
 (a trace one process makes, the other makes again where it needs it). Forked (Linux): the
 children start with everything traced so far, and no pickling of the model. Elsewhere, with one
 core, or with `workers=1` (`REMAT_WORKERS=1`), the rows run one after another in this process.
@@ -36,7 +36,9 @@ from remat.errors import RematError
 
 def default_workers() -> int:
     """Processes a fit may use: `REMAT_WORKERS` if set, else the cores this process may run
-    on, where processes can be forked (Linux); 1 elsewhere."""
+    on, where processes can be forked (Linux); 1 elsewhere, and where nothing can be forked."""
+    if "fork" not in multiprocessing.get_all_start_methods():  # Windows
+        return 1
     given = os.environ.get("REMAT_WORKERS")
     if given is not None:
         try:
