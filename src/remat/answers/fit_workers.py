@@ -134,8 +134,7 @@ def _work(task: Callable[[Callable[[], Any]], Any], later: Any, answer: Any) -> 
         result = (False, err)
     except BaseException:  # the parent raises it with the child's traceback
         result = (False, RematError("a fit worker process failed:\n" + traceback.format_exc()))
-    with contextlib.suppress(BrokenPipeError):  # a worker without a share was stopped
-        answer.send(result)
+    answer.send(result)
     answer.close()
 
 
@@ -193,10 +192,7 @@ def fit_rows(
         """A worker: the sequence size model while the rows are judged, then its share."""
         with contextlib.suppress(RematError):  # each row says why the model cannot be built
             steps.model_through("seq", batch, anchors)
-        given = receive()
-        if given is None:  # fewer shares than workers
-            return {}, set(steps.traced)
-        share, theirs = given
+        share, theirs = receive()
         judged.update(theirs)
         return rows_of(share, receive)
 
@@ -224,9 +220,11 @@ def fit_rows(
             for j in (judged[i] for i in fixed)
         ]
         shares = share_out(row_groups(peaks, simulated), weights, 1 + len(started))
+        for worker in started[len(shares) - 1 :]:  # no share (the rows start from each other):
+            worker.close()  # stopped now, not left tracing beside this process's rows
+        started = started[: len(shares) - 1]
         for k, worker in enumerate(started, 1):
-            given = k < len(shares)
-            worker.send_deferred((shares[k], {i: judged[i] for i in shares[k]}) if given else None)
+            worker.send_deferred((shares[k], {i: judged[i] for i in shares[k]}))
         if len(shares) > 1:  # this process's rows read it first
             with contextlib.suppress(RematError):
                 steps.model_through("seq", batch, anchors)
@@ -237,14 +235,14 @@ def fit_rows(
             home = 0 if near is None else next(k for k, s in enumerate(shares) if near in s)
             if len(shares) == 1:  # one process: in order, as ever
                 shares[0].append(deferred)
-            for k, worker in enumerate(started[: len(shares) - 1], 1):
+            for k, worker in enumerate(started, 1):
                 worker.send_deferred((deferred, j) if k == home else None)
             mine = (deferred, j) if home == 0 and len(shares) > 1 else None
         else:
-            for worker in started[: len(shares) - 1]:
+            for worker in started:
                 worker.send_deferred(None)
         found, traced = rows_of(shares[0], lambda: mine)
-        for worker in started[: len(shares) - 1]:  # the others had no share: stopped below
+        for worker in started:
             rows, sizes = worker.result()
             found.update(rows)
             traced |= sizes
