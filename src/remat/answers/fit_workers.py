@@ -87,8 +87,8 @@ def share_out(groups: list[list[int]], weights: Sequence[int], workers: int) -> 
 
 
 class _Worker:
-    """A forked process running `task(deferred)`: `deferred()` waits for what this process sends
-    it with `send_deferred` (the row judged after the fork, or None)."""
+    """A forked process running `task(receive)`: `receive()` waits for the next message this
+    process sends it with `send` (its share of the rows, then the deferred row or None)."""
 
     def __init__(self, task: Callable[[Callable[[], Any]], Any]) -> None:
         context = multiprocessing.get_context("fork")
@@ -99,7 +99,7 @@ class _Worker:
         answer.close()
         later.close()
 
-    def send_deferred(self, message: Any) -> None:
+    def send(self, message: Any) -> None:
         with contextlib.suppress(BrokenPipeError):  # the worker has ended: `result` says how
             self._later.send(message)
 
@@ -174,18 +174,19 @@ def fit_rows(
     ) -> tuple[dict[int, FitRow], set[tuple[int, int]]]:
         """The share's rows, in order, then the deferred one if it comes to this process."""
         rows: dict[int, FitRow] = {}
-        for i in share:
+
+        def search(i: int) -> None:
             earlier = [rows[j] for j in sorted(rows)]
             rows[i] = searched_row(
                 steps, names[i], judged[i], batch, seq, usable, max_batch, max_seq, earlier
             )
+
+        for i in share:
+            search(i)
         came = deferred_row()
         if came is not None:
             i, judged[i] = came
-            earlier = [rows[j] for j in sorted(rows)]
-            rows[i] = searched_row(
-                steps, names[i], judged[i], batch, seq, usable, max_batch, max_seq, earlier
-            )
+            search(i)
         return rows, set(steps.traced)
 
     def work(receive: Callable[[], Any]) -> tuple[dict[int, FitRow], set[tuple[int, int]]]:
@@ -224,7 +225,7 @@ def fit_rows(
             worker.close()  # stopped now, not left tracing beside this process's rows
         started = started[: len(shares) - 1]
         for k, worker in enumerate(started, 1):
-            worker.send_deferred((shares[k], {i: judged[i] for i in shares[k]}))
+            worker.send((shares[k], {i: judged[i] for i in shares[k]}))
         if len(shares) > 1:  # this process's rows read it first
             with contextlib.suppress(RematError):
                 steps.model_through("seq", batch, anchors)
@@ -236,11 +237,11 @@ def fit_rows(
             if len(shares) == 1:  # one process: in order, as ever
                 shares[0].append(deferred)
             for k, worker in enumerate(started, 1):
-                worker.send_deferred((deferred, j) if k == home else None)
+                worker.send((deferred, j) if k == home else None)
             mine = (deferred, j) if home == 0 and len(shares) > 1 else None
         else:
             for worker in started:
-                worker.send_deferred(None)
+                worker.send(None)
         found, traced = rows_of(shares[0], lambda: mine)
         for worker in started:
             rows, sizes = worker.result()

@@ -339,9 +339,8 @@ def step_events(
     that `AccumulateGrad` adds into the kept one and frees.
 
     Made as they are walked (`list` them to walk them again): a walk that runs out of memory
-    stops early (two in three of the
-    70B `--shard 32` fit's walks, a quarter of the way in), and the events after it are never
-    made."""
+    stops early (two in three of the 70B `--shard 32` fit's walks, a quarter of the way in), and
+    the events after it are never made."""
     _, schedule, _, lives, owners = step_lives(graph, regions)  # as the plan's simulation read
     total = len(schedule.order)
     op_scratch = ops_scratch_bytes(graph)
