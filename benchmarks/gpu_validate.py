@@ -5,8 +5,8 @@ measured, and the step time each strategy really costs.
         [--strategies ...] [--parts memory speed allocator offload] [--out DIR] [--md PATH]
         [--skip-compiled] [--allocator-models ...]
 
-Memory: for each zoo model, every eager strategy's plan (made from a trace of a meta copy, as
-`remat plan` makes it) is applied to the real model and one step is measured by `remat.measure`;
+Memory: for each zoo model, every eager strategy's plan (made from a trace of a meta copy with the GPU's kernel
+rules, as `remat plan --gpu` makes it) is applied to the real model and one step is measured by `remat.measure`;
 then `remat.compile`'s plans likewise, under inductor. Peaks are compared above the step's start,
 as `measure` counts them: the plan's predicted peak less what is live before the step
 (parameters, buffers, inputs), against the measured peak less `baseline_bytes` (on CUDA, the
@@ -32,7 +32,8 @@ starting one variant later than the round before, so that a slow spell of the ma
 every variant alike.
 
 Writes results/gpu-validate-<device>[-tiny][-<part>].json (every row, the device, torch's
-version, the settings) and .md (the tables, also printed); progress goes to stderr. A row that
+version, the settings) and .md (the tables, also printed), again after each part and model, so
+that a run stopped at a device lease's limit keeps what it measured; progress goes to stderr. A row that
 fails keeps its error and the run goes on; the exit status is then 1. A full run compiles 14
 times: where one command may only run minutes, split it with --parts, --models or
 --skip-compiled.
@@ -168,6 +169,9 @@ class Settings:
     tiny: bool
     budget: str
     trace_real: bool
+    #: The kernel rules a meta copy is traced with: the GPU's (`remat.device.targets`) on CUDA,
+    #: as `remat plan --gpu` traces; None on the CPU.
+    target: Any = None
 
     @property
     def dtype(self) -> str:
@@ -252,7 +256,7 @@ def _planner(
         graph = remat.trace(model, *inputs, device=settings.device.type, autocast=settings.autocast)
     else:
         meta, meta_inputs = _build(name, shape, "meta", settings, **kw)
-        graph = remat.trace(meta, *meta_inputs, autocast=settings.autocast)
+        graph = remat.trace(meta, *meta_inputs, autocast=settings.autocast, target=settings.target)
     return Planner(graph, settings.profile)
 
 
@@ -831,6 +835,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def _gpu_target(device: torch.device) -> Any:
+    """The catalogue GPU's kernel rules for the device torch names; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    from remat.device.gpus import get_gpu
+
+    return get_gpu(torch.cuda.get_device_name(device)).target
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -910,6 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiny=args.tiny,
         budget=args.budget,
         trace_real=args.trace_real,
+        target=_gpu_target(device),
     )
     default_shape = TINY_SHAPE if args.tiny else {"batch": 1, "seq": 4096}
     speed_shape = {
@@ -918,9 +932,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     compiled = not args.skip_compiled
     rows: list[Row] = []
+    allocator_rows: list[dict[str, Any]] = []
+    offload_rows: list[dict[str, Any]] = []
+    stem = f"gpu-validate-{_slug(label)}" + ("-tiny" if args.tiny else "")
+    if len(args.parts) == 1:
+        stem += f"-{args.parts[0]}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{stem}.json"
+    md_path = args.md or args.out / f"{stem}.md"
+
+    def write() -> str:
+        """Write what is measured so far: a run stopped by a device lease's limit keeps it."""
+        result = {
+            "allocator": allocator_rows,
+            "offload": offload_rows,
+            "device": label,
+            "torch": torch.__version__,
+            "remat": remat.__version__,
+            "settings": {
+                **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "precision": settings.precision,
+                "profile": asdict(settings.profile),
+                "memory_shapes": {n: memory_shape(n, args.tiny) for n in args.models},
+                "speed_shape": speed_shape,
+            },
+            "rows": [r.to_dict() for r in rows],
+        }
+        json_path.write_text(json.dumps(result, indent=2))
+        text = markdown(result, rows) + allocator_markdown(allocator_rows)
+        text += offload_markdown(offload_rows)
+        md_path.write_text(text)
+        return text
+
+    if "allocator" in args.parts:
+        for name in args.allocator_models:
+            allocator_rows.append(allocator_part(name, settings, progress))
+            write()
     if "memory" in args.parts:
         for name in args.models:
             rows += memory_part(name, args.strategies, settings, compiled, progress)
+            write()
     if "speed" in args.parts:
         rows += speed_part(
             args.speed_model,
@@ -931,39 +982,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             compiled,
             progress,
         )
-    allocator_rows = []
-    if "allocator" in args.parts:
-        for name in args.allocator_models:
-            allocator_rows.append(allocator_part(name, settings, progress))
-    offload_rows = []
+        write()
     if "offload" in args.parts:
         offload_rows.append(offload_part(OFFLOAD_MODEL, settings, progress))
-    result = {
-        "allocator": allocator_rows,
-        "offload": offload_rows,
-        "device": label,
-        "torch": torch.__version__,
-        "remat": remat.__version__,
-        "settings": {
-            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "precision": settings.precision,
-            "profile": asdict(settings.profile),
-            "memory_shapes": {n: memory_shape(n, args.tiny) for n in args.models},
-            "speed_shape": speed_shape,
-        },
-        "rows": [r.to_dict() for r in rows],
-    }
-    stem = f"gpu-validate-{_slug(label)}" + ("-tiny" if args.tiny else "")
-    if len(args.parts) == 1:
-        stem += f"-{args.parts[0]}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{stem}.json"
-    md_path = args.md or args.out / f"{stem}.md"
-    json_path.write_text(json.dumps(result, indent=2))
-    text = markdown(result, rows) + allocator_markdown(allocator_rows)
-    text += offload_markdown(offload_rows)
-    md_path.write_text(text)
-    print(text)
+    print(write())
     failed = [r for r in rows if r.error] + [
         r for r in [*allocator_rows, *offload_rows] if r.get("error")
     ]
