@@ -154,6 +154,37 @@ def test_a_tied_embeddings_weight_gradient_does_not_hold_the_logits_gradient_thr
         torch.testing.assert_close(got[name], reference[name], rtol=1e-4, atol=1e-5)
 
 
+def test_the_addmm_rule_runs_a_users_post_grad_pre_pass_after_it_as_one_pass():
+    """torch < 2.13 takes one post-grad pre-pass, not a tuple (torch 2.11 on an H100 failed
+    with an ImportError of 2.13's `get_custom_graph_passes`): remat's pass is one pass that marks
+    the graph, then runs the user's; its uuid is None (no caching) where a user's pass has none."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from remat.applying.compiled import _IN_ORDER_GRAPHS, _addmm_in_order_pass
+
+    seen = []
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(graph in _IN_ORDER_GRAPHS)
+
+        def uuid(self):
+            return "user"
+
+    for then, uuid in (
+        (UserPass(), ("remat-addmm-in-order", "user")),
+        (None, ("remat-addmm-in-order",)),
+    ):
+        combined = _addmm_in_order_pass(then)
+        assert isinstance(combined, CustomGraphPass)
+        graph = torch.fx.Graph()
+        combined(graph)
+        assert graph in _IN_ORDER_GRAPHS
+        assert combined.uuid() == uuid
+    assert seen == [True]  # the user's pass ran once, after the graph was marked
+    assert _addmm_in_order_pass(seen.append).uuid() is None  # a plain callable: not cached
+
+
 _WRAPPER = """
 import torch
 from torch._inductor.async_compile import AsyncCompile

@@ -593,19 +593,24 @@ def _addmm_in_order_pass(then: Any) -> Any:
     alive through the whole backward, which run op by op die at once (GPT-2 style, 12 layers,
     b4 s256: 32 MiB; without the rule remat.compile could not reach eager full checkpointing's
     peak). Returns `then` unchanged where this torch has no such pattern."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     if not _install_addmm_in_order():
         return then
+    # One pass that runs the user's after it: torch < 2.13 takes a single pass, not a tuple.
+    users = tuple(then) if isinstance(then, (list, tuple)) else (() if then is None else (then,))
 
     class AddmmInOrder(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             _IN_ORDER_GRAPHS.add(graph)
+            for user_pass in users:
+                user_pass(graph)
 
-        def uuid(self) -> str:
-            return "remat-addmm-in-order"
+        def uuid(self) -> Any:
+            keys = [getattr(p, "uuid", lambda: None)() for p in users]
+            return None if None in keys else ("remat-addmm-in-order", *keys)
 
-    return (AddmmInOrder(), *get_custom_graph_passes(then))
+    return AddmmInOrder()
 
 
 @functools.cache

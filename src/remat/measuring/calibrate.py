@@ -59,6 +59,7 @@ def calibrate_rates(dev: torch.device) -> dict[str, Any]:
     from torch.utils.flop_counter import sdpa_flop_count
 
     gen = torch.Generator().manual_seed(0)
+    draws = torch.Generator(device=dev).manual_seed(0)  # bernoulli_ draws on `dev`'s generator
 
     def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.rand(*shape, generator=gen).to(device=dev, dtype=dtype)
@@ -104,7 +105,7 @@ def calibrate_rates(dev: torch.device) -> dict[str, Any]:
         "_softmax": lambda: aten._softmax.out(rows, -1, False, out=out_rows),
         "_log_softmax": lambda: aten._log_softmax.out(rows, -1, False, out=out_rows),
         "_safe_softmax": lambda: aten._safe_softmax(rows, -1),  # the math path's (allocates)
-        "bernoulli_": lambda: w.bernoulli_(0.9, generator=gen),
+        "bernoulli_": lambda: w.bernoulli_(0.9, generator=draws),
     }
     calls = {"gelu": 2}
 
