@@ -496,7 +496,7 @@ def allocator_part(name: str, settings: Settings, progress: Progress) -> dict[st
         gpu = get_gpu(torch.cuda.get_device_name(settings.device))
         progress(f"allocator: {name} predicted for {gpu.name}")
         meta, meta_inputs = _build(name, ALLOCATOR_SHAPE, "meta", settings)
-        fake = remat.trace(meta, *meta_inputs, autocast=settings.autocast, target=gpu.target)
+        fake = remat.trace(meta, *meta_inputs, autocast=settings.autocast, target=settings.target)
         predicted = gpu_memory(fake, gpu, optimizer="adamw", settings=ALLOCATOR_SETTINGS[0])
         progress(f"allocator: {name} measured, two AdamW steps")
         torch.cuda.empty_cache()
@@ -551,8 +551,7 @@ def offload_part(name: str, settings: Settings, progress: Progress) -> dict[str,
         )
         progress(f"offload: {name} planned on {offload.link_name}")
         meta, meta_inputs = _build(name, shape, "meta", settings)
-        target = {"target": gpu.target} if gpu is not None else {}
-        graph = remat.trace(meta, *meta_inputs, **target)
+        graph = remat.trace(meta, *meta_inputs, target=settings.target)
         planner = Planner(graph, settings.profile, offload=offload)
         full = planner.plan("1TiB", "full")
         plan = planner.plan(full.predicted_peak_bytes, "auto")
@@ -836,12 +835,13 @@ def _slug(text: str) -> str:
 
 
 def _gpu_target(device: torch.device) -> Any:
-    """The catalogue GPU's kernel rules for the device torch names; None on the CPU."""
+    """The kernel rules of the CUDA device as this torch runs it (`targets.runtime_cuda`: its
+    capability, the attention backend SDPA picks there); None on the CPU."""
     if device.type != "cuda":
         return None
-    from remat.device.gpus import get_gpu
+    from remat.device.targets import runtime_cuda
 
-    return get_gpu(torch.cuda.get_device_name(device)).target
+    return runtime_cuda(device)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

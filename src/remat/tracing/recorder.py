@@ -25,6 +25,7 @@ How the ground truth is taken, and why:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import weakref
@@ -69,6 +70,7 @@ from remat.tracing.records import (
     StorageRecord,
 )
 from remat.tracing.tensors import (
+    accumulates_in_place,
     dtype_name,
     is_wrapper_op,
     local_tensor,
@@ -84,6 +86,7 @@ _WAIT_TENSOR = None if _WAIT_TENSOR is None else _WAIT_TENSOR.default
 LOSS_SCOPE = "<loss>"
 BACKWARD_SCOPE = "<backward>"
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+_ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
 
 
 class _Packed:
@@ -157,6 +160,11 @@ class Tracer(TorchDispatchMode):
         #: replay, not the program's, and are not recorded. (base and replayed ids, call site)
         self.view_replay: tuple[set[int], tuple[int, int]] | None = None
         self.current_node: int | None = None
+        #: The backward node whose function has returned (its post hook ran): until the engine
+        #: runs another, its ops are the engine's, adding its gradients into the next nodes'
+        #: inputs (`accumulates_in_place`). The hooks' handles, removed when the trace ends.
+        self.finished_node: int | None = None
+        self.node_hooks: list[Any] = []
         self.saved: dict[int, SavedRecord] = {}
         self.unpacked_by: dict[int, list[int]] = defaultdict(list)
         self.modules: list[CallRecord] = []
@@ -293,7 +301,17 @@ class Tracer(TorchDispatchMode):
                 forward_op=forward_op,
                 param=None if variable is None else self.param_names.get(id(variable)),
             )
+            if variable is None:  # a post hook on AccumulateGrad would stop it stealing the grad
+                self.node_hooks.append(node.register_hook(functools.partial(self._finished, nid)))
         return nid
+
+    def _finished(self, nid: int, grad_inputs: Any, grad_outputs: Any) -> None:
+        self.finished_node = nid
+
+    def remove_node_hooks(self) -> None:
+        for handle in self.node_hooks:
+            handle.remove()
+        self.node_hooks = []
 
     def enter_node(self, nid: int | None, task: int) -> None:
         """Autograd now runs node `nid` (None: no node) of graph task `task`. The node it ran
@@ -375,6 +393,15 @@ class Tracer(TorchDispatchMode):
             self.before_event()
         except Exception as e:
             raise self.internal_error(e, str(func)) from e
+        if (
+            func is _ADD
+            and self.finished_node is not None
+            and self.finished_node == self.current_node
+            and not kwargs
+            and len(args) == 2
+            and accumulates_in_place(*args)
+        ):
+            func = _ADD_IN_PLACE  # as the engine adds, run without this mode
         try:
             out = self.run_op(func, args, kwargs)
         except TraceError:
@@ -450,6 +477,7 @@ class Tracer(TorchDispatchMode):
         if self.declining_wrapper_op:
             self.declining_wrapper_op = False
             return NotImplemented
+        self.finished_node = None  # the engine adds DTensor gradients out of place
         self.declining_wrapper_op = True
         try:
             with self:

@@ -89,3 +89,39 @@ def rewrapper(t: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return cls.__tensor_unflatten__({**others, name: held}, context, size, stride)
 
     return rewrap
+
+
+def accumulates_in_place(old: Any, new: Any) -> bool:
+    """Whether autograd's engine, run without a dispatch mode, would add the gradient `new` into
+    `old` in place where two reach one input (`InputBuffer::accumulate`: `old.add_(new)` when
+    grad mode is off, neither is a subclass and the buffer holds the last reference to `old` and
+    to its storage, which is non-overlapping and dense). Under any dispatch mode (the tracer's)
+    the engine never does: the mode's references to `old` count, and fake tensors are a
+    subclass. Read here, inside the mode: `old`'s storage held by no other tensor (the count
+    less this probe's own reference), and `old` held no more than `new`, the gradient the engine
+    hands over (one reference, plus what the mode's call adds to each alike)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if (
+        use_count is None
+        or torch.is_grad_enabled()
+        or type(old) not in _PLAIN_TENSORS
+        or type(new) not in _PLAIN_TENSORS
+        or old is new
+        or old.layout != torch.strided
+        or old.dtype != new.dtype
+        or old.shape != new.shape
+        or not _non_overlapping_and_dense(old)
+    ):
+        return False
+    storage = old.untyped_storage()
+    return use_count(storage._cdata) - 1 == 1 and old._use_count() <= new._use_count()
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill a block of its storage, each once, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

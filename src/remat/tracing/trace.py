@@ -493,6 +493,7 @@ def _trace_once(
             error.random_reads = forced.reads
             raise error from e
         finally:
+            tracer.remove_node_hooks()
             for h in hook_handles:
                 h.remove()
             if caches_off is not None:
