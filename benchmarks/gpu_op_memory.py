@@ -14,6 +14,10 @@ start. The two sequences are aligned by op (difflib on the aten op names); the r
 predicted and measured peaks, the ops only one side ran, and the aligned ops where the two
 differ most. Writes DIR/op-memory-<model>-<strategy>.json (both sequences whole) and prints the
 report. On the CPU the counters are the profiler's, and this is a check of the script only.
+The recording mode itself changes one thing: autograd adds two gradients that meet out of place
+under any dispatch mode (`remat.tracing.tensors.accumulates_in_place`), so where the engine would
+add in place the recorded step allocates one gradient more than training does; the peaks of
+`gpu_validate.py`'s memory part, measured without a mode, are the ones to compare.
 """
 
 from __future__ import annotations
