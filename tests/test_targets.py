@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat import models
 from remat.device import emulate, targets
+from remat.device.gpus import get_gpu
 from remat.device.targets import AttentionCall, select_attention
 from remat.errors import RematError, TraceError
 from remat.planning import strategies
@@ -237,6 +238,48 @@ def test_cuda_softmax_backward_forms_grad_times_output_first():
         graph = remat.trace(lambda s: torch.softmax(s, -1), scores, target=target)
         (backward,) = (op for op in graph.backward_ops if op.short == "_softmax_backward_data")
         assert targets.scratch_bytes(graph, backward) == expected
+
+
+#: `benchmarks/gpu_kernel_scratch.py` on an H100 80GB HBM3 (132 SMs, torch 2.11.0+cu130): the
+#: caching allocator's peak in `x.sum(0)` less what it leaves, bf16 and fp32 alike.
+H100_SUM_SCRATCH = {
+    (256, 3072): 0,
+    (1024, 256): 2_097_664,
+    (1024, 3072): 25_166_336,
+    (4096, 768): 25_166_336,
+    (4096, 3072): 100_663_808,
+    (4096, 8192): 138_412_544,
+    (8192, 256): 16_777_728,
+    (32768, 256): 67_109_376,
+    (32768, 768): 138_412_544,
+}
+
+
+@pytest.mark.parametrize("shape", sorted(H100_SUM_SCRATCH))
+def test_cuda_outer_sums_stage_partial_sums_as_an_h100_measured(shape):
+    """A bias's gradient sums the batch away: past 256 values a thread, CUDA splits each column
+    across blocks and stages their fp32 partial sums (at 4096 x 3072: 96 MiB, which gpt2's MLP
+    bias showed over the prediction at every layer)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.empty(*shape, dtype=dtype, device="meta", requires_grad=True)
+        graph = remat.trace(lambda t: t.sum(0), x, target=targets.cuda(multiprocessors=132))
+        op = next(op for op in graph.forward_ops if op.short == "sum")
+        assert targets.scratch_bytes(graph, op) == H100_SUM_SCRATCH[shape]
+    three_d = torch.empty(4, 1024, 3072, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    graph = remat.trace(lambda t: t.sum((0, 1)), three_d, target="cuda")
+    op = next(op for op in graph.forward_ops if op.short == "sum")
+    assert targets.scratch_bytes(graph, op) == 100_663_808  # as 4096 x 3072
+
+
+def test_a_gpus_multiprocessors_size_its_reductions():
+    """An A100 (108 SMs) splits a wide column sum over fewer blocks than an H100 (132)."""
+    x = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    found = {}
+    for gpu in ("h100", "a100-80gb"):
+        graph = remat.trace(lambda t: t.sum(0), x, target=get_gpu(gpu).target)
+        op = next(op for op in graph.forward_ops if op.short == "sum")
+        found[gpu] = targets.scratch_bytes(graph, op)
+    assert found == {"h100": 138_412_544, "a100-80gb": 4 * 8192 * 27 * 128 + 512}
 
 
 def test_the_attention_backend_follows_torchs_selection_for_the_gpu():

@@ -153,7 +153,11 @@ class Gpu:
         """What a step on this GPU is traced for: the CUDA kernels of its compute capability (an
         sm90 GPU's when unknown), under the autograd of `torch_version`. ROCm's kernels are taken
         as CUDA's of the same capability."""
-        return targets.cuda(self.compute_capability or (9, 0), torch_version=self.torch_version)
+        return targets.cuda(
+            self.compute_capability or (9, 0),
+            torch_version=self.torch_version,
+            multiprocessors=MULTIPROCESSORS.get(self.name, 132),
+        )
 
     def usable_bytes(self, reserve: Reserve | int | str | None = None, ranks: int = 1) -> int:
         """`usable_bytes(self, reserve, ranks)`."""
@@ -193,6 +197,30 @@ def _mib(n: int) -> int:
 #: which prints the same `cudaDeviceProp.totalGlobalMem`) reported it on that card: exact bytes
 #: where the source prints them, else its whole MiB x 2**20 (at most 1 MiB under the truth). It is
 #: less than `nvidia-smi`'s total (81559 MiB on an H100 SXM, 143771 MiB on an H200: the driver's
+#: Streaming multiprocessors (compute units on AMD) of the catalogue's GPUs, which size how CUDA's
+#: reductions split across blocks (`remat.device.targets.Target.multiprocessors`): torch's
+#: `multi_processor_count` where the entries' sources print it, else the vendors' data sheets
+#: (A100 108, L4 58, RTX 4090 128). A GPU not listed is taken as an H100 SXM (132).
+MULTIPROCESSORS: dict[str, int] = {
+    "h100-80gb": 132,
+    "h100-96gb": 132,
+    "h100-pcie-80gb": 114,
+    "h200-141gb": 132,
+    "a100-40gb": 108,
+    "a100-80gb": 108,
+    "l4-24gb": 58,
+    "rtx4090-24gb": 128,
+    "mi300x-192gb": 304,
+    "b200-180gb": 148,
+    "a10g-24gb": 80,
+    "rtx3090-24gb": 82,
+    "rtx4080-16gb": 76,
+    "rtx4070-ti-super-16gb": 66,
+    "t4-16gb": 40,
+    "v100-16gb": 80,
+    "v100-32gb": 80,
+}
+
 #: share is outside it) and drifts by tens of MiB with the driver version (the sources name theirs).
 GPUS: dict[str, Gpu] = {
     g.name: g

@@ -122,3 +122,13 @@ def _walk(events: Any) -> Any:
     for event in events:
         yield event
         yield from _walk(event.children)
+
+
+def process_group_backend() -> str | None:
+    """The default process group's backend ("gloo", "nccl", "fake"), None without one: gloo's
+    collectives allocate beyond their outputs (`gloo_collective_scratch_bytes`)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return str(dist.get_backend())

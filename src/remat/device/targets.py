@@ -66,6 +66,16 @@ class Target:
     #: the torch whose autograd the run had, where it saved other tensors than torch 2.13's
     #: (`SOFTMAX_KEPT_INPUT_BEFORE`); None: torch 2.13's
     torch_version: tuple[int, int] | None = None
+    #: streaming multiprocessors, which size a reduction's split across blocks (an H100 SXM's)
+    multiprocessors: int = 132
+
+    @property
+    def threads_per_multiprocessor(self) -> int:
+        """The resident threads per SM (CUDA's occupancy tables): 1024 on sm75, 1536 on sm86,
+        sm89 and sm120, 2048 on the data-center parts."""
+        return {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}.get(
+            self.capability or (9, 0), 2048
+        )
 
     @property
     def is_cuda(self) -> bool:
@@ -175,7 +185,68 @@ def _cuda_softmax_backward(graph: Graph, op: Op) -> int:
     return itemsize * prod(grad.shape)
 
 
+def _cuda_outer_reduction(graph: Graph, op: Op) -> int:
+    """A sum over the leading dims of a contiguous tensor (a bias's gradient: the batch and
+    sequence summed away) splits each output's inputs across thread blocks once a thread would
+    sum 256 or more, and stages the blocks' partial sums in global memory: fp32 (double for
+    fp64), `outputs x blocks per output x 32 lanes x 4` (vectorised outputs), plus an int
+    semaphore per block column. This is `setReduceConfig` of ATen's Reduce.cuh for that case
+    (block 32 x 4 threads, up to `SMs x threads per SM / 128` blocks). Measured on an H100
+    (132 SMs), every one of 40 shapes from 256 to 32,768 rows by 256 to 8,192 columns, bf16 and
+    fp32, to the byte: 0 at 256 rows, 25,166,336 B at 1,024 x 3,072, capped at 138,412,544 B.
+    Other reductions are not modelled (their staging is small)."""
+    source, result = graph.tensors[op.inputs[0]], graph.tensors[op.outputs[0]]
+    shape, out = tuple(source.shape), tuple(result.shape)
+    cut = next(
+        (
+            c
+            for c in range(1, len(shape))
+            if len(out) in (len(shape) - c, len(shape))
+            and out[len(out) - len(shape) + c :] == shape[c:]
+            and all(n == 1 for n in out[: len(out) - len(shape) + c])
+        ),
+        None,
+    )
+    if cut is None or source.expanded:
+        return 0
+    kept = shape[cut:]
+    contiguous = [prod(source.shape[i + 1 :]) for i in range(len(source.shape))]
+    if any(
+        s != c for s, c, n in zip(source.stride, contiguous, source.shape, strict=True) if n > 1
+    ):
+        return 0
+    outputs, rows = prod(kept), prod(source.shape[:cut])
+    if outputs < 1 or rows < 1:
+        return 0
+    itemsize = source.nbytes // max(prod(source.shape), 1)
+    vector = next(v for v in (4, 2, 1) if outputs % v == 0)
+    max_threads = 512 // vector
+    width_pow2 = min(1 << ((outputs // vector).bit_length() - 1), max_threads)
+    rows_pow2 = min(1 << (rows.bit_length() - 1), max_threads)
+    block_height = min(rows_pow2, max_threads // min(width_pow2, 32))
+    block_width = min(width_pow2, max_threads // block_height)
+    per_thread = rows
+    if per_thread >= block_height * 16 or per_thread >= 256:
+        per_thread = -(-rows // block_height)
+    else:
+        return 0
+    grid = -(-(outputs // vector) // block_width)
+    target = graph.info.get("cuda_multiprocessors", 132) * (
+        graph.info.get("cuda_threads_per_multiprocessor", 2048) // (block_width * block_height)
+    )
+    if per_thread < 256 or grid > target:
+        return 0
+    ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return 0
+    accumulator = 8 if itemsize == 8 else 4
+    staging = accumulator * outputs * ctas * block_width * vector
+    semaphores = -(-4 * grid // 512) * 512  # an int per block column, in 512-byte blocks
+    return staging + semaphores
+
+
 CUDA_SCRATCH: Mapping[str, ScratchRule] = {
+    "sum": _cuda_outer_reduction,
     **dict.fromkeys(("mm", "addmm", "bmm", "baddbmm"), _dense_copy_of_broadcast_operands),
     "_softmax_backward_data": _cuda_softmax_backward,
     "_scaled_dot_product_flash_attention_backward": _flash_attention_backward,
@@ -391,12 +462,14 @@ def cuda(
     capability: tuple[int, int] = (9, 0),
     attention: str | tuple[str, ...] = "auto",
     torch_version: tuple[int, int] | None = None,
+    multiprocessors: int = 132,
 ) -> Target:
     """A CUDA target: a GPU of `capability` (default sm90, an H100). `attention`: "auto" (torch's
     default priority, flash first), "cudnn-first" (torch's order when it prefers cuDNN: sm90/sm100
     with cuDNN newer than 9.15), one backend name to force it, or a priority tuple.
     `torch_version`: an older torch the run had, for what its autograd saved differently (only
-    softmax's input before 1.11 is modelled); None: torch 2.13."""
+    softmax's input before 1.11 is modelled); None: torch 2.13. `multiprocessors`: the GPU's SMs
+    (default: an H100 SXM's 132)."""
     if attention == "auto":
         order: tuple[str, ...] = DEFAULT_ATTENTION_PRIORITY
     elif attention == "cudnn-first":
@@ -413,7 +486,14 @@ def cuda(
         )
     if len(capability) != 2 or not all(isinstance(c, int) for c in capability):
         raise RematError(f"a compute capability is (major, minor), got {capability!r}")
-    return Target("cuda", tuple(capability), order, rng_state_bytes=0, torch_version=torch_version)
+    return Target(
+        "cuda",
+        tuple(capability),
+        order,
+        rng_state_bytes=0,
+        torch_version=torch_version,
+        multiprocessors=multiprocessors,
+    )
 
 
 def runtime_cuda(device: Any = None) -> Target:
@@ -430,7 +510,8 @@ def runtime_cuda(device: Any = None) -> Target:
     q = torch.empty(1, 1, 128, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     chosen = torch._fused_sdp_choice(q, q, q, is_causal=True)
     attention = "cudnn-first" if chosen == int(SDPBackend.CUDNN_ATTENTION) else "auto"
-    return cuda(capability, attention)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return cuda(capability, attention, multiprocessors=sms)
 
 
 def get_target(target: Target | str | None) -> Target:

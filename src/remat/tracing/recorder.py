@@ -160,9 +160,8 @@ class Tracer(TorchDispatchMode):
         #: replay, not the program's, and are not recorded. (base and replayed ids, call site)
         self.view_replay: tuple[set[int], tuple[int, int]] | None = None
         self.current_node: int | None = None
-        #: The backward node whose function has returned (its post hook ran): until the engine
-        #: runs another, its ops are the engine's, adding its gradients into the next nodes'
-        #: inputs (`accumulates_in_place`). The hooks' handles, removed when the trace ends.
+        #: The backward node whose post hook ran: until another runs, the engine's ops add its
+        #: gradients into the next nodes' inputs (`accumulates_in_place`); the hooks' handles
         self.finished_node: int | None = None
         self.node_hooks: list[Any] = []
         self.saved: dict[int, SavedRecord] = {}
@@ -185,7 +184,7 @@ class Tracer(TorchDispatchMode):
         #: the op an exception left on real tensors (fake tensors' failures are TraceErrors)
         self.failed_op: str | None = None
         #: Collectives run on gloo (a CPU process group), which allocates beyond their outputs.
-        self.gloo = _process_group_backend() == "gloo" and not target.is_cuda
+        self.gloo = kernel_scratch.process_group_backend() == "gloo" and not target.is_cuda
         #: An op on DTensors is seen twice: first to run it again with this mode on the stack, then
         #: (this flag set) to decline it to DTensor's own dispatch (`run_wrapper_op`).
         self.declining_wrapper_op = False
@@ -798,12 +797,3 @@ class Tracer(TorchDispatchMode):
             modules=[m.freeze() for m in self.modules],
             info=info,
         )
-
-
-def _process_group_backend() -> str | None:
-    """The default process group's backend ("gloo", "nccl", "fake"), None without one."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return str(dist.get_backend())

@@ -15,7 +15,9 @@ depth would have traced, numbered as the tracer would have numbered it:
   depth's first two and last two, unit 2 once for every unit between, unit 3 dropped; ids and op
   indices are renumbered in that order, saves' handles included (the ids the graph leaves out);
 - a reference from a unit to a unit of its stack keeps their distance (the previous block's
-  output, the next block's gradient: more than one unit away is `NotPeriodic`); from elsewhere it
+  output, the next block's gradient); further, it reaches a first or last unit as a reference
+  from outside does (the gradient of a tensor every block reads, which autograd adds into in place
+  from the last block's backward on), and an inner one is `NotPeriodic`; from elsewhere it
   reaches the first two or the last two units. Module paths (`layers.7.attn`) and op names
   (`layers.7.attn.mm_0`; call counts of scopes outside the blocks recounted) follow the same rule.
 
@@ -320,11 +322,14 @@ class _Layout:
         si, unit = key[0], key[1]
         if context is not None and context[0] == si:
             distance = unit - context[1]
-            if abs(distance) > 1:
+            if abs(distance) <= 1:
+                return context[2] + distance
+            if 2 <= unit < UNITS - 2:
                 raise NotPeriodic(
                     f"a block of '{self.stacks[si].path}' refers {abs(distance)} units away"
                 )
-            return context[2] + distance
+            # a first or last block, as from outside: the gradient every block adds into in
+            # place (a tensor all blocks read), made by the last block's backward
         if unit in (0, 1):
             return unit
         if unit >= UNITS - 2:

@@ -534,6 +534,14 @@ def _trace_once(
                 "autocast": None if autocast is None else dtype_name(autocast),
                 "target": target.name,
                 "target_detail": target.describe(),
+                **(
+                    {
+                        "cuda_multiprocessors": target.multiprocessors,
+                        "cuda_threads_per_multiprocessor": target.threads_per_multiprocessor,
+                    }
+                    if target.is_cuda
+                    else {}
+                ),
                 "random_reads": forced.reads,
                 "kernel_scratch": {str(i): n for i, n in tracer.kernel_scratch.items()},
                 "output_storages": output_storages,
