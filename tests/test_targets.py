@@ -121,6 +121,24 @@ def test_cuda_autocast_table_lists_exactly_the_ops_torch_registers_for_autocast_
     assert listed | set(targets.CUDA_AUTOCAST_BANNED) == registered
 
 
+def test_cuda_autocast_casts_a_calls_arguments_last_first_as_the_cpp_wrapper_does():
+    """Autocast's C++ wrapper casts a call's arguments in one argument list, which GCC evaluates
+    right to left: a linear's bias, weight, then input. On an H100 the real trace's
+    `lm_head._to_copy_0` was the weight's copy where the emulation's was the input's: a
+    selective policy keyed by `_to_copy_0` named another tensor. CPU autocast runs the same
+    wrapper on real tensors: the oracle here."""
+
+    def casts(device: str, target: str) -> list[tuple[int, ...]]:
+        layer = nn.Linear(64, 1000, device=device)
+        x = torch.zeros(4, 64, device=device, requires_grad=True)
+        graph = remat.trace(layer, x, device=device, autocast=torch.bfloat16, target=target)
+        return [
+            graph.tensors[op.outputs[0]].shape for op in graph.forward_ops if op.short == "_to_copy"
+        ]
+
+    assert casts("cpu", "cpu") == casts("meta", "cuda") == [(1000,), (1000, 64), (4, 64)]
+
+
 def test_the_cpu_autocast_is_restored_after_a_cuda_target_trace():
     """The CUDA policies are installed for one trace only: CPU autocast's own lists come back
     (under CPU autocast, softmax stays bf16 and cat promotes)."""

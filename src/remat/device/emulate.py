@@ -72,7 +72,15 @@ class _Autocast:
         return hit[1]
 
     def cast_all(self, to: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return pytree.tree_map_only(torch.Tensor, lambda t: self.cast(to, t), (args, kwargs))
+        """Each argument cast, the last first: the C++ wrapper (autocast_mode.h
+        `WrapFunction_`) casts them in one call's argument list, which GCC evaluates right to
+        left (a linear's bias, then weight, then input: on an H100 and on the CPU alike); a
+        list's items left to right."""
+        values = [*args, *kwargs.values()]
+        cast = [None] * len(values)
+        for i in reversed(range(len(values))):
+            cast[i] = pytree.tree_map_only(torch.Tensor, lambda t: self.cast(to, t), values[i])
+        return tuple(cast[: len(args)]), dict(zip(kwargs, cast[len(args) :], strict=True))
 
     def widest(self, args: tuple, kwargs: dict) -> torch.dtype:
         """autocast_mode.h `promote_type`: fp32 if any eligible input is fp32, else the low one."""
