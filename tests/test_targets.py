@@ -300,6 +300,36 @@ def test_a_gpus_multiprocessors_size_its_reductions():
     assert found == {"h100": 138_412_544, "a100-80gb": 4 * 8192 * 27 * 128 + 512}
 
 
+def test_a_kept_attention_op_is_found_whichever_fused_backend_runs():
+    """The SDPA backend is picked when the step runs (an H100 with torch 2.11+cu130 ran cuDNN's
+    where the plan, traced flash-first, kept flash's: "4 of 5 kept ops matched"). Here a plan
+    made for a GPU keeps the GPU's attention op and the CPU runs its own flash kernel: every
+    kept op is found, and the held bytes are the plan's."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.out = _Attention(64, 4), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.out(self.attn(x))
+
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    meta = nn.Sequential(Block(), Block()).to("meta")
+    fake_x = torch.empty(2, 32, 64, device="meta", requires_grad=True)
+    graph = remat.trace(meta, fake_x, target=targets.cuda(attention="efficient"))
+    plan = remat.plan(graph, budget="100%", strategy="selective:torchtitan")
+    attention = {op.target for op in graph.forward_ops if "dot_product" in op.target}
+    assert attention == {"aten._scaled_dot_product_efficient_attention.default"}
+    kept = {t for r in plan.regions for _, t, _ in r.keep_keys}
+    assert schedule.FUSED_ATTENTION in kept
+    remat.apply(model, plan)
+    verified = remat.verify(model, x)
+    remat.remove(model)
+    assert verified.kept_ops_matched == verified.kept_ops_expected > 0
+
+
 def test_the_attention_backend_follows_torchs_selection_for_the_gpu():
     def call(dtype="bfloat16", mask=False, heads_kv=8, head_dim=128, dropout=0.0):
         return AttentionCall(

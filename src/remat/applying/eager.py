@@ -39,7 +39,7 @@ from remat.applying.offload import install as install_offload
 from remat.errors import RematError, warn
 from remat.measuring.measure import measure
 from remat.planning.plans import Plan
-from remat.prediction.schedule import OpKey, Region
+from remat.prediction.schedule import OpKey, Region, key_target
 from remat.tracing.caches import CachesOff
 from remat.tracing.calls import argument, pick, with_argument
 from remat.units import format_bytes
@@ -107,7 +107,7 @@ class _KeepPolicy:
         def policy(ctx, func, *args, **kwargs):
             target = target_of.get(func)
             if target is None:
-                target = target_of[func] = str(func)
+                target = target_of[func] = key_target(str(func))
             at = (scope[-1], target)
             seen = counts[ctx.is_recompute]
             n = seen.get(at, 0)
@@ -369,7 +369,9 @@ def apply(model: nn.Module, plan: Plan, *, between_steps: bool = False) -> nn.Mo
         ran=ran,
     )
     for region in plan.regions:
-        check = RegionCheck(region.modules, frozenset(region.keep_keys))
+        check = RegionCheck(
+            region.modules, frozenset((m, key_target(t), n) for m, t, n in region.keep_keys)
+        )
         state.checks.append(check)
         blocks = [named[p] for p in region.modules]
         for block in blocks:

@@ -99,13 +99,35 @@ def batchnorm_snapshot_bytes(graph: Graph, region: Region) -> int:
     return sum(graph.storages[sid].nbytes for sid in buffers)
 
 
+#: The fused backends of `scaled_dot_product_attention`: one op each, saving its output and
+#: log-sum-exp alike, picked when the step runs by the GPU and the torch build (an H100 with
+#: torch 2.11+cu130 runs cuDNN's where a CUDA 12 build runs flash's). A kept attention op is
+#: found whichever of them runs.
+FUSED_ATTENTION = "aten._scaled_dot_product_fused_attention"
+_FUSED_ATTENTION_OPS = tuple(
+    f"aten._scaled_dot_product_{b}."
+    for b in (
+        "flash_attention",
+        "cudnn_attention",
+        "efficient_attention",
+        "flash_attention_for_cpu",
+    )
+)
+
+
+def key_target(target: str) -> str:
+    """The aten target as an `OpKey` names it: a fused attention backend's as `FUSED_ATTENTION`."""
+    return FUSED_ATTENTION if target.startswith(_FUSED_ATTENTION_OPS) else target
+
+
 def op_keys(ops: Sequence[Op]) -> list[OpKey]:
     """The stable key of each op of a region's forward, in order."""
     seen: dict[tuple[str, str], int] = defaultdict(int)
     keys = []
     for op in ops:
-        keys.append((op.module, op.target, seen[(op.module, op.target)]))
-        seen[(op.module, op.target)] += 1
+        at = (op.module, key_target(op.target))
+        keys.append((*at, seen[at]))
+        seen[at] += 1
     return keys
 
 
