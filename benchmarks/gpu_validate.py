@@ -505,7 +505,9 @@ def allocator_part(name: str, settings: Settings, progress: Progress) -> dict[st
         step = Step(model, settings.autocast, "cuda")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         for _ in range(2):
-            loss_of(step(*inputs)).backward()
+            out = step(*inputs)  # held through the backward, as a training loop holds it
+            loss_of(out).backward()
+            del out
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize(settings.device)
