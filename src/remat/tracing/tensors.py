@@ -103,6 +103,7 @@ def accumulates_in_place(old: Any, new: Any) -> bool:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if (
         use_count is None
+        or not hasattr(old, "_use_count")
         or torch.is_grad_enabled()
         or type(old) not in _PLAIN_TENSORS
         or type(new) not in _PLAIN_TENSORS
