@@ -191,6 +191,19 @@ def test_cuda_dropout_saves_a_bool_mask_where_the_cpu_saves_a_float_one():
     assert _saved_bytes(model, x, "cpu") == 4 * 1024 * 1024
 
 
+def test_cuda_dropout_at_zero_runs_no_op_as_the_cpu_does():
+    """At p = 0 (GPT-2's default here) ATen's dropout returns its input (`_dropout_impl`); the
+    Python decomposition the CUDA emulation fell back to cloned it, an op and a tensor the GPU
+    never makes. The CPU's real trace is the oracle: no op either."""
+
+    def ops(device: str, target: str) -> list[str]:
+        x = torch.zeros(64, 64, device=device, requires_grad=True)
+        graph = remat.trace(lambda t: F.dropout(t, 0.0, True) * 2, x, device=device, target=target)
+        return [op.short for op in graph.forward_ops]
+
+    assert ops("meta", "cuda") == ops("cpu", "cpu") == ["mul", "sum"]  # the loss: the sum
+
+
 def test_cuda_rms_norm_runs_the_fused_kernel_saving_its_input_and_an_fp32_rstd():
     """nn.RMSNorm over bf16 (256, 1024): `_fused_rms_norm` saves the input (512 KiB), the weight
     (a parameter: not an activation) and rstd, 256 fp32 values (1 KiB)."""
