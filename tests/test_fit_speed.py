@@ -380,7 +380,8 @@ def test_the_search_between_two_guesses_finds_the_largest_fitting_size_from_any_
 def test_a_row_that_fits_no_more_samples_is_answered_without_the_batch_line():
     """A row that fits at the asked batch is judged at one more sample first (the batch line's
     first anchor): where that does not fit, the answer is the asked batch, as the search along
-    the line answers, and the line's second anchor is never traced."""
+    the line answers, and the line's second anchor is never traced. At 256 tokens batches 2 and 3
+    reserve different segments (at 64 both fit one 68 MiB reservation)."""
     from remat.answers.fit import _usable
     from remat.answers.fit_rows import fit_row, fits_on, judge_step
     from remat.device.gpus import allocator_limit_bytes
@@ -392,18 +393,18 @@ def test_a_row_that_fits_no_more_samples_is_answered_without_the_batch_line():
     reserved = {}
     for b in (2, 3):
         steps = FitSteps(build, roomy, "fp32", "sgd", 1, None)
-        reserved[b] = steps.gpu_memories(b, 64, judge_step(steps, "full", b, 64, 1 << 40)[1])[0]
+        reserved[b] = steps.gpu_memories(b, 256, judge_step(steps, "full", b, 256, 1 << 40)[1])[0]
     outside = roomy.capacity_bytes - allocator_limit_bytes(roomy)
     gpu = custom_gpu(
         (reserved[2].reserved_bytes + reserved[3].reserved_bytes) // 2 + outside, "h100"
     )
     usable = _usable(gpu, 1, None)
     steps = FitSteps(build, gpu, "fp32", "sgd", 1, None)
-    row = fit_row(steps, "full", 2, 64, usable, 64, 1024)
-    assert row.fits and row.max_batch == 2 and (3, 64) in steps.traced
-    assert (4, 64) not in steps.traced and ("batch", 64) not in steps.models
+    row = fit_row(steps, "full", 2, 256, usable, 64, 1024)
+    assert row.fits and row.max_batch == 2 and (3, 256) in steps.traced
+    assert (4, 256) not in steps.traced and ("batch", 256) not in steps.models
     for b, fits in ((2, True), (3, False)):  # judged afresh
-        found = judge_step(FitSteps(build, gpu, "fp32", "sgd", 1, None), "full", b, 64, usable)
+        found = judge_step(FitSteps(build, gpu, "fp32", "sgd", 1, None), "full", b, 256, usable)
         assert fits_on(found[0], found[2], found[3]) is fits
 
 
