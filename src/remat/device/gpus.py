@@ -193,10 +193,6 @@ def _mib(n: int) -> int:
     return n * MiB
 
 
-#: The catalogue, by canonical name. `capacity_bytes` is `total_memory` as torch (or deviceQuery,
-#: which prints the same `cudaDeviceProp.totalGlobalMem`) reported it on that card: exact bytes
-#: where the source prints them, else its whole MiB x 2**20 (at most 1 MiB under the truth). It is
-#: less than `nvidia-smi`'s total (81559 MiB on an H100 SXM, 143771 MiB on an H200: the driver's
 #: Streaming multiprocessors (compute units on AMD) of the catalogue's GPUs, which size how CUDA's
 #: reductions split across blocks (`remat.device.targets.Target.multiprocessors`): torch's
 #: `multi_processor_count` where the entries' sources print it, else the vendors' data sheets
@@ -221,6 +217,10 @@ MULTIPROCESSORS: dict[str, int] = {
     "v100-32gb": 80,
 }
 
+#: The catalogue, by canonical name. `capacity_bytes` is `total_memory` as torch (or deviceQuery,
+#: which prints the same `cudaDeviceProp.totalGlobalMem`) reported it on that card: exact bytes
+#: where the source prints them, else its whole MiB x 2**20 (at most 1 MiB under the truth). It is
+#: less than `nvidia-smi`'s total (81559 MiB on an H100 SXM, 143771 MiB on an H200: the driver's
 #: share is outside it) and drifts by tens of MiB with the driver version (the sources name theirs).
 GPUS: dict[str, Gpu] = {
     g.name: g

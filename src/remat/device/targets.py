@@ -33,7 +33,7 @@ from math import prod
 from typing import Any
 
 from remat.errors import RematError
-from remat.graph import Graph, Op
+from remat.graph import Graph, Op, Tensor
 
 #: A rule for the scratch one kernel allocates and frees inside its op: bytes from the op's tensors.
 ScratchRule = Callable[[Graph, Op], int]
@@ -99,6 +99,11 @@ class Target:
 
 
 # -- scratch: what a kernel allocates and frees inside its op ----------------------------------------
+def _itemsize(t: Tensor) -> int:
+    """Bytes per element of a traced tensor (`nbytes` counts its elements, dense)."""
+    return t.nbytes // max(prod(t.shape), 1)
+
+
 def _dense_copy_of_broadcast_operands(graph: Graph, op: Op) -> int:
     """mm-class kernels (CPU BLAS and cuBLAS alike: `prepare_matrix_for_cublas` clones an operand
     whose strides no BLAS layout takes) copy a broadcast operand to dense memory."""
@@ -112,7 +117,7 @@ def _cpu_promoted_operands(graph: Graph, op: Op) -> int:
     if not op.outputs:
         return 0
     out = graph.tensors[op.outputs[0]]
-    itemsize = out.nbytes // max(prod(out.shape), 1)
+    itemsize = _itemsize(out)
     return sum(
         prod(graph.tensors[t].shape) * itemsize
         for t in op.inputs
@@ -148,7 +153,7 @@ def _flash_attention_backward(graph: Graph, op: Op) -> int:
     fp32 = 4
     scratch = fp32 * batch * heads * seq_q_rounded * (1 + head_dim_rounded)
     if kv_heads != heads:
-        itemsize = grad.nbytes // max(prod(grad.shape), 1)
+        itemsize = _itemsize(grad)
         scratch += 2 * batch * seq_k * heads * head_dim * itemsize
     return scratch
 
@@ -159,7 +164,7 @@ def _efficient_attention_backward(graph: Graph, op: Op) -> int:
     kernel's `workspace_size()`, which also depends on the key-split count)."""
     grad, query = (graph.tensors[t] for t in op.inputs[:2])
     batch, heads, seq_q, head_dim = query.shape
-    itemsize = grad.nbytes // max(prod(grad.shape), 1)
+    itemsize = _itemsize(grad)
     accumulator = 4 * batch * heads * seq_q * head_dim if itemsize < 4 else 0
     return 4 * batch * heads * seq_q + accumulator
 
@@ -179,10 +184,7 @@ def _cuda_softmax_backward(graph: Graph, op: Op) -> int:
     `tmp = grad * output`, a tensor of the gradient's shape in the two's promoted dtype. Measured
     on an H100: 512 MiB over the output for fp32 scores of 32 x 2048 x 2048."""
     grad, output = (graph.tensors[t] for t in op.inputs[:2])
-    itemsize = max(
-        grad.nbytes // max(prod(grad.shape), 1), output.nbytes // max(prod(output.shape), 1)
-    )
-    return itemsize * prod(grad.shape)
+    return max(_itemsize(grad), _itemsize(output)) * prod(grad.shape)
 
 
 def _cuda_outer_reduction(graph: Graph, op: Op) -> int:
@@ -218,18 +220,15 @@ def _cuda_outer_reduction(graph: Graph, op: Op) -> int:
     outputs, rows = prod(kept), prod(source.shape[:cut])
     if outputs < 1 or rows < 1:
         return 0
-    itemsize = source.nbytes // max(prod(source.shape), 1)
     vector = next(v for v in (4, 2, 1) if outputs % v == 0)
     max_threads = 512 // vector
     width_pow2 = min(1 << ((outputs // vector).bit_length() - 1), max_threads)
     rows_pow2 = min(1 << (rows.bit_length() - 1), max_threads)
     block_height = min(rows_pow2, max_threads // min(width_pow2, 32))
     block_width = min(width_pow2, max_threads // block_height)
-    per_thread = rows
-    if per_thread >= block_height * 16 or per_thread >= 256:
-        per_thread = -(-rows // block_height)
-    else:
-        return 0
+    if rows < block_height * 16 and rows < 256:
+        return 0  # each warp sums its own outputs: no split across blocks
+    per_thread = -(-rows // block_height)
     grid = -(-(outputs // vector) // block_width)
     target = graph.info.get("cuda_multiprocessors", 132) * (
         graph.info.get("cuda_threads_per_multiprocessor", 2048) // (block_width * block_height)
@@ -239,7 +238,7 @@ def _cuda_outer_reduction(graph: Graph, op: Op) -> int:
     ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
     if ctas <= 1:
         return 0
-    accumulator = 8 if itemsize == 8 else 4
+    accumulator = 8 if _itemsize(source) == 8 else 4
     staging = accumulator * outputs * ctas * block_width * vector
     semaphores = -(-4 * grid // 512) * 512  # an int per block column, in 512-byte blocks
     return staging + semaphores

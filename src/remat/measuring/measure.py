@@ -224,10 +224,6 @@ def time_steps(
         step.clear_grads()
         for _ in range(warmup):
             step.run()
-        if step.draws is not None and warmup and not step.random_reads:
-            # the step draws nothing: measured without the draws' dispatch mode, under which
-            # autograd never adds two gradients in place (`tracing.tensors.accumulates_in_place`)
-            step.draws = None
         return tuple(_timed_step(step, target) for _ in range(steps))
 
 
