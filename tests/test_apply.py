@@ -253,6 +253,27 @@ def test_verify_leaves_the_users_gradients_as_it_found_them():
     remat.remove(model)
 
 
+def test_verify_compares_a_plan_made_with_an_optimizer_without_its_state():
+    """A plan made with AdamW predicts a peak that holds the optimizer's state; verify's step runs
+    no optimizer, so it compares the peak without it (the state was the whole gap before)."""
+    torch.manual_seed(0)
+    model, inputs = _build("gpt2")
+    plain = Planner(remat.trace(model, *inputs)).plan("1TiB", "full")
+    with_state = remat.auto(model, *inputs, budget="1TiB", strategy="full", optimizer="adamw")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert with_state.optimizer_bytes >= 2 * params  # AdamW: two moments per parameter
+    assert (
+        with_state.predicted_peak_bytes - with_state.optimizer_bytes == plain.predicted_peak_bytes
+    )
+    assert plain.optimizer_bytes == 0
+    report = remat.verify(model, *inputs)
+    assert report.peak_bytes_predicted == plain.predicted_peak_bytes
+    assert report.ok, report
+    again = remat.Plan.from_json(with_state.to_json())
+    assert again.optimizer_bytes == with_state.optimizer_bytes
+    remat.remove(model)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "hf:llama"])
 @pytest.mark.parametrize("first", ["full", "milp"])
 def test_auto_on_a_planned_model_replaces_the_plan_as_if_planning_the_bare_model(name, first):

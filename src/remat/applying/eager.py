@@ -451,6 +451,8 @@ class Verification:
     kept_ops_matched: int
     held_bytes_predicted: int
     held_bytes_measured: int | None
+    #: the plan's predicted peak without the optimizer it was planned with (`Plan.optimizer_bytes`):
+    #: verify's measured step runs no optimizer (it would move the parameters)
     peak_bytes_predicted: int
     peak_bytes_measured: int | None
     #: modules another tool checkpoints around the plan (`checkpointed_elsewhere`), wrapped
@@ -529,7 +531,8 @@ class Verification:
 def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verification:
     """Report what the plan installed on `model` did in its latest training forward. With example
     inputs (and the keyword arguments of the model's call, `loss_fn` included), first run one
-    measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes`. The
+    measured step (`remat.measure`) and compare the bytes it held with `plan.held_bytes` and its
+    peak with the plan's (without the optimizer's part: the step runs none). The
     parameters' `.grad` are as the caller left them afterwards (the measured step's gradients
     are discarded), so verify may sit between `backward()` and `optimizer.step()`; the step does
     run the forward, so buffers a training forward updates (BatchNorm's statistics) move. A step
@@ -580,7 +583,7 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         kept_ops_matched=sum(len(c.matched) for c in snapshot),
         held_bytes_predicted=state.plan.held_bytes,
         held_bytes_measured=None if measured is None else held,
-        peak_bytes_predicted=state.plan.predicted_peak_bytes,
+        peak_bytes_predicted=state.plan.predicted_peak_bytes - state.plan.optimizer_bytes,
         peak_bytes_measured=None if measured is None else measured.peak_bytes,
         checkpointed_elsewhere=tuple(checkpointed_elsewhere(model)),
         offload_drop_predicted=state.plan.offload_drop_bytes,

@@ -508,8 +508,10 @@ class Planner:
             status=status, appliable=appliable, details=details or {},
             held_by_module=dict(judged.held_by_module),
         )  # fmt: skip
-        if self.optimizer_step_peak > p.predicted_peak_bytes:
-            p = replace(p, predicted_peak_bytes=self.optimizer_step_peak)
+        if self.optimizer is not None:
+            without = judged.predicted_peak_bytes - self.estimate.optimizer_state_bytes
+            peak = max(judged.predicted_peak_bytes, self.optimizer_step_peak)
+            p = replace(p, predicted_peak_bytes=peak, optimizer_bytes=peak - without)
         return p
 
     @cached_property

@@ -76,6 +76,10 @@ class Plan:
     #: a stored block that offloads only some of its storages (per tensor): block path -> their
     #: places in the order its forward first saves them (the hooks number them the same way)
     offload_saves: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: the optimizer's part of `predicted_peak_bytes` (planned with one): its state, live
+    #: throughout the step, or more where the optimizer step is the peak; a step run without
+    #: the optimizer (`remat.verify`'s) peaks at `predicted_peak_bytes - optimizer_bytes`
+    optimizer_bytes: int = 0
 
     @property
     def added_seconds(self) -> float:
@@ -208,6 +212,7 @@ class Plan:
             ("host_bytes", 0),
             ("transfer_seconds", 0.0),
             ("offload_drop_bytes", 0),
+            ("optimizer_bytes", 0),
         ):
             d.setdefault(name, default)
         d.setdefault("details", {})
@@ -372,6 +377,7 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "offload_min_bytes": int,
     "host_bytes": int,
     "transfer_seconds": (float, int),
+    "optimizer_bytes": int,
     "offload_drop_bytes": int,
 }
 _MISSING = object()
