@@ -125,3 +125,19 @@ def test_the_allocator_part_says_why_it_skips_without_cuda():
     row = script.allocator_part("gpt2", settings, lambda _: None)
     assert "need a CUDA device" in row["note"]
     assert "caching allocator" in script.allocator_markdown([row])
+
+
+def test_gpu_auto_runs_and_both_plans_verify_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_auto.py on CPU: remat.auto as users call it and the meta copy's plan, each
+    applied to the model and verified after a step (exact on CPU), written as JSON."""
+    spec = importlib.util.spec_from_file_location("gpu_auto", SCRIPT.parent / "gpu_auto.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--tiny", "--models", "gpt2", "--out", str(tmp_path)])
+    (written,) = tmp_path.glob("gpu-auto-*.json")
+    rows = json.loads(written.read_text())["rows"]["gpt2"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["ok"], row["verification"]
+        assert row["measured_held_bytes"] == row["predicted_held_bytes"]
