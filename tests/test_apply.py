@@ -268,6 +268,7 @@ def test_verify_compares_a_plan_made_with_an_optimizer_without_its_state():
     assert plain.optimizer_bytes == 0
     report = remat.verify(model, *inputs)
     assert report.peak_bytes_predicted == plain.predicted_peak_bytes
+    assert "without the optimizer's" in repr(report)
     assert report.ok, report
     again = remat.Plan.from_json(with_state.to_json())
     assert again.optimizer_bytes == with_state.optimizer_bytes

@@ -466,6 +466,8 @@ class Verification:
     #: against the same step with the offloading hooks off (what Megatron reports by hand)
     offload_drop_predicted: int = 0
     offload_drop_measured: int | None = None
+    #: the optimizer's part of the plan's peak, left out of `peak_bytes_predicted`
+    optimizer_bytes: int = 0
 
     @property
     def offload_drop_ratio(self) -> float | None:
@@ -492,6 +494,11 @@ class Verification:
             f"{self.kept_ops_expected}{where}; held "
             f"{versus(self.held_bytes_measured, self.held_bytes_predicted, self.held_ratio)}; "
             f"peak {versus(self.peak_bytes_measured, self.peak_bytes_predicted, self.peak_ratio)}"
+            + (
+                f" (without the optimizer's {format_bytes(self.optimizer_bytes)})"
+                if self.optimizer_bytes
+                else ""
+            )
             + (
                 "; offload drops the peak by "
                 + versus(
@@ -584,6 +591,7 @@ def verify(model: nn.Module, *example_inputs: Any, **kwargs: Any) -> Verificatio
         held_bytes_predicted=state.plan.held_bytes,
         held_bytes_measured=None if measured is None else held,
         peak_bytes_predicted=state.plan.predicted_peak_bytes - state.plan.optimizer_bytes,
+        optimizer_bytes=state.plan.optimizer_bytes,
         peak_bytes_measured=None if measured is None else measured.peak_bytes,
         checkpointed_elsewhere=tuple(checkpointed_elsewhere(model)),
         offload_drop_predicted=state.plan.offload_drop_bytes,
