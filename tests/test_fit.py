@@ -512,3 +512,17 @@ def test_the_json_carries_the_advice_its_apply_line_and_the_command(capsys):
         sharded["apply"] or sharded["rows"][-1]["apply"],
     )
     assert made, sharded["rows"][-1]["apply"]
+
+
+def test_the_largest_sequence_stops_at_the_models_positions_and_says_how_to_build_more():
+    """GPT-2's 1024 learned positions end the sequence search on a GPU with room for more; the
+    row says that limit and the lever, not the build error's advice to ask for less."""
+    report = _fit(1 << 40, seq=1024, strategies_to_fit=("store_all",))
+    (row,) = report.rows
+    assert row.max_seq == 1024
+    assert "max seq: 1024, the longest the model is built for (more: --set block_size=N)" in (
+        row.note
+    )
+    with pytest.raises(remat.SequenceLimitError) as raised:
+        _build(1, 1024 + SEQ_STEP)
+    assert raised.value.limit == 1024

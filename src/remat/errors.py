@@ -112,6 +112,17 @@ class UnknownStrategyError(RematError):
         self.choices = tuple(choices)
 
 
+class SequenceLimitError(RematError):
+    """Raised for a sequence longer than the model is built for (its learned positions): `limit`
+    is the longest it takes, `lever` how to build it longer. `remat fit`'s largest-sequence
+    search stops at `limit` and says so."""
+
+    def __init__(self, message: str, *, limit: int, lever: str):
+        super().__init__(message)
+        self.limit = limit
+        self.lever = lever
+
+
 class BudgetError(RematError):
     """Raised when a budget or byte size cannot be parsed ("40 GB?", "12 parsecs")."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from remat.answers.fit_steps import FitSteps
-from remat.errors import RematError
+from remat.errors import RematError, SequenceLimitError
 from remat.planning import strategies
 from remat.prediction.estimate import estimate
 from remat.units import format_bytes
@@ -168,7 +168,7 @@ def searched_row(
         try:
             return steps.fits(name, batch, units * SEQ_STEP, usable)
         except RematError as err:
-            limits.append(str(err).split(";")[0])
+            limits.append(limit_note(err))
             return False
 
     # by size, with the graph judged: a size model the confirming trace drops takes its with it
@@ -179,7 +179,7 @@ def searched_row(
         try:
             graph = steps.planner(b, s).graph
         except RematError as err:  # a length the model cannot build
-            limits.append(str(err).split(";")[0])
+            limits.append(limit_note(err))
             return False
         if (b, s) not in judgements or judgements[(b, s)][0] is not graph:
             if name == "auto" and candidate_fits(steps, b, s):
@@ -208,7 +208,7 @@ def searched_row(
             s_peaks = [steps.peak(name, batch, u * SEQ_STEP, usable)[0] for u in s_anchors]
             s_guess = _guess(s_anchors, s_peaks, usable)
     except RematError as err:  # the model cannot be built that long
-        limits.append(str(err).split(";")[0])
+        limits.append(limit_note(err))
         s_guess = s_guess or units
     b_guess = near.max_batch if near is not None and near.max_batch else 1
     b_peaks: list[int] = []
@@ -415,6 +415,15 @@ def fits_on(peak: int, memories: list[Any], usable: int) -> bool:
     return peak <= usable if not memories else memories[0].fits
 
 
+def limit_note(err: RematError) -> str:
+    """Why a size search stopped where the model cannot be built: at its sequence limit, the
+    limit and how to build it longer (not the error's advice to ask for less, which the user
+    did not); else the error's first clause."""
+    if isinstance(err, SequenceLimitError):
+        return f"{err.limit}, the longest the model is built for (more: {err.lever})"
+    return str(err).split(";")[0]
+
+
 def _allocator_note(memories: list[Any]) -> str:
     """When torch's default allocator runs out and expandable segments would not: say so."""
     if len(memories) > 1 and not memories[0].fits and memories[1].fits:
@@ -479,7 +488,7 @@ def compiled_row(
         try:
             c = at(b, s)
         except RematError as err:  # a length the model cannot build
-            limits.append(str(err).split(";")[0])
+            limits.append(limit_note(err))
             return False
         return c.gpu_memory[0]["fits"] if c.gpu_memory else c.peak_bytes <= usable
 
@@ -550,7 +559,7 @@ def compiled_row(
         eager = {estimate(steps.trace(batch, u * SEQ_STEP)).peak_bytes for u in s_anchors}
         s_peaks = [] if len(eager) == 1 else [at(batch, u * SEQ_STEP).peak_bytes for u in s_anchors]
     except RematError as err:
-        limits.append(str(err).split(";")[0])
+        limits.append(limit_note(err))
         s_anchors, s_peaks = [units], [compiled.peak_bytes]
     if not s_peaks:  # the sequence does not move the step
         best_seq = high if row_fits and high >= low else None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.errors import RematError
+from remat.errors import RematError, SequenceLimitError
 from remat.models.preset import Preset, token_ids
 
 
@@ -102,11 +102,13 @@ class GPT(nn.Module):
 
 def _check_seq(config: GPTConfig, seq: int) -> GPTConfig:
     if seq > config.block_size:
-        raise RematError(
+        raise SequenceLimitError(
             f"seq={seq} exceeds GPT-2's {config.block_size} learned positions (block_size): ask "
             f"for a shorter sequence (CLI: --seq {config.block_size}; `remat fit` defaults to "
             f"4096) or build more positions (CLI: --set block_size={seq}; Python: "
-            f"models.build(..., block_size={seq}))"
+            f"models.build(..., block_size={seq}))",
+            limit=config.block_size,
+            lever="--set block_size=N",
         )
     return config
 

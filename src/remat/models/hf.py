@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.errors import RematError, UnknownModelError
+from remat.errors import SequenceLimitError, UnknownModelError
 from remat.models.preset import class_ids, float_input, token_ids
 
 #: Hugging Face configs shipped with remat as data (`hf:<org>/<name>`): the hub's config.json of
@@ -165,9 +165,11 @@ def build_shipped(
         config = config_class.from_dict({**data, **sizes, **overrides, "use_cache": False})
     positions = getattr(config, "max_position_embeddings", None)
     if task != "image-classification" and positions is not None and seq > positions:
-        raise RematError(
+        raise SequenceLimitError(
             f"seq={seq} exceeds hf:{hub_id}'s max_position_embeddings={positions}; "
-            f"pass --set max_position_embeddings={seq} to build it longer"
+            f"pass --set max_position_embeddings={seq} to build it longer",
+            limit=positions,
+            lever="--set max_position_embeddings=N",
         )
     auto = getattr(transformers, TASKS[task])
     with torch.device(device):
