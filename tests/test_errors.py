@@ -103,3 +103,27 @@ def test_get_profile_raises_unknown_profile_error_listing_known_names():
     with pytest.raises(UnknownProfileError, match="'tpu-v9'") as err:
         get_profile("tpu-v9")
     assert all(name in str(err.value) for name in PROFILES)
+
+
+def test_every_error_survives_pickling_with_its_fields():
+    """`remat fit`'s worker processes send a RematError to the parent by pickle; the default
+    reduction calls the class with the message alone, which keyword-only fields refuse."""
+    import pickle
+
+    from remat import errors
+
+    made = [
+        errors.InfeasibleBudget("b", budget_bytes=1, min_feasible_bytes=2),
+        errors.StrategyRefused("r", strategy="sqrt", budget_bytes=3),
+        errors.SequenceLimitError("s", limit=1024, lever="--set block_size=N"),
+        errors.TraceError("t", op="aten.mm", module="h.0", fake_tensor_failure=True),
+        errors.NoBlocksError("n", strategy="full"),
+        errors.UnknownStrategyError("u", name="x", choices=["full"]),
+        errors.PlanFormatError("p", field="regions"),
+        errors.StatefulModuleError("m", module="h.1"),
+        errors.BudgetError("plain"),
+    ]
+    for err in made:
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and back.args == err.args and vars(back) == vars(err)
+        assert str(back) == str(err)

@@ -25,10 +25,24 @@ import logging
 import sys
 import warnings
 from collections.abc import Iterable
+from typing import Any
 
 
 class RematError(ValueError):
     """Base class: bad input or a model remat cannot analyse, with advice in the message."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its fields (`remat fit`'s worker processes send errors to the parent):
+        the default calls the class with the message alone, which the keyword-only fields of
+        most subclasses refuse."""
+        return _rebuilt, (type(self), self.args, vars(self))
+
+
+def _rebuilt(cls: type[RematError], args: tuple[Any, ...], fields: dict[str, Any]) -> RematError:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    vars(err).update(fields)
+    return err
 
 
 class UnknownModelError(RematError):
