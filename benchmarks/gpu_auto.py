@@ -3,9 +3,11 @@ budget planned the way `remat plan --gpu` plans (a meta copy traced with the GPU
 `targets.runtime_cuda`), each applied to the CUDA model and checked by `remat.verify` after a
 training step.
 
-`remat.auto` traces a model on CUDA with the CPU's kernel rules (its default target): SDPA's
-CPU backend and saves, no CUDA kernel scratch. Whether that costs the held bytes or the peak on
-a GPU, and so whether auto should trace for `runtime_cuda()` by default, is what this measures
+`remat.auto` traces a model on CUDA with the CPU's kernel rules (its default target): no CUDA
+kernel scratch, CPU-measured scratch instead. Whether that costs the held bytes or the peak on a
+GPU, and so whether auto should trace for `runtime_cuda()` by default, is what this measures; a
+third row traces the CUDA model itself with the GPU's rules (fake CUDA tensors: the rules were
+written for fake CPU ones, so whether that path holds is part of the answer)
 (stop 49: not yet run on a GPU). On a machine without CUDA both rows are CPU plans (they may
 differ: auto ranks with checkpointing's cost measured on the device): a check that the script runs.
 
@@ -75,6 +77,16 @@ def run(name: str, device: torch.device, budget: str, tiny: bool) -> list[dict[s
     planned = Planner(graph, profile).plan(users.budget_bytes or budget, "auto")
     remat.apply(model, planned)
     rows.append(_row("meta copy, the GPU's kernel rules", planned, model, inputs))
+    if target is not None:  # what auto's default would become: the CUDA model, the GPU's rules
+        try:
+            graph = remat.trace(model, *inputs, target=target)
+            own = Planner(graph, profile).plan(users.budget_bytes or budget, "auto")
+            remat.apply(model, own)
+            rows.append(_row("the CUDA model, the GPU's kernel rules", own, model, inputs))
+        except Exception as err:  # the finding, not a crash: this path is what is being tried
+            remat.remove(model)
+            rows.append({"row": "the CUDA model, the GPU's kernel rules", "error": repr(err)})
+            print(f"  the CUDA model, the GPU's kernel rules: {err!r}", flush=True)
     return rows
 
 
