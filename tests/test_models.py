@@ -185,6 +185,36 @@ def test_gpt_refuses_seq_beyond_its_learned_positions():
     assert model.wpe.weight.shape[0] == ids.shape[1] == 2048
 
 
+@pytest.mark.parametrize(
+    ("name", "field", "limit"),
+    [("hf:gpt2", "n_positions", 1024), ("hf:bert", "max_position_embeddings", 512)],
+)
+def test_hugging_face_learned_positions_end_the_sequence(name, field, limit):
+    """A fake trace reads an embedding past its table unchecked (a GPU asserts): a model with a
+    learned position table refuses a longer sequence, naming the field; rotary positions
+    (Llama) have no table and no such limit."""
+    pytest.importorskip("transformers")
+    from remat.errors import SequenceLimitError
+
+    with pytest.raises(SequenceLimitError, match=f"--set {field}={limit + 64}") as raised:
+        build(name, batch=1, seq=limit + 64)
+    assert (raised.value.limit, raised.value.lever) == (limit, f"--set {field}=N")
+    build(name, batch=1, seq=limit)
+    model, _ = build(name, batch=1, seq=limit + 64, **{field: limit + 64})
+    build("hf:llama", batch=1, seq=4096, tiny=True, max_position_embeddings=2048)
+
+
+def test_a_hugging_face_encoder_decoder_traces_on_token_ids_alone():
+    """hf:t5's T5Model needs decoder ids: the same ids go to the decoder, as teacher forcing over
+    an equal-length target (it failed before: "You must specify exactly one of input_ids")."""
+    pytest.importorskip("transformers")
+    import remat
+
+    model, inputs = build("hf:t5", batch=2, seq=32, tiny=True)
+    graph = remat.trace(model, *inputs)
+    assert any(op.module.startswith("model.decoder") for op in graph.ops)
+
+
 def test_mlp_chain_takes_any_layer_count_from_its_name():
     model, _ = build("mlp-chain-3")
     assert len(model.layers) == 3

@@ -64,7 +64,8 @@ _POSITIONS = ("n_positions", "max_position_embeddings")
 
 class HFLogits(nn.Module):
     """Calls a transformers model on token ids and returns one tensor: its logits, or for a model
-    without a language-model head its last hidden state."""
+    without a language-model head its last hidden state. An encoder-decoder (T5, BART) takes the
+    same ids on the decoder's side too (as teacher forcing over an equal-length target does)."""
 
     def __init__(self, model: nn.Module, output: str):
         super().__init__()
@@ -72,7 +73,8 @@ class HFLogits(nn.Module):
         self.output = output
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return getattr(self.model(input_ids=input_ids), self.output)
+        decoder = {"decoder_input_ids": input_ids} if self.model.config.is_encoder_decoder else {}
+        return getattr(self.model(input_ids=input_ids, **decoder), self.output)
 
 
 class HFLoss(nn.Module):
@@ -303,8 +305,34 @@ def build(
             if attn:
                 raise
             model = from_config("eager")
+    learned = _learned_positions(model)
+    if learned is not None and seq > learned[1]:
+        field, limit = learned
+        raise SequenceLimitError(
+            f"seq={seq} exceeds hf:{model_type}'s {limit} learned positions ({field}): ask for a "
+            f"shorter sequence (CLI: --seq {limit}) or build more positions (CLI: --set "
+            f"{field}={seq})",
+            limit=limit,
+            lever=f"--set {field}=N",
+        )
     wrapped = HFLogits(model.to(dtype), "logits" if causal else "last_hidden_state")
     return wrapped, (token_ids(batch, seq, model.config.vocab_size, device),)
+
+
+def _learned_positions(model: nn.Module) -> tuple[str, int] | None:
+    """The config field and length of the model's learned position table (GPT-2's `wpe`, BERT's
+    and BART's position embeddings), or None: rotary and relative positions have no table. Past
+    its length a GPU's embedding asserts, where a trace on fake tensors reads on unchecked."""
+    tables = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
+    ]
+    for field in _POSITIONS if tables else ():
+        limit = getattr(model.config, field, None)
+        if isinstance(limit, int):
+            return field, limit
+    return None
 
 
 #: Small sizes for the models users bring, on top of `TINY`: image, audio and mixture-of-experts
