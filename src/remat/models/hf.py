@@ -326,7 +326,8 @@ def _learned_positions(model: nn.Module) -> tuple[str, int] | None:
     tables = [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
+        if isinstance(m, nn.Embedding)
+        and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
     ]
     for field in _POSITIONS if tables else ():
         limit = getattr(model.config, field, None)
