@@ -47,6 +47,13 @@ TINY = {
     "num_attention_heads": 4,
     "n_head": 4,
     "num_heads": 4,
+    # encoder-decoders name their stacks apart (BART, Marian, PLBart: 12 heads do not divide 64)
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
     # partial rotary (GPT-J, CodeGen) and multi-head latent attention (DeepSeek): no wider than
@@ -340,12 +347,6 @@ def _learned_positions(model: nn.Module) -> tuple[str, int] | None:
 #: fields, under the names their configs use.
 SMALL = {
     **TINY,
-    "encoder_layers": 2,
-    "decoder_layers": 2,
-    "encoder_ffn_dim": 128,
-    "decoder_ffn_dim": 128,
-    "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4,
     "d_kv": 16,
     "image_size": 64,
     "patch_size": 8,
