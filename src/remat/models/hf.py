@@ -14,6 +14,7 @@ train it: default config and call, dropout and caching as they are, labels for t
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Iterator
@@ -71,16 +72,17 @@ _POSITIONS = ("n_positions", "max_position_embeddings")
 
 class HFLogits(nn.Module):
     """Calls a transformers model on token ids and returns one tensor: its logits, or for a model
-    without a language-model head its last hidden state. An encoder-decoder (T5, BART) takes the
+    without a language-model head its last hidden state. An encoder-decoder (T5Model) takes the
     same ids on the decoder's side too (as teacher forcing over an equal-length target does)."""
 
     def __init__(self, model: nn.Module, output: str):
         super().__init__()
         self.model = model
         self.output = output
+        self.to_decoder = "decoder_input_ids" in inspect.signature(model.forward).parameters
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        decoder = {"decoder_input_ids": input_ids} if self.model.config.is_encoder_decoder else {}
+        decoder = {"decoder_input_ids": input_ids} if self.to_decoder else {}
         return getattr(self.model(input_ids=input_ids, **decoder), self.output)
 
 
