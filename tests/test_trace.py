@@ -458,3 +458,14 @@ def test_a_failure_names_the_module_it_left_not_one_called_inside_an_except_bloc
     with pytest.raises(remat.TraceError) as failure:
         remat.trace(_CallsAModuleWhileHandlingAnError(), torch.randn(4, 8), device=device)
     assert failure.value.module == "late", str(failure.value)
+
+
+def test_a_call_the_forward_cannot_take_is_refused_naming_the_signature():
+    """No example inputs, or a misspelt keyword: said before the step runs, with the forward's
+    signature, not as a failure inside the step that tells the user to fix the model."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(TraceError, match=r"Sequential\.forward\(input\) .*missing a required"):
+        remat.auto(model)
+    with pytest.raises(TraceError, match="unexpected keyword argument 'inputz'"):
+        remat.trace(model, torch.randn(2, 4), inputz=1)
+    assert remat.trace(model, torch.randn(2, 4)).ops  # the call it takes still traces

@@ -10,6 +10,7 @@ caller gives one: the model's own where it returns one (`is_own_loss`), else the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import traceback
 from collections.abc import Callable, Iterator
@@ -280,6 +281,8 @@ def trace(
             f"kernels' choices are emulated on fake CPU tensors, not run on real {device} ones"
         )
     module = fn if isinstance(fn, nn.Module) else None
+    if module is not None:
+        _check_call(module, args, kwargs)
     inputs_need_grad = any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
     )
@@ -321,6 +324,26 @@ def trace(
         if replicate_depth and module is not None and not real:
             return trace_by_depth(module, run)
         return run()
+
+
+def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """A call the model's forward cannot take (no example inputs, a misspelt keyword) is refused
+    here, naming the signature, not reported as a failure inside the step."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: the call itself will say
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        given = f"{len(args)} positional input(s)" + (
+            f" and keyword(s) {', '.join(kwargs)}" if kwargs else ""
+        )
+        raise TraceError(
+            f"{type(module).__name__}.forward{signature} cannot take the example inputs given "
+            f"({given}): {err}. Pass one batch as the model takes it: remat.trace(model, *inputs, "
+            "**kwargs), remat.auto(model, *inputs, budget=..., **kwargs)"
+        ) from None
 
 
 def _trace_draws(
