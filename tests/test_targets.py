@@ -411,3 +411,12 @@ def test_torch_before_1_11_kept_softmaxs_input_too():
         - remat.trace(log, x, target=targets.cuda((7, 0))).activation_bytes
         == 4 * 16 * 4
     )
+
+
+def test_a_catalogue_gpu_sized_by_capacity_keeps_its_multiprocessors():
+    """`--gpu a100-80gb --capacity 22GiB` is still an A100: 108 SMs size its reductions' staging,
+    not the 132 of an unknown GPU (the count was looked up by name, which the capacity renames)."""
+    from remat.device.gpus import get_gpu, with_capacity
+
+    assert get_gpu("a100-80gb").target.multiprocessors == 108
+    assert with_capacity("a100-80gb", "22GiB").target.multiprocessors == 108

@@ -40,7 +40,6 @@ class RematError(ValueError):
 
 def _rebuilt(cls: type[RematError], args: tuple[Any, ...], fields: dict[str, Any]) -> RematError:
     err = cls.__new__(cls, *args)
-    err.args = args
     vars(err).update(fields)
     return err
 

@@ -142,10 +142,10 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     """Dropout.cpp `dropout`: the fused kernel when it is acceptable on CUDA; at p = 0, in
     evaluation or on an empty tensor the input itself (`_dropout_impl`), where the Python
     decomposition clones it."""
-    if train and 0 < p < 1 and input.numel() > 0:
-        return torch.ops.aten.native_dropout.default(input, p, train)[0]
-    if p == 0 or not train or input.numel() == 0:
+    if not train or p == 0 or input.numel() == 0:
         return input
+    if p < 1:
+        return torch.ops.aten.native_dropout.default(input, p, train)[0]
     return torch.ops.aten.dropout.default.decompose(input, p, train)
 
 

@@ -143,6 +143,8 @@ class Gpu:
     torch_version: tuple[int, int] | None = None
     #: the CUDA context a run measured, instead of its architecture's (`fixed_memory`)
     context_bytes: int | None = None
+    #: streaming multiprocessors (the catalogue's: `MULTIPROCESSORS`); kept by `with_capacity`
+    multiprocessors: int = 132
 
     @property
     def architecture(self) -> Architecture:
@@ -156,7 +158,7 @@ class Gpu:
         return targets.cuda(
             self.compute_capability or (9, 0),
             torch_version=self.torch_version,
-            multiprocessors=MULTIPROCESSORS.get(self.name, 132),
+            multiprocessors=self.multiprocessors,
         )
 
     def usable_bytes(self, reserve: Reserve | int | str | None = None, ranks: int = 1) -> int:
@@ -223,7 +225,7 @@ MULTIPROCESSORS: dict[str, int] = {
 #: less than `nvidia-smi`'s total (81559 MiB on an H100 SXM, 143771 MiB on an H200: the driver's
 #: share is outside it) and drifts by tens of MiB with the driver version (the sources name theirs).
 GPUS: dict[str, Gpu] = {
-    g.name: g
+    g.name: replace(g, multiprocessors=MULTIPROCESSORS.get(g.name, g.multiprocessors))
     for g in (
         Gpu(
             "h100-80gb",

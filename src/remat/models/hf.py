@@ -176,12 +176,7 @@ def build_shipped(
         config = config_class.from_dict({**data, **sizes, **overrides, "use_cache": False})
     positions = getattr(config, "max_position_embeddings", None)
     if task != "image-classification" and positions is not None and seq > positions:
-        raise SequenceLimitError(
-            f"seq={seq} exceeds hf:{hub_id}'s max_position_embeddings={positions}; "
-            f"pass --set max_position_embeddings={seq} to build it longer",
-            limit=positions,
-            lever="--set max_position_embeddings=N",
-        )
+        raise _too_long(f"hf:{hub_id}", seq, "max_position_embeddings", positions)
     auto = getattr(transformers, TASKS[task])
     with torch.device(device):
         try:
@@ -316,14 +311,7 @@ def build(
             model = from_config("eager")
     learned = _learned_positions(model)
     if learned is not None and seq > learned[1]:
-        field, limit = learned
-        raise SequenceLimitError(
-            f"seq={seq} exceeds hf:{model_type}'s {limit} learned positions ({field}): ask for a "
-            f"shorter sequence (CLI: --seq {limit}) or build more positions (CLI: --set "
-            f"{field}={seq})",
-            limit=limit,
-            lever=f"--set {field}=N",
-        )
+        raise _too_long(f"hf:{model_type}", seq, *learned)
     wrapped = HFLogits(model.to(dtype), "logits" if causal else "last_hidden_state")
     return wrapped, (token_ids(batch, seq, model.config.vocab_size, device),)
 
@@ -332,17 +320,24 @@ def _learned_positions(model: nn.Module) -> tuple[str, int] | None:
     """The config field and length of the model's learned position table (GPT-2's `wpe`, BERT's
     and BART's position embeddings), or None: rotary and relative positions have no table. Past
     its length a GPU's embedding asserts, where a trace on fake tensors reads on unchecked."""
-    tables = [
-        name
+    has_table = any(
+        isinstance(m, nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
         for name, m in model.named_modules()
-        if isinstance(m, nn.Embedding)
-        and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
-    ]
-    for field in _POSITIONS if tables else ():
+    )
+    for field in _POSITIONS if has_table else ():
         limit = getattr(model.config, field, None)
         if isinstance(limit, int):
             return field, limit
     return None
+
+
+def _too_long(name: str, seq: int, field: str, limit: int) -> SequenceLimitError:
+    return SequenceLimitError(
+        f"seq={seq} exceeds {name}'s {field}={limit} positions: ask for a shorter sequence "
+        f"(CLI: --seq {limit}) or build more positions (CLI: --set {field}={seq})",
+        limit=limit,
+        lever=f"--set {field}=N",
+    )
 
 
 #: Small sizes for the models users bring, on top of `TINY`: image, audio and mixture-of-experts
