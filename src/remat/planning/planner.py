@@ -1,10 +1,10 @@
 """`remat.Planner`: what to keep and what to recompute under a budget, by a named strategy.
 
-The strategies (`remat.planning.strategies`, one file each) are pure functions of a `Planner`; the solvers
-they call (`remat.planning.solvers`) work on small models of the step (a chain of blocks, per-block options,
-the joint graph). The planner turns a traced `Graph` into those models, turns their answers back
-into checkpoint regions, and judges every answer by the same exact simulation
-(`remat.prediction.schedule.simulate`), so that a plan's predicted peak is what `remat.apply` will run.
+The strategies (`remat.planning.strategies`, one file each) are pure functions of a `Planner`;
+the solvers they call (`remat.planning.solvers`) work on small models of the step (a chain of
+blocks, per-block options, the joint graph). The planner turns a traced `Graph` into those models
+and their answers back into checkpoint regions, and judges every answer by one exact simulation
+(`remat.prediction.schedule.simulate`): a plan's predicted peak is what `remat.apply` will run.
 """
 
 from __future__ import annotations
@@ -559,17 +559,8 @@ class Planner:
         out = []
         for group in split:
             first, last = self.blocks[group[0]], self.blocks[group[-1]]
-            keep: set[str] = set()
-            if option.startswith("selective:"):
-                ops = self.graph.ops[first.first_op : last.last_op + 1]
-                reached = self.replayed(first.first_op, last.last_op)
-                name = option.split(":", 1)[1]
-                if name.startswith(DEAREST):
-                    dearest = dearest_first(self.graph, reached, self.op_seconds)
-                    keep = {op.name for op in dearest[: int(name.removeprefix(DEAREST))]}
-                else:
-                    keep = keep_of(name, self.graph, ops, reached)
-                keep = without_mutated(self.graph, ops, keep)
+            name = option.removeprefix("selective:")
+            keep = self.policy_keep(name, first.first_op, last.last_op) if name != option else set()
             modules = tuple(self.blocks[i].path for i in group)
             link = self.links[group[0]] if len(group) > 1 else None
             region = make_region(self.graph, modules, first.first_op, last.last_op, keep)
@@ -577,6 +568,18 @@ class Planner:
                 region = replace(region, carry_output=link[0], carry_argument=link[1])
             out.append(region)
         return tuple(out)
+
+    def policy_keep(self, name: str, first_op: int, last_op: int) -> set[str]:
+        """What a region over `first_op..last_op` keeps under `selective:<name>`: a policy's ops
+        or the keep ladder's first n (benchmarks/keep_floor.py offers every subset of it)."""
+        ops = self.graph.ops[first_op : last_op + 1]
+        reached = self.replayed(first_op, last_op)
+        if name.startswith(DEAREST):
+            ladder = dearest_first(self.graph, reached, self.op_seconds)
+            keep = {op.name for op in ladder[: int(name.removeprefix(DEAREST))]}
+        else:
+            keep = keep_of(name, self.graph, ops, reached)
+        return without_mutated(self.graph, ops, keep)
 
     def replayed(self, first_op: int, last_op: int) -> list[Op]:
         """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`)."""
@@ -630,12 +633,10 @@ class Planner:
     def block_options(self) -> tuple[str, ...]:
         """What a block can be in the per-block models: `BLOCK_OPTIONS`, the keep ladder, and
         with offload its options. The ladder, `selective:dearest-<n>`, keeps the n ops of the
-        block's replay dearest to recompute per byte (`dearest_first`): between torchtitan's list
-        and full checkpointing's nothing, the named policies leave gaps of 20 MiB and more a
-        GPT-2 block (d 768, 1024 tokens); a budget in one recomputed a whole block where keeping
-        the Linear layers' outputs and recomputing the attention would do. Offered for n up to
-        one less than every op, `LADDER` of them at most, spread evenly over the ladder;
-        those that keep what a named policy keeps are left out."""
+        block's replay dearest to recompute per byte (`dearest_first`): the named policies leave
+        gaps of 20 MiB and more a GPT-2 block (d 768, 1024 tokens), where a budget in one
+        recomputed a whole block. Offered for n up to one less than every op, `LADDER` of them at
+        most, spread evenly; those that keep what a named policy keeps are left out."""
         options = (*BLOCK_OPTIONS, *(offloading.OPTIONS if self.offload else ()))
         if not self.blocks:
             return options
