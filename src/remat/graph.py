@@ -10,6 +10,7 @@ so views and in-place results share the bytes of the storage they alias.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -258,20 +259,39 @@ class Graph:
     def blocks(self) -> list[ModuleCall]:
         """The repeated blocks of the model (transformer layers, ResNet bottlenecks, chain layers):
         the calls of numbered submodules (`h.3`, `layer2.1`) at the depth where they cover the most
-        forward ops, shallowest on a tie. Empty when the model has no numbered submodules."""
-        by_depth: dict[int, list[ModuleCall]] = {}
-        for m in self.modules:
-            if m.path.rpartition(".")[2].isdigit():
-                by_depth.setdefault(m.depth, []).append(m)
-        by_depth = {d: calls for d, calls in by_depth.items() if len(calls) >= 2}
-        if not by_depth:
-            return []
+        forward ops, shallowest on a tie. Without them, the calls of modules the forward calls more
+        than once, by the same rule: a block run in a loop (a universal transformer), one block
+        object at several depths. Empty when the model has neither."""
+        numbered = [m for m in self.modules if m.path.rpartition(".")[2].isdigit()]
+        found = _widest_depth(numbered)
+        if not found:
+            calls = Counter(m.path for m in self.modules)
+            found = _widest_depth([m for m in self.modules if m.path and calls[m.path] >= 2])
+        return found
 
-        def coverage(depth: int) -> int:
-            return sum(c.last_op - c.first_op + 1 for c in by_depth[depth])
+    @cached_property
+    def calls_of(self) -> dict[str, list[ModuleCall]]:
+        """Each module path -> its calls in the forward, in order."""
+        out: dict[str, list[ModuleCall]] = {}
+        for m in sorted(self.modules, key=lambda m: m.first_op):
+            out.setdefault(m.path, []).append(m)
+        return out
 
-        best = max(sorted(by_depth), key=coverage)
-        return sorted(by_depth[best], key=lambda c: c.first_op)
+    def call_numbers(
+        self, modules: tuple[str, ...], first_op: int, last_op: int
+    ) -> tuple[int, ...]:
+        """Which call of each of `modules` (0: the forward's first) falls in `first_op..last_op`,
+        where one of them is called more than once (a block run in a loop), so that `remat.apply`
+        checkpoints those calls alone; () where each is called once."""
+        if all(len(self.calls_of.get(path, ())) < 2 for path in modules):
+            return ()
+        numbers: list[int] = []
+        for k, path in enumerate(modules):
+            taken = {n for p, n in zip(modules[:k], numbers, strict=True) if p == path}
+            calls = enumerate(self.calls_of.get(path, ()))
+            inside = [n for n, c in calls if first_op <= c.first_op <= last_op and n not in taken]
+            numbers.append(inside[0] if inside else 0)
+        return tuple(numbers)
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -303,3 +323,20 @@ class Graph:
             modules=[ModuleCall(**_call_fields(tup(m, *_CALL_TUPLES))) for m in d["modules"]],
             info=d["info"],
         )
+
+
+def _widest_depth(calls: list[ModuleCall]) -> list[ModuleCall]:
+    """Of `calls`, those at the depth (two calls or more) whose calls cover the most forward ops,
+    shallowest on a tie, in forward order."""
+    by_depth: dict[int, list[ModuleCall]] = {}
+    for m in calls:
+        by_depth.setdefault(m.depth, []).append(m)
+    by_depth = {d: found for d, found in by_depth.items() if len(found) >= 2}
+    if not by_depth:
+        return []
+
+    def coverage(depth: int) -> int:
+        return sum(c.last_op - c.first_op + 1 for c in by_depth[depth])
+
+    best = max(sorted(by_depth), key=coverage)
+    return sorted(by_depth[best], key=lambda c: c.first_op)

@@ -368,6 +368,7 @@ def apply(model: nn.Module, plan: Plan, *, between_steps: bool = False) -> nn.Mo
         forwards={},
         ran=ran,
     )
+    by_call: dict[nn.Module, dict[int, Any]] = {}  # repeated blocks: call number -> forward
     for region in plan.regions:
         check = RegionCheck(
             region.modules, frozenset((m, key_target(t), n) for m, t, n in region.keep_keys)
@@ -375,10 +376,19 @@ def apply(model: nn.Module, plan: Plan, *, between_steps: bool = False) -> nn.Mo
         state.checks.append(check)
         blocks = [named[p] for p in region.modules]
         for block in blocks:
-            state.forwards[block] = vars(block).get("forward")
-        blocks[0].forward = first = _RegionForward(state, check, blocks, region, scope)
-        for k, block in enumerate(blocks[1:], start=1):
-            block.forward = _PassThrough(first, k)
+            state.forwards.setdefault(block, vars(block).get("forward"))
+        first = _RegionForward(state, check, blocks, region, scope)
+        for k, block in enumerate(blocks):
+            forward = _PassThrough(first, k) if k else first
+            if region.calls:
+                by_call.setdefault(block, {})[region.calls[k]] = forward
+            else:
+                block.forward = forward
+    if by_call:
+        counted = [_ByCall(b, state.forwards[b], planned) for b, planned in by_call.items()]
+        for c in counted:
+            c.block.forward = c
+        state.handles.append(model.register_forward_pre_hook(_NewForward(counted)))
     if plan.offload:  # the offloaded blocks' saves go to host memory (remat.applying.offload)
         state.offloader, handles = install_offload(
             model, plan.offload, plan.offload_min_bytes, plan.offload_saves
@@ -390,6 +400,34 @@ def apply(model: nn.Module, plan: Plan, *, between_steps: bool = False) -> nn.Mo
                 keep_policy.offloader = state.offloader  # its kept outputs go to host too
     setattr(model, _APPLIED, state)
     return model
+
+
+class _ByCall:
+    """The `forward` of a block the model calls more than once (a block run in a loop) of which
+    the plan checkpoints some calls (`Region.calls`): the forward's n-th call runs what the plan
+    has for call n (a region's `_RegionForward`, or `_PassThrough` for a later block of one), any
+    other call the block's own forward. A replay calls the blocks' own forwards: it counts none."""
+
+    def __init__(self, block: nn.Module, own: Any, planned: dict[int, Any]):
+        self.block, self.own, self.planned, self.count = block, own, planned, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.planned.get(self.count)
+        self.count += 1
+        if forward is None:
+            forward = self.own or type(self.block).forward.__get__(self.block)
+        return forward(*args, **kwargs)
+
+
+class _NewForward:
+    """The planned model's forward pre-hook: each forward numbers its blocks' calls from 0."""
+
+    def __init__(self, counted: list[_ByCall]):
+        self.counted = counted
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for c in self.counted:
+            c.count = 0
 
 
 class _PassThrough:

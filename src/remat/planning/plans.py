@@ -186,6 +186,7 @@ class Plan:
                     random=bool(r.get("random", True)),
                     carry_output=tuple(r.get("carry_output", ())),
                     carry_argument=str(r.get("carry_argument", "0")),
+                    calls=tuple(int(n) for n in r.get("calls", ())),
                 )
                 for r in regions
             )

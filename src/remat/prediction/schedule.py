@@ -69,7 +69,9 @@ class Region:
     whether checkpoint must keep the RNG state to replay it. A region of several blocks calls each
     later block with the first one's arguments but `carry_argument` (a positional index as digits,
     or a keyword), which takes the previous block's output at `carry_output` (indices, keys or
-    attribute names into it; empty: the output itself)."""
+    attribute names into it; empty: the output itself). `calls`: where a module of the region is
+    one the forward calls more than once, which call of each module it is (0: the first); empty
+    where each is called once."""
 
     modules: tuple[str, ...]
     first_op: int
@@ -79,6 +81,7 @@ class Region:
     random: bool = True
     carry_output: tuple[int | str, ...] = ()
     carry_argument: str = "0"
+    calls: tuple[int, ...] = ()
 
     def covers(self, op_index: int | None) -> bool:
         return op_index is not None and self.first_op <= op_index <= self.last_op
@@ -149,17 +152,15 @@ def make_region(
                 module=call.path,
             )
     ops = graph.ops[first_op : last_op + 1]
-    random = any(op.random for op in ops)
-    if not keep:
-        return Region(modules, first_op, last_op, random=random)
-    keys = op_keys(ops)
+    keys = zip(op_keys(ops), ops, strict=True) if keep else ()
     return Region(
         modules,
         first_op,
         last_op,
         keep=tuple(sorted(keep)),
-        keep_keys=tuple(k for k, op in zip(keys, ops, strict=True) if op.name in keep),
-        random=random,
+        keep_keys=tuple(k for k, op in keys if op.name in keep),
+        random=any(op.random for op in ops),
+        calls=graph.call_numbers(modules, first_op, last_op),
     )
 
 

@@ -401,6 +401,23 @@ def _trace_draws(
     return graph
 
 
+def _every_slot(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (by `named_parameters`' and `named_buffers`' names) for every place the module
+    holds one of those tensors, each once: a tied weight in each module that holds it, a shared
+    block under its first name alone. torch's own `tie_weights=True` also swaps a shared block's
+    tensors under each of its names, and restores the first swap's stand-in under the second:
+    the caller's model was left with fake parameters."""
+    originals = dict(module.named_parameters())
+    originals.update(module.named_buffers())
+    new = {id(originals[n]): t for n, t in state.items()}
+    out = {}
+    for prefix, m in module.named_modules():
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and id(t) in new:
+                out[f"{prefix}.{attr}" if prefix else attr] = new[id(t)]
+    return out
+
+
 def _trace_once(
     fn: nn.Module | Callable[..., Any],
     module: nn.Module | None,
@@ -475,7 +492,7 @@ def _trace_once(
             # parameters and accumulate their gradients, not the caller's.
             with (
                 restored,
-                _reparametrize_module(module, state, tie_weights=True)
+                _reparametrize_module(module, _every_slot(module, state))
                 if module is not None
                 else contextlib.nullcontext(),
                 tracer,
