@@ -529,3 +529,26 @@ def test_kernel_scratch_rule_equals_what_cpu_flash_attention_backward_allocates(
     )
     assert scratch > 0
     assert scratch == kernel_scratch_bytes(op, (grad, q.detach(), k.detach()))
+
+
+class _LSTMHead(nn.Module):
+    """An LSTM breaks dynamo's graph: the measured first step's hooks run between graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+@needs_cxx
+def test_the_first_steps_check_is_not_compiled_where_the_model_breaks_its_graph(caplog):
+    # dynamo compiled remat's pack hook once per saved dtype and shape and warned that it hit
+    # its recompile limit on the first call of remat.compile(lstm_model)
+    x = torch.randn(2, 6, 8)
+    compiled = remat.compile(_LSTMHead(), budget="100%")
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        compiled(x).sum().backward()
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]

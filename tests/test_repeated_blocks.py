@@ -135,3 +135,16 @@ def test_a_plan_on_a_repeated_block_survives_json_deepcopy_and_pickle():
         got = _grads(twin, *inputs)
         assert all(torch.equal(got[n], reference[n]) for n in reference)
         assert remat.verify(twin, *inputs).ok
+
+
+def test_auto_says_why_a_model_without_blocks_has_nothing_to_recompute():
+    class Unrepeated(nn.Module):  # two different blocks, each called once, not numbered
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Block(), Block()
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    with pytest.raises(remat.InfeasibleBudget, match="this model has none .no numbered"):
+        remat.auto(Unrepeated(), *_inputs(), budget="50%", tune=False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -368,7 +369,13 @@ class SavedStorages:
         self.nbytes = 0
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        """The hooks; under a compiled model (dynamo imported) the pack hook runs eagerly: dynamo
+        would compile it once per saved tensor's dtype and shape where the model breaks its
+        graph (an LSTM), and warn of its recompile limit on the first step."""
+        pack = self._pack
+        if "torch._dynamo" in sys.modules:
+            pack = torch._dynamo.disable(pack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = _local(t).untyped_storage()

@@ -57,7 +57,8 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
             f"{format_bytes(smallest.predicted_peak_bytes)} ({smallest.predicted_peak_bytes} bytes)"
             f". {planner.what_the_peak_holds(smallest.predicted_peak_bytes)}"
             + (f" ({left_out})" if left_out else "")
-            + _short_by_the_inputs(smallest.predicted_peak_bytes - budget_bytes, planner),
+            + _short_by_the_inputs(smallest.predicted_peak_bytes - budget_bytes, planner)
+            + _no_blocks(planner),
             budget_bytes=budget_bytes,
             min_feasible_bytes=smallest.predicted_peak_bytes,
         )
@@ -88,6 +89,18 @@ def _short_by_the_inputs(short: int, planner: Planner) -> str:
         "is the whole step's peak, inputs included; a peak read from a profiler or an allocator "
         "counter started after the inputs existed leaves them out (remat.measure's peak_bytes "
         "counts them)"
+    )
+
+
+def _no_blocks(planner: Planner) -> str:
+    """Why nothing but store-all was tried, where the model has no blocks for regions."""
+    if planner.blocks or planner.reversible_blocks:
+        return ""
+    return (
+        ". No strategy but store_all could run: checkpoint regions wrap repeated blocks, and this "
+        "model has none (no numbered submodules such as layers.0, layers.1, and no module its "
+        "forward calls more than once). Hold the repeated layers in an nn.ModuleList, or use "
+        "remat.compile, which plans inside the compiled graph"
     )
 
 
