@@ -302,3 +302,72 @@ def test_a_model_of_ones_own_is_cut_at_its_block_stack_by_torchs_frontend():
     torch.testing.assert_close(stages[-1].loss_fn(x, labels), expected)
     with pytest.raises(RematError, match=r"cannot cut a Linear \(torch.*no repeated blocks"):
         pp.split(torch.nn.Linear(4, 4), 2, torch.randn(2, 4))
+
+
+class OwnWithPositions(Own):
+    """`Own` with learned positions made on the ids' device, as most models of one's own do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.nn.Embedding(64, 32)
+
+    def forward(self, ids):
+        where = torch.arange(ids.shape[1], device=ids.device)
+        return self.head(self.blocks(self.embed(ids) + self.positions(where)))
+
+
+def _built_on(device: str):
+    def build(batch: int, seq: int):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = OwnWithPositions()
+        ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        return model, (ids, ids)
+
+    return build
+
+
+def test_a_model_of_ones_own_cut_on_meta_traces_where_it_asks_for_its_inputs_device():
+    # export wrote `device=meta` into the graph (the arange), and the stages' fake CPU trace
+    # met a meta tensor in the positions' backward: FakeTensorDeviceMismatchError
+    from remat.layouts.pipeline_traced import TracedPipeline
+
+    on_meta, on_cpu = (
+        TracedPipeline.of(_built_on(device), 4, 16, stages=2, microbatches=2)
+        for device in ("meta", "cpu")
+    )
+    meta, cpu = on_meta.report(), on_cpu.report()
+    assert [s.held_bytes_per_microbatch for s in meta.stages] == [
+        s.held_bytes_per_microbatch for s in cpu.stages
+    ]
+    assert meta.rank_peak_bytes == cpu.rank_peak_bytes
+
+
+def test_a_model_that_hands_its_stages_more_than_one_tensor_is_refused_by_name():
+    class WithMask(Own):  # a mask made once and given to every block, as GPT-2's is
+        def forward(self, ids):
+            h, mask = self.embed(ids), (ids > 0).unsqueeze(-1).float()
+            for block in self.blocks:
+                h = h + block(h) * mask
+            return self.head(h)
+
+    with pytest.raises(RematError, match="stage 1 takes 2 tensors"):
+        pp.split(WithMask(), 2, torch.randint(0, 100, (2, 8)))
+
+
+def test_an_hf_model_type_built_without_labels_is_cut_with_its_ids_as_labels():
+    # `remat fit --model hf:llama --pp 2` stopped in a ValueError traceback: hf:<model_type>
+    # builds with the token ids alone (its one-process step sums the logits)
+    from remat.layouts.pipeline_traced import TracedPipeline
+
+    def build(batch: int, seq: int):
+        return models.build("hf:llama", device="meta", tiny=True, batch=batch, seq=seq)
+
+    report = TracedPipeline.of(build, 4, 32, stages=2, microbatches=2).report()
+    assert [s.layers for s in report.stages] == [range(0, 1), range(1, 2)]
+
+    def pixels_alone(batch: int, seq: int):
+        return Own(), (torch.randn(batch, seq),)
+
+    with pytest.raises(RematError, match="no labels: a pipeline's last stage needs labels"):
+        TracedPipeline.of(pixels_alone, 4, 8, stages=2, microbatches=2)

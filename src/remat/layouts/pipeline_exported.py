@@ -106,7 +106,40 @@ def split_exported(model: nn.Module, stages: int, example: torch.Tensor) -> list
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}): cut it into "
             "stage modules of your own and trace each with remat.trace"
         ) from err
+    for i in range(1, stages):
+        taken = [n.name for n in pipe.get_stage_module(i).graph.nodes if n.op == "placeholder"]
+        if len(taken) > 1:
+            raise RematError(
+                f"torch's pipeline frontend cut {cls.__name__} so that stage {i} takes "
+                f"{len(taken)} tensors ({', '.join(taken)}: what the model computes once and "
+                "passes to every block, such as a mask, besides the hidden states); remat's "
+                "stages hand on one tensor: cut it into stage modules of your own and trace each "
+                "with remat.trace"
+            )
     loss = getattr(model, "loss_fn", None)
     return [
-        ExportedStage(pipe.get_stage_module(i), i, stages, runs[i], loss) for i in range(stages)
+        ExportedStage(
+            _on_the_tracers_device(pipe.get_stage_module(i), example), i, stages, runs[i], loss
+        )
+        for i in range(stages)
     ]
+
+
+def _on_the_tracers_device(module: nn.Module, example: torch.Tensor) -> nn.Module:
+    """`module` with the device its graph names made the CPU where the model was cut on meta
+    tensors: export writes the example's device into the graph wherever the model asked for a
+    tensor's (GPT-2's `position_embeds.to(inputs_embeds.device)`, an `arange(device=...)`), and
+    `remat.trace` runs a meta model on fake CPU tensors, which met meta ones there."""
+    if example.device.type != "meta":
+        return module
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for part in module.modules():  # GraphModules, and export's InterpreterModules
+        graph = getattr(part, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.kwargs.get("device") in (meta, "meta"):
+                node.kwargs = {**node.kwargs, "device": cpu}
+        if isinstance(part, torch.fx.GraphModule):
+            part.recompile()
+    return module

@@ -192,7 +192,8 @@ class TracedPipeline:
         size = batch // microbatches
         order = pipeline_order(schedule, stages, microbatches, ranks)
         counts = in_flight(schedule, stages, microbatches, ranks)
-        model, (ids, labels) = build(size, seq)
+        model, inputs = build(size, seq)
+        ids, labels = _ids_and_labels(model, inputs)
         model.train()
         traced = trace_stages(
             split(model, stages, ids), ids, labels, ranks, trace_options, reuse_alike
@@ -391,3 +392,18 @@ class TracedPipeline:
             budget_bytes=budget_bytes,
             min_feasible_bytes=best,
         )
+
+
+def _ids_and_labels(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
+    """The first stage's input and the last stage's labels: the two inputs the model was built
+    with, or, for a language model built with its token ids alone (`hf:<model_type>`, whose
+    one-process step sums the logits), those ids as labels, which a causal LM's loss shifts."""
+    if len(inputs) == 2:
+        return inputs
+    if len(inputs) == 1 and not inputs[0].is_floating_point():
+        return inputs[0], inputs[0]
+    raise RematError(
+        f"{type(model).__name__} was built with {len(inputs)} input(s) and no labels: a "
+        "pipeline's last stage needs labels for its loss. Build it as (model, (inputs, labels)) "
+        "in a 'pkg.module:factory', or use a shipped config (hf:<org>/<name>)"
+    )
