@@ -148,3 +148,21 @@ def test_auto_says_why_a_model_without_blocks_has_nothing_to_recompute():
 
     with pytest.raises(remat.InfeasibleBudget, match="this model has none .no numbered"):
         remat.auto(Unrepeated(), *_inputs(), budget="50%", tune=False)
+
+
+def test_bench_wraps_a_block_run_in_a_loop_once_and_says_why_sequential_cannot():
+    from remat.answers.bench import bench
+    from remat.prediction.schedule import rng_state_bytes
+
+    model, inputs = Loop(), _inputs()
+    planner = remat.Planner(remat.trace(model, *inputs))
+    names = ["full", "torch:checkpoint-per-block", "torch:checkpoint_sequential"]
+    rows = {r.strategy: r for r in bench(model, inputs, planner, names, budget="1TiB", steps=1)}
+    per_block = rows["torch:checkpoint-per-block"]
+    assert per_block.ran and per_block.grad_max_abs_diff == 0
+    # every call checkpointed once, each keeping the RNG state that remat's regions without a
+    # random op leave out
+    rng = rng_state_bytes(planner.graph)
+    assert per_block.held_bytes == rows["full"].held_bytes + 4 * rng
+    assert not rows["torch:checkpoint_sequential"].ran
+    assert "called more than once" in rows["torch:checkpoint_sequential"].note

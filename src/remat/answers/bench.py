@@ -268,6 +268,10 @@ def _baseline_setup(model: nn.Module, name: str, paths: list[str]) -> Setup | st
     if not paths:
         return "no repeated blocks"
     sequential = name.endswith("sequential")
+    if len(set(paths)) < len(paths):  # a block run more than once: each module wrapped once
+        if sequential:
+            return "a block is called more than once (its calls are not a list of modules)"
+        paths = list(dict.fromkeys(paths))
     return lambda: _blocks_checkpointed(model, paths, sequential=sequential)
 
 
