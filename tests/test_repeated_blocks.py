@@ -166,3 +166,21 @@ def test_bench_wraps_a_block_run_in_a_loop_once_and_says_why_sequential_cannot()
     assert per_block.held_bytes == rows["full"].held_bytes + 4 * rng
     assert not rows["torch:checkpoint_sequential"].ran
     assert "called more than once" in rows["torch:checkpoint_sequential"].note
+
+
+def test_offload_leaves_a_block_called_more_than_once_on_the_device():
+    # apply offloads by module path, every call alike, where the planner offloaded one call of
+    # `block` (the lowest plan had offload=('block',))
+    from remat.planning.offload import OffloadSettings
+
+    model, inputs = Loop(), _inputs()
+    planner = remat.Planner(
+        remat.trace(model, *inputs), "h100", offload=OffloadSettings(min_bytes=1)
+    )
+    assert planner.lowest_peak().offload == ()
+    for budget in ("90%", "60%", "30%"):
+        try:
+            plan = planner.plan(planner.budget_bytes(budget), "auto")
+        except remat.InfeasibleBudget:
+            continue
+        assert plan.offload == (), budget

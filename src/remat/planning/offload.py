@@ -215,7 +215,9 @@ def block_offload(
     regions that start at one; synchronous windows, or with `in_flight` the GPU's (a block's
     saves on the device until the next block of `all_blocks` ends its forward, a region's inputs
     until its own forward ends; both back from the next block's first backward op). `chosen`:
-    as `offloaded_saves` takes it."""
+    as `offloaded_saves` takes it. A block the forward calls more than once is left out: apply
+    offloads by module path, every call of it alike."""
+    blocks = [b for b in blocks if len(graph.calls_of.get(b.path, ())) < 2]
     saves = offloaded_saves(graph, regions, blocks, min_bytes, chosen)
     frames = offloaded_frames(graph, regions, blocks, min_bytes)
     kept = offloaded_kept(graph, regions, blocks, min_bytes)
