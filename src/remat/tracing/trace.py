@@ -280,6 +280,7 @@ def trace(
             f"target {target.describe()!r} is traced on fake tensors (device='meta'): the CUDA "
             f"kernels' choices are emulated on fake CPU tensors, not run on real {device} ones"
         )
+    _refuse_ambient_autocast(autocast)
     module = fn if isinstance(fn, nn.Module) else None
     if module is not None:
         _check_call(module, args, kwargs)
@@ -399,6 +400,22 @@ def _trace_draws(
         "forward_ops": counts,
     }
     return graph
+
+
+def _refuse_ambient_autocast(autocast: torch.dtype | None) -> None:
+    """A trace inside `torch.autocast(...)` would run its own mixed precision (`autocast`) and the
+    caller's on top: on a CPU step called so, `remat.auto` refused every budget below store-all's
+    by 8%. The step's precision is an argument instead."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            raise TraceError(
+                f"remat traces the step inside torch.autocast({device!r}, dtype={dtype}): call it "
+                f"outside the autocast context and pass autocast={dtype} (remat.auto(model, ..., "
+                f"autocast={dtype}); CLI: --precision bf16-mixed), which runs the traced step's "
+                "forward and loss under autocast as training does"
+                + (f" (the one given now: {autocast})" if autocast is not None else "")
+            )
 
 
 def _every_slot(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
