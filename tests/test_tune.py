@@ -208,3 +208,14 @@ def test_untuned_auto_prices_ops_at_the_cpus_rates_measured_once_and_kept_on_dis
     on_gpu = replace(shipped, region_seconds=1e-3)  # overheads given: nothing measured on a GPU
     assert measured_profile(on_gpu, torch.device("cuda")) is on_gpu
     assert len(calls) == 1
+
+
+def test_auto_keeps_the_traces_own_options_from_the_model_and_refuses_timing_without_autocast():
+    # auto's keyword arguments are the model's: tune=True called forward(..., autocast=...)
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", tiny=True, device="cpu", batch=8, seq=128, n_layer=4)
+    plan = remat.auto(model, *inputs, budget="90%", target="cpu", tune=True)
+    assert plan.strategy.endswith(", tuned)")
+    with pytest.raises(remat.RematError, match="leave tune at 'steps'"):
+        remat.auto(model, *inputs, budget="90%", autocast=torch.bfloat16, tune=True)
+    remat.auto(model, *inputs, budget="90%", autocast=torch.bfloat16)  # tuned on the first steps

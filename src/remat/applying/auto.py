@@ -81,10 +81,12 @@ def auto(
     previous = installed_plan(model)
     remove(model)
     refuse_double_checkpointing(model)  # before a trace that would run their checkpointing
+    # the trace's own options, not the model's (tune=True calls the model with the rest)
+    traced = {k: kwargs.pop(k) for k in ("autocast", "target") if k in kwargs}
     try:
         if trace_device in (None, "meta"):
             try:
-                graph = trace(model, *example_inputs, device="meta", **kwargs)
+                graph = trace(model, *example_inputs, device="meta", **traced, **kwargs)
             except TraceError as err:
                 if trace_device is not None or not err.fake_tensor_failure:
                     raise
@@ -94,9 +96,9 @@ def auto(
                 warn(
                     f"remat: {str(err).split('. ')[0]}; tracing on real CPU tensors instead ({why})"
                 )
-                graph = trace(model, *example_inputs, device="cpu", **kwargs)
+                graph = trace(model, *example_inputs, device="cpu", **traced, **kwargs)
         else:
-            graph = trace(model, *example_inputs, device=trace_device, **kwargs)
+            graph = trace(model, *example_inputs, device=trace_device, **traced, **kwargs)
         if offload:
             if tune is True:
                 raise RematError(
@@ -114,6 +116,12 @@ def auto(
             )
             trials, key = [], None
         else:
+            if tune is True and traced.get("autocast") is not None:
+                raise RematError(
+                    "tune=True times steps on the example inputs without the training loop's "
+                    "autocast; with autocast= leave tune at 'steps' (the default), which times "
+                    "your own first training steps, as they run"
+                )
             chosen, trials, key = plan_for_training(
                 model, graph, example_inputs, kwargs, budget, strategy, profile, optimizer, tune
             )
