@@ -25,7 +25,7 @@ import remat
 from remat import models
 from remat.planning import planner as planning
 from remat.planning import strategies
-from remat.planning.solvers.selective import dearest_first, without_mutated
+from remat.planning.solvers.selective import dearest_first, keepable
 
 SUBSET = "subset-"
 
@@ -48,7 +48,7 @@ class EveryKeepSet(planning.Planner):
         mask = int(name.removeprefix(SUBSET))
         ladder = dearest_first(self.graph, self.replayed(first_op, last_op), self.op_seconds)
         keep = {op.name for i, op in enumerate(ladder) if mask >> i & 1}
-        return without_mutated(self.graph, self.graph.ops[first_op : last_op + 1], keep)
+        return keepable(self.graph, self.graph.ops[first_op : last_op + 1], keep)
 
 
 def main(argv: list[str] | None = None) -> int:

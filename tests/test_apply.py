@@ -308,3 +308,35 @@ def test_auto_that_fails_leaves_the_previous_plan_installed():
         remat.auto(model, *inputs, budget=1024)
     assert vars(model)["_remat_applied"].plan is first
     remat.remove(model)
+
+
+def test_a_backward_inside_the_loops_autocast_gets_the_gradients_of_no_plan():
+    # autocast caches its casts of parameters for the whole context: a backward run inside it
+    # replayed a region without dispatching them, and a plan that kept them (the keep ladder's
+    # longest rung) handed the input's cast the bias's: "shape '[192]' is invalid for input of
+    # size 196608"
+    from remat.planning.solvers.selective import dearest_first
+
+    torch.manual_seed(0)
+    model, inputs = models.build("gpt2", tiny=True, device="cpu", batch=2, seq=32)
+    planner = Planner(remat.trace(model, *inputs, autocast=torch.bfloat16))
+    block = planner.blocks[0]
+    ladder = dearest_first(
+        planner.graph, planner.replayed(block.first_op, block.last_op), planner.op_seconds
+    )
+    assert any(op.short == "_to_copy" for op in ladder)  # casts are rungs of the ladder
+    plan = planner.make_plan(
+        planner.every_block(f"selective:dearest-{len(ladder) - 1}"), "", None, ""
+    )
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(*inputs)
+            loss.backward()  # inside the context, as many training loops do
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    reference = step(model)
+    remat.apply(model, plan)
+    got = step(model)
+    assert all(torch.equal(got[n], reference[n]) for n in reference)

@@ -138,11 +138,7 @@ def test_optimizer_state_of_a_known_graph():
 
 def _tiny_gpt2(dtype: str = "fp32", autocast: bool = False) -> tuple[remat.Graph, int]:
     model, inputs = models.build("gpt2", batch=2, seq=32, tiny=True, dtype=dtype)
-    if autocast:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            graph = remat.trace(model, *inputs)
-    else:
-        graph = remat.trace(model, *inputs)
+    graph = remat.trace(model, *inputs, autocast=torch.bfloat16 if autocast else None)
     return graph, sum(p.numel() for p in model.parameters())
 
 

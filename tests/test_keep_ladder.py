@@ -10,7 +10,7 @@ import remat
 from remat import Planner, models
 from remat.answers.bench import gradients
 from remat.planning.blocks import replay_reach
-from remat.planning.solvers.selective import AS_PEERS_RUN, POLICIES, without_mutated
+from remat.planning.solvers.selective import AS_PEERS_RUN, POLICIES, keepable
 
 #: What `simulate` does not model: the 0-dim tensors a CPU kernel wraps a Python number in.
 SCALAR_WRAPPERS = 64
@@ -53,7 +53,7 @@ def test_selective_regions_keep_nothing_past_their_replays_stop(gpt2):
             }
             if policy in AS_PEERS_RUN:  # torchtitan's list whole, as torch's SAC holds it
                 ops = planner.graph.ops[region.first_op : region.last_op + 1]
-                whole = without_mutated(planner.graph, ops, POLICIES[policy](planner.graph, ops))
+                whole = keepable(planner.graph, ops, POLICIES[policy](planner.graph, ops))
                 assert set(region.keep) == whole, policy
             else:
                 assert set(region.keep) <= reached, (policy, set(region.keep) - reached)

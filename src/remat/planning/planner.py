@@ -51,7 +51,7 @@ from remat.planning.plans import (
     resolve_budget,
 )
 from remat.planning.solvers import chain as chain_model
-from remat.planning.solvers.selective import POLICIES, dearest_first, keep_of, without_mutated
+from remat.planning.solvers.selective import POLICIES, dearest_first, keep_of, keepable
 from remat.prediction.estimate import MemoryEstimate, Optimizer, estimate, optimizer_step_bytes
 from remat.prediction.schedule import Region, Simulation, analyse_regions, make_region, simulate
 from remat.units import format_bytes
@@ -579,7 +579,7 @@ class Planner:
             keep = {op.name for op in ladder[: int(name.removeprefix(DEAREST))]}
         else:
             keep = keep_of(name, self.graph, ops, reached)
-        return without_mutated(self.graph, ops, keep)
+        return keepable(self.graph, ops, keep)
 
     def replayed(self, first_op: int, last_op: int) -> list[Op]:
         """The ops the replay of a region over `first_op..last_op` reaches (`replay_reach`)."""

@@ -107,10 +107,13 @@ def keep_of(name: str, graph: Graph, ops: list[Op], reached: Sequence[Op]) -> se
     return keep if name in AS_PEERS_RUN else keep & {op.name for op in reached}
 
 
-def without_mutated(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
-    """Selective checkpointing caches a kept op's output tensor and refuses it when the region
-    modifies it in place (a ResNet's `relu_` or `+=`), in-place outputs included: storages written
-    in place inside the region are recomputed, never kept."""
+def keepable(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
+    """The ops of `keep` a selective policy can keep. Not one whose output the region modifies in
+    place (a ResNet's `relu_` or `+=`, in-place outputs included): selective checkpointing refuses
+    it. Not autocast's cast of a parameter: autocast caches those for the whole context, so a
+    backward run inside the loop's `torch.autocast` replays the region without dispatching them,
+    and a policy counting casts then hands a later cast the kept one (a bias for an input: a
+    shape error in the backward)."""
     written = {
         graph.tensors[t].storage
         for op in ops
@@ -121,8 +124,16 @@ def without_mutated(graph: Graph, ops: list[Op], keep: set[str]) -> set[str]:
     return {
         op.name
         for op in ops
-        if op.name in keep and not any(graph.tensors[t].storage in written for t in op.outputs)
+        if op.name in keep
+        and not any(graph.tensors[t].storage in written for t in op.outputs)
+        and not _casts_a_parameter(graph, op)
     }
+
+
+def _casts_a_parameter(graph: Graph, op: Op) -> bool:
+    return op.short == "_to_copy" and any(
+        graph.storages[graph.tensors[t].storage].kind == "param" for t in op.inputs
+    )
 
 
 def dearest_first(graph: Graph, ops: Sequence[Op], seconds: Sequence[float]) -> list[Op]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from remat.device.cost import is_matmul
 from remat.errors import InfeasibleBudget
 from remat.planning.solvers import mincut
-from remat.planning.solvers.selective import without_mutated
+from remat.planning.solvers.selective import keepable
 from remat.planning.strategies import Strategy, register
 from remat.prediction.schedule import make_region
 from remat.units import format_bytes
@@ -35,7 +35,7 @@ def solve(planner: Planner, budget_bytes: int) -> Plan:
     regions = []
     for modules, first, last in spans:
         ops = graph.ops[first : last + 1]
-        keep = without_mutated(graph, ops, {op.name for op in ops if op.name in saved})
+        keep = keepable(graph, ops, {op.name for op in ops if op.name in saved})
         regions.append(make_region(graph, modules, first, last, keep))
     return planner.make_plan(
         tuple(regions),
