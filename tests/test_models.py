@@ -606,3 +606,15 @@ def test_image_presets_train_on_class_cross_entropy(name):
     expected = nn.functional.cross_entropy(model(images), labels)
     torch.testing.assert_close(model(images, labels), expected)
     assert labels.shape == (3,) and labels.dtype == torch.long
+
+
+def test_a_causal_lm_head_that_asserts_is_decoder_is_built_as_a_decoder():
+    # `remat estimate --model hf:reformer` ended in transformers' AssertionError traceback
+    # ("make sure that is_decoder=True"); a model its own config check refuses at --tiny's
+    # sizes ended in a ValueError traceback
+    pytest.importorskip("transformers")
+    model, _ = build("hf:reformer", device="meta", batch=1, seq=4096)
+    assert type(model.model).__name__ == "ReformerModelWithLMHead"
+    assert model.model.config.is_decoder
+    with pytest.raises(UnknownModelError, match="does not build it at --tiny's sizes: .*axial"):
+        build("hf:reformer", device="meta", tiny=True, batch=1, seq=64)

@@ -302,13 +302,30 @@ def build(
             AutoConfig.for_model(model_type, attn_implementation=impl, **kwargs)
         )
 
-    with torch.device(device), config_errors(f"hf:{model_type}"):
+    def built() -> nn.Module:
         try:
-            model = from_config(attn or "sdpa")
+            return from_config(attn or "sdpa")
         except ValueError:  # this architecture has no SDPA attention
             if attn:
                 raise
-            model = from_config("eager")
+            try:
+                return from_config("eager")
+            except ValueError as err:  # the model's own check of its config
+                raise UnknownModelError(
+                    f"hf:{model_type}: transformers does not build it"
+                    + (" at --tiny's sizes" if tiny else "")
+                    + f": {' '.join(str(err).split())} (give its config fields with --set "
+                    "FIELD=VALUE)"
+                ) from None
+
+    with torch.device(device), config_errors(f"hf:{model_type}"):
+        try:
+            model = built()
+        except AssertionError as err:  # a causal LM head that asserts is_decoder (Reformer's)
+            if "is_decoder" not in str(err) or "is_decoder" in overrides:
+                raise
+            kwargs["is_decoder"] = True
+            model = built()
     learned = _learned_positions(model)
     if learned is not None and seq > learned[1]:
         raise _too_long(f"hf:{model_type}", seq, *learned)
