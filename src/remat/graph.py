@@ -10,7 +10,6 @@ so views and in-place results share the bytes of the storage they alias.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -263,11 +262,9 @@ class Graph:
         than once, by the same rule: a block run in a loop (a universal transformer), one block
         object at several depths. Empty when the model has neither."""
         numbered = [m for m in self.modules if m.path.rpartition(".")[2].isdigit()]
-        found = _widest_depth(numbered)
-        if not found:
-            calls = Counter(m.path for m in self.modules)
-            found = _widest_depth([m for m in self.modules if m.path and calls[m.path] >= 2])
-        return found
+        return _widest_depth(numbered) or _widest_depth(
+            [m for m in self.modules if m.path in self.repeated_paths]
+        )
 
     @cached_property
     def calls_of(self) -> dict[str, list[ModuleCall]]:
@@ -277,21 +274,26 @@ class Graph:
             out.setdefault(m.path, []).append(m)
         return out
 
+    @cached_property
+    def repeated_paths(self) -> frozenset[str]:
+        """The submodules the forward calls more than once (a block run in a loop, ALBERT's group)."""
+        return frozenset(p for p, calls in self.calls_of.items() if p and len(calls) > 1)
+
     def call_numbers(
         self, modules: tuple[str, ...], first_op: int, last_op: int
     ) -> tuple[int, ...]:
         """Which call of each of `modules` (0: the forward's first) falls in `first_op..last_op`,
-        where one of them is called more than once (a block run in a loop), so that `remat.apply`
-        checkpoints those calls alone; () where each is called once."""
-        if all(len(self.calls_of.get(path, ())) < 2 for path in modules):
+        in order, where one of them is called more than once, so that `remat.apply` checkpoints
+        those calls alone; () where each is called once."""
+        if self.repeated_paths.isdisjoint(modules):
             return ()
-        numbers: list[int] = []
-        for k, path in enumerate(modules):
-            taken = {n for p, n in zip(modules[:k], numbers, strict=True) if p == path}
-            calls = enumerate(self.calls_of.get(path, ()))
-            inside = [n for n, c in calls if first_op <= c.first_op <= last_op and n not in taken]
-            numbers.append(inside[0] if inside else 0)
-        return tuple(numbers)
+        inside = {
+            path: iter(
+                [n for n, c in enumerate(self.calls_of[path]) if first_op <= c.first_op <= last_op]
+            )
+            for path in set(modules)
+        }
+        return tuple(next(inside[path], 0) for path in modules)
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -217,7 +217,7 @@ def block_offload(
     until its own forward ends; both back from the next block's first backward op). `chosen`:
     as `offloaded_saves` takes it. A block the forward calls more than once is left out: apply
     offloads by module path, every call of it alike."""
-    blocks = [b for b in blocks if len(graph.calls_of.get(b.path, ())) < 2]
+    blocks = [b for b in blocks if b.path not in graph.repeated_paths]
     saves = offloaded_saves(graph, regions, blocks, min_bytes, chosen)
     frames = offloaded_frames(graph, regions, blocks, min_bytes)
     kept = offloaded_kept(graph, regions, blocks, min_bytes)

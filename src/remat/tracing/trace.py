@@ -418,14 +418,14 @@ def _refuse_ambient_autocast(autocast: torch.dtype | None) -> None:
             )
 
 
-def _every_slot(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` (by `named_parameters`' and `named_buffers`' names) for every place the module
-    holds one of those tensors, each once: a tied weight in each module that holds it, a shared
-    block under its first name alone. torch's own `tie_weights=True` also swaps a shared block's
-    tensors under each of its names, and restores the first swap's stand-in under the second:
-    the caller's model was left with fake parameters."""
-    originals = dict(module.named_parameters())
-    originals.update(module.named_buffers())
+def _every_slot(
+    module: nn.Module, originals: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`state` (stand-ins of `originals`, the parameters and buffers by name) for every place the
+    module holds one of those tensors, each once: a tied weight in each module that holds it, a
+    shared block under its first name alone. torch's own `tie_weights=True` also swaps a shared
+    block's tensors under each of its names, and restores the first swap's stand-in under the
+    second: the caller's model was left with fake parameters."""
     new = {id(originals[n]): t for n, t in state.items()}
     out = {}
     for prefix, m in module.named_modules():
@@ -509,7 +509,7 @@ def _trace_once(
             # parameters and accumulate their gradients, not the caller's.
             with (
                 restored,
-                _reparametrize_module(module, _every_slot(module, state))
+                _reparametrize_module(module, _every_slot(module, {**params, **buffers}, state))
                 if module is not None
                 else contextlib.nullcontext(),
                 tracer,
